@@ -1,0 +1,57 @@
+"""The attention backend interface. Every backend returns the partial output over this rank's
+local KV *and* its log-sum-exp (fp32, natural log, [T, H]), so Helix can merge partials exactly.
+
+KV pool layouts (one rank, one layer):
+  GQA: k_cache, v_cache [num_pages, page_size, Hkv_local, d]
+  MLA: kv_cache [num_pages, page_size, kv_lora + rope]  (latent row, then the rope key)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helix.errors import ConfigError
+from helix.kv.manager import LocalKVMeta
+
+
+class AttentionBackend:
+    name = "abstract"
+
+    def append_kv(self, cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write rows [T, ...] into cache [P, page, ...] at flat slots [T]; slot -1 is skipped."""
+        raise NotImplementedError
+
+    def attend_gqa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: LocalKVMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, d] -> (o [T, Hq, d] in q.dtype, lse [T, Hq] fp32). Query head h reads KV head
+        h // (Hq / Hkv). Causal over global positions; empty local KV gives o = 0, lse = -inf."""
+        raise NotImplementedError
+
+    def attend_mla(self, q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                   kv_lora_rank: int, meta: LocalKVMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absorbed MLA: q_latent [T, H, Dl], q_rope [T, H, Dr] against the latent cache ->
+        (o [T, H, Dl] in latent space, lse [T, H] fp32)."""
+        raise NotImplementedError
+
+
+def get_backend(name: str, device: str) -> AttentionBackend:
+    if name == "torch":
+        from helix.attention.torch_ref import TorchAttention
+        return TorchAttention()
+    if name == "triton":
+        try:
+            from helix.attention.triton_backend import TritonAttention
+        except ImportError as e:
+            raise ConfigError(f"attention backend 'triton' is unavailable ({e}): "
+                              f"pip install triton, or use --attention-backend torch") from None
+        return TritonAttention()
+    if name == "flash-attn":
+        try:
+            from helix.attention.flash_backend import FlashAttention
+        except ImportError as e:
+            raise ConfigError(f"attention backend 'flash-attn' is unavailable ({e}): "
+                              f"pip install flash-attn, or use --attention-backend torch") from None
+        if device != "cuda":
+            raise ConfigError("attention backend 'flash-attn' needs --device cuda")
+        return FlashAttention()
+    raise ConfigError(f"unknown attention backend {name!r}: use torch, triton or flash-attn")

@@ -1,0 +1,235 @@
+"""Typed, validated configuration: the model (parsed once from a HF config.json or a preset), the
+parallel layout (named axes kvp, tpa, tpf, ep) and the runtime settings.
+
+Every field carries a one-line doc; invalid values fail here, once, with a message naming the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from helix.errors import ConfigError
+
+SUPPORTED_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0                 # base wavelength
+    rope_type: str = "default"             # default | llama3 | yarn | linear
+    factor: float = 1.0                    # context extension factor (llama3, yarn, linear)
+    low_freq_factor: float = 1.0           # llama3: wavelengths above orig/low are divided by factor
+    high_freq_factor: float = 4.0          # llama3: wavelengths below orig/high are kept
+    original_max_position: int = 8192      # pre-extension context length (llama3, yarn)
+    beta_fast: float = 32.0                # yarn: ramp boundary (extrapolation)
+    beta_slow: float = 1.0                 # yarn: ramp boundary (interpolation)
+    mscale: float = 0.0                    # yarn: numerator mscale of the cos/sin attention factor
+    mscale_all_dim: float = 0.0            # yarn: denominator mscale; also the softmax-scale correction
+    attention_factor: float | None = None  # yarn: explicit cos/sin factor (overrides mscale)
+    truncate: bool = True                  # yarn: round the correction range to whole dims
+    interleave: bool = False               # rotate pairs (2i, 2i+1) (DeepSeek) instead of halves
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str                              # llama | qwen2 | qwen3 | qwen3_moe | deepseek_v2 | deepseek_v3
+    vocab_size: int                        # rows of the embedding and the LM head
+    hidden_size: int                       # model width D
+    num_layers: int                        # decoder layers
+    num_heads: int                         # query heads H
+    num_kv_heads: int                      # KV heads Hkv (GQA); 1 latent "head" for MLA
+    head_dim: int                          # d of q/k/v (GQA); unused for MLA
+    intermediate_size: int                 # dense FFN width
+    rms_eps: float = 1e-6                  # RMSNorm epsilon
+    max_position: int = 4096               # longest context the model supports
+    tie_embeddings: bool = False           # LM head shares the embedding matrix
+    qkv_bias: bool = False                 # bias on q/k/v projections (Qwen2)
+    o_bias: bool = False                   # bias on the output projection (Llama attention_bias)
+    mlp_bias: bool = False                 # bias on the dense FFN projections
+    qk_norm: bool = False                  # per-head RMSNorm on q and k (Qwen3)
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    # MoE
+    num_experts: int = 0                   # routed experts E (0 = dense model)
+    experts_per_token: int = 0             # top-k
+    moe_intermediate_size: int = 0         # width of one routed expert
+    num_shared_experts: int = 0            # DeepSeek shared experts (one fused MLP of n * width)
+    norm_topk_prob: bool = False           # renormalise the top-k weights to sum to one
+    scoring: str = "softmax"               # router scores: softmax | sigmoid
+    topk_method: str = "greedy"            # greedy | group_limited_greedy (V2) | noaux_tc (V3)
+    n_group: int = 1                       # expert groups for group-limited routing
+    topk_group: int = 1                    # groups kept per token
+    routed_scaling_factor: float = 1.0     # scale on the routed experts' sum
+    moe_layers: tuple[bool, ...] = ()      # per layer: True = MoE FFN, False = dense FFN
+    # MLA (DeepSeek)
+    q_lora_rank: int | None = None         # low-rank q projection (None: direct q_proj)
+    kv_lora_rank: int = 0                  # latent width of the compressed KV (0 = not MLA)
+    qk_nope_head_dim: int = 0              # per-head q/k dims without rope
+    qk_rope_head_dim: int = 0              # per-head q/k rope dims (shared rope key)
+    v_head_dim: int = 0                    # per-head value dims
+    bos_token_id: int | None = None        # begin-of-sequence id
+    eos_token_ids: tuple[int, ...] = ()    # ids that end a request unless ignore_eos
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def softmax_scale(self) -> float:
+        """1/sqrt(qk dim), times the YaRN mscale_all_dim correction squared (DeepSeek)."""
+        dim = self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+        scale = dim ** -0.5
+        r = self.rope
+        if r.rope_type == "yarn" and r.mscale_all_dim and r.factor > 1:
+            import math
+            m = 0.1 * r.mscale_all_dim * math.log(r.factor) + 1.0
+            scale *= m * m
+        return scale
+
+    def with_layers(self, n: int) -> "ModelConfig":
+        """Same widths, `n` layers (benchmarking a few full-width layers)."""
+        if n < 1:
+            raise ConfigError(f"layers override must be >= 1, got {n}")
+        moe = tuple(self.moe_layers[i] if i < len(self.moe_layers) else self.moe_layers[-1]
+                    for i in range(n)) if self.moe_layers else ()
+        return dataclasses.replace(self, num_layers=n, moe_layers=moe)
+
+    @staticmethod
+    def from_hf(cfg: dict) -> "ModelConfig":
+        from helix.hf_config import model_config_from_hf
+        return model_config_from_hf(cfg)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Helix layout of N ranks: attention in KVP x TP_A, FFN in TP_F x EP, over the same ranks.
+
+    Rank r has kvp index r // tpa and tpa index r % tpa (TP_A neighbours are adjacent ranks);
+    FFN: ep index r // tpf and tpf index r % tpf.
+    """
+
+    kvp: int = 1            # KV-parallel degree: the KV cache is split along the sequence
+    tpa: int = 1            # attention tensor-parallel degree: KV heads split across ranks
+    tpf: int | None = None  # FFN tensor-parallel degree (default: world // ep)
+    ep: int = 1             # expert-parallel degree (each EP rank owns E / ep experts)
+    kv_interleave: int = 1  # I: position p lives on KVP rank (p // I) % kvp
+
+    def __post_init__(self):
+        for name in ("kvp", "tpa", "ep", "kv_interleave"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"layout {name} must be a positive integer, got {v!r}")
+        world = self.kvp * self.tpa
+        if self.tpf is None:
+            if world % self.ep:
+                raise ConfigError(f"ep={self.ep} does not divide the world size kvp*tpa={world}: "
+                                  f"choose ep among the divisors of {world}")
+            object.__setattr__(self, "tpf", world // self.ep)
+        if self.tpf < 1 or self.tpf * self.ep != world:
+            raise ConfigError(f"tpf*ep = {self.tpf}*{self.ep} must equal kvp*tpa = {world}: "
+                              f"set --tpf {world // self.ep if world % self.ep == 0 else 1}")
+
+    @property
+    def world_size(self) -> int:
+        return self.kvp * self.tpa
+
+    @property
+    def is_tp_baseline(self) -> bool:
+        return self.kvp == 1
+
+    def describe(self) -> str:
+        return (f"kvp={self.kvp} tpa={self.tpa} tpf={self.tpf} ep={self.ep} "
+                f"kv_interleave={self.kv_interleave}")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self, model: ModelConfig) -> None:
+        """Check the layout against the model; raises ConfigError naming the fix."""
+        n = self.world_size
+        if model.num_heads % n:
+            raise ConfigError(f"{model.num_heads} query heads are not divisible by the world size "
+                              f"kvp*tpa={n}: use a world size that divides {model.num_heads}")
+        if model.is_mla:
+            if self.tpa != 1 and self.kvp != 1:
+                raise ConfigError(f"MLA has one latent KV head: use tpa=1 (got tpa={self.tpa}); "
+                                  f"put all {n} ranks on kvp, or use the TP baseline kvp=1")
+        else:
+            hkv = model.num_kv_heads
+            if self.kvp > 1 and (self.tpa > hkv or hkv % self.tpa):
+                raise ConfigError(f"tpa={self.tpa} must divide the {hkv} KV heads: choose tpa among "
+                                  f"the divisors of {hkv} and raise kvp instead")
+            if self.kvp == 1 and hkv % self.tpa and self.tpa % hkv:
+                raise ConfigError(f"tpa={self.tpa} and {hkv} KV heads: one must divide the other")
+        if model.is_moe:
+            if model.num_experts % self.ep:
+                raise ConfigError(f"{model.num_experts} experts are not divisible by ep={self.ep}: "
+                                  f"choose ep among the divisors of {model.num_experts}")
+            if model.moe_intermediate_size % self.tpf:
+                raise ConfigError(f"expert width {model.moe_intermediate_size} is not divisible by "
+                                  f"tpf={self.tpf}: raise ep or change the layout")
+            if model.num_shared_experts and (model.moe_intermediate_size * model.num_shared_experts) % n:
+                raise ConfigError(f"shared-expert width is not divisible by the world size {n}")
+        if model.intermediate_size % n:
+            raise ConfigError(f"FFN width {model.intermediate_size} is not divisible by the world "
+                              f"size {n}: use a world size that divides it")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: str = "cpu"            # cpu | cuda
+    dtype: str = "float32"         # weights, activations and KV: float32 | bfloat16 | float16
+    page_size: int = 16            # KV positions per page (per rank)
+    max_context: int = 0           # longest prompt + generation per request (0: model max, <= 8192)
+    max_batch: int = 64            # most requests running at once
+    num_pages: int = 0             # KV pages per rank (0: enough for max_batch full contexts / kvp)
+    attention_backend: str = "torch"  # torch | triton | flash-attn
+    seed: int = 0                  # random weights of presets; default sampling seed
+    timeout_s: float = 300.0       # collective timeout: a dead rank ends the run with an error
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
+        parse_dtype(self.dtype)
+        if self.page_size < 1 or self.max_batch < 1 or self.max_context < 0 or self.num_pages < 0:
+            raise ConfigError("page_size and max_batch must be >= 1, max_context and num_pages >= 0")
+        if self.attention_backend not in ("torch", "triton", "flash-attn"):
+            raise ConfigError(f"attention backend must be torch, triton or flash-attn, "
+                              f"got {self.attention_backend!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    def resolved_max_context(self, model: ModelConfig) -> int:
+        return self.max_context or min(model.max_position, 8192)
+
+    def resolved_num_pages(self, model: ModelConfig, layout: Layout) -> int:
+        if self.num_pages:
+            return self.num_pages
+        ctx = self.resolved_max_context(model)
+        per_rank = -(-ctx // layout.kvp) + layout.kv_interleave  # worst-case local share
+        return self.max_batch * (-(-per_rank // self.page_size) + 1)

@@ -1,0 +1,81 @@
+"""Per-rank KV bookkeeping: which pages each sequence holds on this rank, and the step's
+metadata (slot mapping, block tables, local lengths) as tensors for the attention backends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from helix.kv.allocator import PageAllocator
+from helix.kv.ownership import kv_owner, local_index, local_len
+
+
+@dataclass
+class LocalKVMeta:
+    """One step's attention metadata on one rank. S sequences, T query tokens in total."""
+
+    slots: torch.Tensor         # [T] int64: flat slot (page * page_size + offset) or -1 (not owner)
+    block_tables: torch.Tensor  # [S, max_pages] int32: local pages of each sequence
+    kv_lens: torch.Tensor       # [S] int32: local KV positions after this step's append
+    cu_q: torch.Tensor          # [S+1] int32: query token offsets of each sequence
+    q_pos: torch.Tensor         # [T] int64: global position of each query token
+    kvp_rank: int               # this rank's KVP index (global position of local KV)
+    kvp: int                    # KVP degree
+    interleave: int             # kv_interleave
+    page_size: int
+    is_decode: bool             # one query token per sequence, all at the sequence end
+
+
+class KVManager:
+    def __init__(self, num_pages: int, page_size: int, kvp_rank: int, kvp: int, interleave: int):
+        self.alloc = PageAllocator(num_pages)
+        self.page_size = page_size
+        self.kvp_rank, self.kvp, self.interleave = kvp_rank, kvp, interleave
+        self.pages: dict[int, list[int]] = {}   # seq id -> local pages
+        self.lengths: dict[int, int] = {}       # seq id -> global length written
+
+    def local_tokens(self, seq_id: int) -> int:
+        return local_len(self.lengths.get(seq_id, 0), self.kvp_rank, self.kvp, self.interleave)
+
+    def _grow(self, seq_id: int, new_len: int) -> None:
+        need = -(-local_len(new_len, self.kvp_rank, self.kvp, self.interleave) // self.page_size)
+        pages = self.pages.setdefault(seq_id, [])
+        if need > len(pages):
+            pages.extend(self.alloc.allocate(need - len(pages)))
+        self.lengths[seq_id] = new_len
+
+    def free(self, seq_id: int) -> None:
+        self.alloc.free(self.pages.pop(seq_id, []))
+        self.lengths.pop(seq_id, None)
+
+    def prepare(self, batch: list[tuple[int, int, int]], device) -> LocalKVMeta:
+        """batch: (seq_id, start position, number of new tokens) per sequence, in batch order.
+        Grows each sequence's pages and returns this rank's metadata for the step."""
+        slots, q_pos, cu, lens = [], [], [0], []
+        for seq_id, start, n in batch:
+            assert self.lengths.get(seq_id, 0) == start, "sequence positions out of order"
+            self._grow(seq_id, start + n)
+            pages = self.pages[seq_id]
+            for p in range(start, start + n):
+                if kv_owner(p, self.kvp, self.interleave) == self.kvp_rank:
+                    j = local_index(p, self.kvp, self.interleave)
+                    slots.append(pages[j // self.page_size] * self.page_size + j % self.page_size)
+                else:
+                    slots.append(-1)
+                q_pos.append(p)
+            cu.append(cu[-1] + n)
+            lens.append(self.local_tokens(seq_id))
+        width = max([len(self.pages[s]) for s, _, _ in batch] + [1])
+        table = torch.zeros((len(batch), width), dtype=torch.int32)
+        for i, (seq_id, _, _) in enumerate(batch):
+            pages = self.pages[seq_id]
+            table[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        return LocalKVMeta(
+            slots=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=table.to(device),
+            kv_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            cu_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            q_pos=torch.tensor(q_pos, dtype=torch.int64, device=device),
+            kvp_rank=self.kvp_rank, kvp=self.kvp, interleave=self.interleave,
+            page_size=self.page_size, is_decode=all(n == 1 for _, _, n in batch))

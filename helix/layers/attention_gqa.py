@@ -1,0 +1,76 @@
+"""GQA/MHA attention in the Helix layout (Llama 3.x, Qwen2, Qwen3, Qwen3-MoE).
+
+Rank (kvp k, tpa a) computes q for heads [a*H/tpa, (a+1)*H/tpa) and k, v for the KV heads those
+query heads read, redundantly across KVP ranks (no all-gather of Q); appends the new KV only where
+it owns the position (slot -1 elsewhere); attends over its local shard -> (O, LSE); the exchange
+merges to its H/N heads; o_proj is row-parallel over all N ranks + all-reduce.
+TP baseline (kvp = 1, tpa = N > Hkv): each rank keeps a copy of the one KV head it reads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helix.config import ModelConfig
+from helix.layers.exchange import KVPExchange
+from helix.layers.linear import ColumnShardLinear, RowShardLinear
+from helix.layers.norm import RMSNorm
+from helix.layers.rope import RotaryEmbedding
+from helix.parallel.comm import Comm
+
+
+def kv_head_range(cfg: ModelConfig, tpa: int, tpa_rank: int) -> tuple[int, int]:
+    """KV heads held by TP_A rank `tpa_rank` (one replicated head when tpa > Hkv)."""
+    hkv = cfg.num_kv_heads
+    if tpa <= hkv:
+        per = hkv // tpa
+        return tpa_rank * per, (tpa_rank + 1) * per
+    first_q = tpa_rank * (cfg.num_heads // tpa)
+    h = first_q // (cfg.num_heads // hkv)
+    return h, h + 1
+
+
+class GQAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Comm, rope: RotaryEmbedding, dtype=torch.float32):
+        super().__init__()
+        lay, mesh = comm.mesh.layout, comm.mesh
+        H, d, D = cfg.num_heads, cfg.head_dim, cfg.hidden_size
+        self.hq = H // lay.tpa                                  # query heads on this rank
+        q0 = mesh.tpa_rank * self.hq
+        kv0, kv1 = kv_head_range(cfg, lay.tpa, mesh.tpa_rank)
+        self.hkv, self.d = kv1 - kv0, d
+        hkv_all = cfg.num_kv_heads * d
+        self.q_proj = ColumnShardLinear(D, H * d, q0 * d, (q0 + self.hq) * d, cfg.qkv_bias, dtype)
+        self.k_proj = ColumnShardLinear(D, hkv_all, kv0 * d, kv1 * d, cfg.qkv_bias, dtype)
+        self.v_proj = ColumnShardLinear(D, hkv_all, kv0 * d, kv1 * d, cfg.qkv_bias, dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_eps)
+        self.qk_norm = cfg.qk_norm
+        # after the exchange this rank holds heads [g0, g0 + H/N)
+        g0 = q0 + mesh.kvp_rank * (H // lay.world_size)
+        self.o_proj = RowShardLinear(H * d, D, g0 * d, (g0 + H // lay.world_size) * d, comm,
+                                     "world", cfg.o_bias, dtype)
+        self.exchange = KVPExchange(comm)
+        self.rope = rope
+        self.scale = cfg.softmax_scale
+
+    def kv_cache_shape(self, num_pages: int, page_size: int) -> list[tuple[int, ...]]:
+        return [(num_pages, page_size, self.hkv, self.d)] * 2
+
+    def forward(self, x, pos, meta, cache, backend):
+        """x [T, D] replicated, pos [T] global positions -> [T, D] replicated."""
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.hq, self.d)
+        k = self.k_proj(x).view(T, self.hkv, self.d)
+        v = self.v_proj(x).view(T, self.hkv, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, pos), self.rope(k, pos)
+        k_cache, v_cache = cache
+        backend.append_kv(k_cache, k, meta.slots)            # owner rank only (slot -1 elsewhere)
+        backend.append_kv(v_cache, v, meta.slots)
+        o, lse = backend.attend_gqa(q, k_cache, v_cache, meta, self.scale)   # local shard
+        o = self.exchange(o, lse)                            # [T, H/N, d]
+        return self.o_proj(o.reshape(T, -1))

@@ -1,0 +1,86 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) in the absorbed form, Helix layout.
+
+Every rank holds the latent KV rows [kv_lora | rope key] of the positions it owns (one latent
+"head": tpa = 1, all H query heads per rank), or all positions and H/N heads in the TP baseline
+(kvp = 1). q_nope is absorbed through W_UK into latent space; attention returns the latent output
+and LSE; the exchange merges to H/N heads; W_UV maps those to v dims; o_proj is row-parallel
+over N ranks + all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helix.config import ModelConfig
+from helix.layers.exchange import KVPExchange
+from helix.layers.linear import ColumnShardLinear, ReplicatedLinear, RowShardLinear
+from helix.layers.norm import RMSNorm
+from helix.layers.rope import RotaryEmbedding
+from helix.layers.weights import sliced_loader
+from helix.parallel.comm import Comm
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Comm, rope: RotaryEmbedding, dtype=torch.float32):
+        super().__init__()
+        lay, mesh = comm.mesh.layout, comm.mesh
+        H, D = cfg.num_heads, cfg.hidden_size
+        self.nope, self.rdim, self.vdim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.lora = cfg.kv_lora_rank
+        qk = self.nope + self.rdim
+        self.hq = H // lay.tpa
+        q0 = mesh.tpa_rank * self.hq
+        if cfg.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(D, cfg.q_lora_rank, cfg.o_bias, dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_eps)
+            self.q_b_proj = ColumnShardLinear(cfg.q_lora_rank, H * qk, q0 * qk, (q0 + self.hq) * qk,
+                                              False, dtype)
+        else:
+            self.q_proj = ColumnShardLinear(D, H * qk, q0 * qk, (q0 + self.hq) * qk, False, dtype)
+        self.q_lora = bool(cfg.q_lora_rank)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(D, self.lora + self.rdim, cfg.o_bias, dtype)
+        self.kv_a_layernorm = RMSNorm(self.lora, cfg.rms_eps)
+        # kv_b_proj rows of the local query heads: per head [W_UK (nope rows) | W_UV (v rows)]
+        per = self.nope + self.vdim
+        self.kv_b_proj = nn.Module()
+        self.kv_b_proj.weight = nn.Parameter(torch.zeros((self.hq * per, self.lora), dtype=dtype),
+                                             requires_grad=False)
+        self.kv_b_proj.weight.weight_loader = sliced_loader((H * per, self.lora), 0, q0 * per,
+                                                            (q0 + self.hq) * per)
+        n = lay.world_size
+        self.hm = H // n                                      # merged heads on this rank
+        self.m0 = mesh.kvp_rank * self.hm                     # their offset inside the local heads
+        g0 = q0 + self.m0
+        self.o_proj = RowShardLinear(H * self.vdim, D, g0 * self.vdim, (g0 + self.hm) * self.vdim,
+                                     comm, "world", cfg.o_bias, dtype)
+        self.exchange = KVPExchange(comm)
+        self.rope = rope
+        self.scale = cfg.softmax_scale
+
+    def kv_cache_shape(self, num_pages: int, page_size: int) -> list[tuple[int, ...]]:
+        return [(num_pages, page_size, self.lora + self.rdim)]
+
+    def _w_uk_uv(self):
+        w = self.kv_b_proj.weight.view(self.hq, self.nope + self.vdim, self.lora)
+        return w[:, :self.nope], w[:, self.nope:]             # [h, nope, Dl], [h, v, Dl]
+
+    def forward(self, x, pos, meta, cache, backend):
+        """x [T, D] replicated, pos [T] -> [T, D] replicated."""
+        T = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.view(T, self.hq, self.nope + self.rdim)
+        q_nope, q_rope = q.split([self.nope, self.rdim], dim=-1)
+        q_rope = self.rope(q_rope, pos)
+        w_uk, w_uv = self._w_uk_uv()
+        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)             # absorbed: [T, h, Dl]
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent, k_rope = ckv.split([self.lora, self.rdim], dim=-1)
+        k_rope = self.rope(k_rope.unsqueeze(1), pos).squeeze(1)
+        row = torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1)     # [T, Dl + Dr]
+        (kv_cache,) = cache
+        backend.append_kv(kv_cache, row, meta.slots)
+        o, lse = backend.attend_mla(q_latent, q_rope, kv_cache, self.lora, meta, self.scale)
+        o = self.exchange(o, lse)                                           # [T, H/N, Dl]
+        o = torch.einsum("thc,hvc->thv", o, w_uv[self.m0:self.m0 + self.hm])  # [T, H/N, v]
+        return self.o_proj(o.reshape(T, -1))

@@ -1,0 +1,28 @@
+"""The Helix exchange: ONE all-to-all over the KVP group carrying packed (O, LSE) partials, then
+the exact log-sum-exp merge. Input: this rank's partial over its local KV for all its H/TP_A
+heads; output: the exact attention of its H/N heads (chunk kvp_rank of the head slice)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helix.attention.merge import merge_partials, pack_partials, unpack_partials
+from helix.parallel.comm import Comm
+
+
+class KVPExchange(nn.Module):
+    def __init__(self, comm: Comm):
+        super().__init__()
+        self.comm = comm
+        self.kvp = comm.size("kvp")
+
+    def forward(self, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """o [T, H/tpa, d], lse [T, H/tpa] fp32 -> o [T, H/N, d]."""
+        if self.kvp == 1:
+            return o
+        send = pack_partials(o, lse, self.kvp)            # [kvp, T, H/N, d + c]
+        recv = self.comm.all_to_all(send, "kvp")          # chunk i: rank i's partial of my heads
+        parts, lses = unpack_partials(recv, o.shape[-1])
+        merged, _ = merge_partials(parts, lses)
+        return merged

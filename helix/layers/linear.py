@@ -1,0 +1,66 @@
+"""Linear layers that own their sharding and their collective.
+
+ColumnShard: this rank holds output features [start, stop) of the checkpoint's weight; no comm.
+RowShard:    this rank holds input features [start, stop); the partial products are summed with
+             an all-reduce over `axis` inside forward (bias added once, after the reduce).
+Replicated:  the whole weight on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helix.layers.weights import load_full, sliced_loader
+from helix.parallel.comm import Comm
+
+
+def _param(shape, dtype, loader) -> nn.Parameter:
+    p = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+class ReplicatedLinear(nn.Module):
+    """x [T, in] -> [T, out], full weight on every rank."""
+
+    def __init__(self, in_f: int, out_f: int, bias: bool = False, dtype=torch.float32):
+        super().__init__()
+        self.weight = _param((out_f, in_f), dtype, load_full)
+        self.bias = _param((out_f,), dtype, load_full) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnShardLinear(nn.Module):
+    """x [T, in] (replicated) -> [T, stop - start]: output features [start, stop) of [out, in]."""
+
+    def __init__(self, in_f: int, out_f: int, start: int, stop: int, bias: bool = False,
+                 dtype=torch.float32):
+        super().__init__()
+        self.weight = _param((stop - start, in_f), dtype, sliced_loader((out_f, in_f), 0, start, stop))
+        self.bias = (_param((stop - start,), dtype, sliced_loader((out_f,), 0, start, stop))
+                     if bias else None)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowShardLinear(nn.Module):
+    """x [T, stop - start] (this rank's input features) -> [T, out], all-reduced over `axis`."""
+
+    def __init__(self, in_f: int, out_f: int, start: int, stop: int, comm: Comm, axis: str = "world",
+                 bias: bool = False, dtype=torch.float32, reduce: bool = True):
+        super().__init__()
+        self.weight = _param((out_f, stop - start), dtype, sliced_loader((out_f, in_f), 1, start, stop))
+        self.bias = _param((out_f,), dtype, load_full) if bias else None
+        self.comm, self.axis, self.reduce = comm, axis, reduce
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        if not self.reduce:  # partial sum: the caller reduces; bias counted once, on rank 0
+            return y + self.bias if self.bias is not None and self.comm.mesh.rank == 0 else y
+        y = self.comm.all_reduce(y, self.axis)
+        return y + self.bias if self.bias is not None else y

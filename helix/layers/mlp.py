@@ -1,0 +1,27 @@
+"""Gated SiLU MLP, tensor-parallel over all N ranks: gate/up column shards, down row shard +
+all-reduce. With reduce=False the caller sums the partial output (MoE shared experts)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helix.layers.linear import ColumnShardLinear, RowShardLinear
+from helix.parallel.comm import Comm
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, dim: int, width: int, comm: Comm, bias: bool = False, dtype=torch.float32,
+                 reduce: bool = True):
+        super().__init__()
+        n, r = comm.size("world"), comm.mesh.rank
+        part = width // n
+        a, b = r * part, (r + 1) * part
+        self.gate_proj = ColumnShardLinear(dim, width, a, b, bias, dtype)
+        self.up_proj = ColumnShardLinear(dim, width, a, b, bias, dtype)
+        self.down_proj = RowShardLinear(width, dim, a, b, comm, "world", bias, dtype, reduce=reduce)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] replicated -> [T, D] (replicated if reduce, else this rank's partial sum)."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,87 @@
+"""Mixture of experts in the TP_F x EP layout.
+
+EP rank e owns experts [e*E/ep, (e+1)*E/ep); each of them is TP_F-sharded (gate/up rows, down
+columns) across the tpf ranks of that EP group. Every rank sees all T tokens (h is replicated),
+runs the replicated router, computes its experts' partial outputs for the tokens routed to them,
+adds its shard of the shared experts, and ONE all-reduce over all N ranks sums experts and TP_F
+partials. Only experts that received tokens are read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helix.config import ModelConfig
+from helix.layers.mlp import ParallelMLP
+from helix.layers.router import Router
+from helix.layers.weights import sliced_loader
+from helix.parallel.comm import Comm
+
+PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+class LocalExperts(nn.Module):
+    """This rank's experts, stacked: gate/up [E_local, I/tpf, D], down [E_local, D, I/tpf]."""
+
+    def __init__(self, cfg: ModelConfig, comm: Comm, dtype=torch.float32):
+        super().__init__()
+        lay, mesh = comm.mesh.layout, comm.mesh
+        n_local = cfg.num_experts // lay.ep
+        self.first = mesh.ep_rank * n_local
+        self.n_local = n_local
+        width, dim = cfg.moe_intermediate_size, cfg.hidden_size
+        part = width // lay.tpf
+        a, b = mesh.tpf_rank * part, (mesh.tpf_rank + 1) * part
+        self.gate_proj = nn.Parameter(torch.zeros((n_local, part, dim), dtype=dtype), requires_grad=False)
+        self.up_proj = nn.Parameter(torch.zeros((n_local, part, dim), dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.zeros((n_local, dim, part), dtype=dtype), requires_grad=False)
+        self.loaders = {"gate_proj": sliced_loader((width, dim), 0, a, b),
+                        "up_proj": sliced_loader((width, dim), 0, a, b),
+                        "down_proj": sliced_loader((dim, width), 1, a, b)}
+        self.loaded: set[tuple[int, str]] = set()
+
+    def owns(self, expert: int) -> bool:
+        return self.first <= expert < self.first + self.n_local
+
+    def load_expert(self, expert: int, proj: str, full: torch.Tensor, name: str) -> None:
+        stack = getattr(self, proj)
+        self.loaders[proj](stack[expert - self.first], full, name)
+        self.loaded.add((expert, proj))
+
+    def missing(self) -> list[tuple[int, str]]:
+        return [(self.first + e, p) for e in range(self.n_local) for p in PROJS
+                if (self.first + e, p) not in self.loaded]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, D], weights/ids [T, k] -> partial [T, D] from this rank's experts."""
+        out = torch.zeros_like(x)
+        local = ids - self.first
+        hit = (local >= 0) & (local < self.n_local)
+        for e in torch.unique(local[hit]).tolist():
+            tok, slot = torch.nonzero(local == e, as_tuple=True)
+            h = x[tok]
+            y = F.silu(h @ self.gate_proj[e].t()) * (h @ self.up_proj[e].t())
+            y = (y @ self.down_proj[e].t()) * weights[tok, slot].unsqueeze(-1)
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Comm, dtype=torch.float32):
+        super().__init__()
+        self.gate = Router(cfg, dtype)
+        self.experts = LocalExperts(cfg, comm, dtype)
+        self.shared_experts = (
+            ParallelMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts, comm,
+                        dtype=dtype, reduce=False) if cfg.num_shared_experts else None)
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] replicated -> [T, D] replicated."""
+        weights, ids = self.gate(x)
+        y = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return self.comm.all_reduce(y, "world")

@@ -1,0 +1,153 @@
+"""Model construction and weights: a Hugging Face checkpoint directory (config.json + safetensors,
+single file or sharded index) or a preset YAML with random weights. Each rank reads only the
+slices its layout gives it; missing or mis-shaped tensors fail with the tensor's name."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from collections.abc import Iterator
+
+import torch
+import yaml
+
+from helix.config import ModelConfig
+from helix.errors import CheckpointError, ConfigError
+from helix.layers.moe import PROJS, LocalExperts
+from helix.models import build_model
+
+PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
+
+
+def preset_path(name: str) -> str | None:
+    path = os.path.join(PRESET_DIR, f"{name}.yaml")
+    return path if os.path.isfile(path) else None
+
+
+def list_presets() -> list[str]:
+    if not os.path.isdir(PRESET_DIR):
+        return []
+    return sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".yaml"))
+
+
+def read_model_config(model: str) -> tuple[ModelConfig, str | None]:
+    """-> (config, checkpoint dir or None for a random-weight preset)."""
+    if os.path.isdir(model):
+        path = os.path.join(model, "config.json")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{model} has no config.json: point --model at a Hugging Face "
+                                  f"checkpoint directory or a preset ({', '.join(list_presets())})")
+        try:
+            with open(path) as f:
+                cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        return ModelConfig.from_hf(cfg), model
+    path = model if model.endswith((".yaml", ".yml")) and os.path.isfile(model) else preset_path(model)
+    if path is None:
+        raise CheckpointError(f"model {model!r} not found: give a checkpoint directory or one of the "
+                              f"presets {', '.join(list_presets())}")
+    try:
+        with open(path) as f:
+            spec = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("hf_config"), dict):
+        raise ConfigError(f"{path}: a model preset needs an 'hf_config' mapping (config.json fields)")
+    cfg = ModelConfig.from_hf(spec["hf_config"])
+    if spec.get("layers"):
+        cfg = cfg.with_layers(int(spec["layers"]))
+    return cfg, None
+
+
+def expected_tensors(model: torch.nn.Module) -> Iterator[tuple[str, tuple[int, ...], object]]:
+    """(checkpoint name, full shape, loader(full, name)) for every tensor this rank needs."""
+    for name, p in model.named_parameters():
+        if ".experts." in name and isinstance(_owner(model, name), LocalExperts):
+            continue
+        loader = p.weight_loader
+        yield name, getattr(loader, "full_shape", tuple(p.shape)), (lambda t, n, p=p, f=loader: f(p, t, n))
+    for prefix, mod in model.named_modules():
+        if isinstance(mod, LocalExperts):
+            for e in range(mod.first, mod.first + mod.n_local):
+                for proj in PROJS:
+                    shape = mod.loaders[proj].full_shape
+                    yield (f"{prefix}.{e}.{proj}.weight", shape,
+                           lambda t, n, m=mod, e=e, pr=proj: m.load_expert(e, pr, t, n))
+
+
+def _owner(model, param_name: str):
+    return model.get_submodule(param_name.rsplit(".", 1)[0])
+
+
+class _SafetensorsIndex:
+    def __init__(self, path: str):
+        from safetensors import safe_open
+        self._open = safe_open
+        single = os.path.join(path, "model.safetensors")
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.files = {k: os.path.join(path, v) for k, v in weight_map.items()}
+        elif os.path.isfile(single):
+            with safe_open(single, "pt") as f:
+                self.files = {k: single for k in f.keys()}
+        else:
+            raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json: "
+                                  f"save the checkpoint with safe_serialization=True")
+        self._handles = {}
+
+    def get(self, name: str) -> torch.Tensor | None:
+        file = self.files.get(name)
+        if file is None:
+            return None
+        if file not in self._handles:
+            if not os.path.isfile(file):
+                raise CheckpointError(f"shard {file} listed in the index is missing")
+            self._handles[file] = self._open(file, "pt")
+        return self._handles[file].get_tensor(name)
+
+
+def load_checkpoint(model: torch.nn.Module, path: str) -> None:
+    files = _SafetensorsIndex(path)
+    for name, _, load in expected_tensors(model):
+        t = files.get(name)
+        if t is None:
+            raise CheckpointError(f"checkpoint {path} lacks tensor {name!r}")
+        load(t, name)
+
+
+def _seed(name: str, seed: int) -> int:
+    return (zlib.crc32(name.encode()) + 1000003 * seed) % (2 ** 63)
+
+
+def init_random(model: torch.nn.Module, seed: int, device) -> None:
+    """Deterministic random weights: each full tensor is drawn from a generator seeded by its name,
+    so every layout slices the same model."""
+    for name, shape, load in expected_tensors(model):
+        g = torch.Generator(device=device).manual_seed(_seed(name, seed))
+        if re.search(r"norm\.weight$", name):
+            full = 1.0 + 0.1 * torch.randn(shape, generator=g, device=device)
+        elif name.endswith("e_score_correction_bias"):
+            full = 0.1 * torch.rand(shape, generator=g, device=device)
+        else:
+            fan_in = shape[-1] if len(shape) > 1 else 1
+            std = 1.0 if "embed_tokens" in name else fan_in ** -0.5
+            full = std * torch.randn(shape, generator=g, device=device)
+        load(full, name)
+
+
+def build_and_load(model_ref: str, comm, dtype: torch.dtype, device, max_position: int, seed: int,
+                   cfg: ModelConfig | None = None, ckpt: str | None = None):
+    if cfg is None:
+        cfg, ckpt = read_model_config(model_ref)
+    with torch.device(device):
+        model = build_model(cfg, comm, dtype, max_position)
+    if ckpt is not None:
+        load_checkpoint(model, ckpt)
+    else:
+        init_random(model, seed, device)
+    return model.eval()

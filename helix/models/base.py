@@ -1,0 +1,54 @@
+"""The decoder stack shared by every family: embed -> L x (attention, FFN) -> norm -> LM head.
+Module names follow the Hugging Face checkpoints, so parameter names are checkpoint names."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helix.config import ModelConfig
+from helix.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from helix.layers.norm import RMSNorm
+from helix.parallel.comm import Comm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = mlp
+
+    def forward(self, h, pos, meta, cache, backend):
+        h = h + self.self_attn(self.input_layernorm(h), pos, meta, cache, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Comm, layers: list[DecoderLayer], dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+
+
+class CausalLM(nn.Module):
+    """forward(ids [T], pos [T], meta, caches, backend, last [S]) -> logits [S, V] fp32."""
+
+    def __init__(self, cfg: ModelConfig, comm: Comm, layers: list[DecoderLayer], dtype):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderStack(cfg, comm, layers, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, dtype,
+                                      tied=self.model.embed_tokens if cfg.tie_embeddings else None)
+
+    def kv_cache_shapes(self, num_pages: int, page_size: int) -> list[list[tuple[int, ...]]]:
+        return [layer.self_attn.kv_cache_shape(num_pages, page_size) for layer in self.model.layers]
+
+    def forward(self, ids, pos, meta, caches, backend, last):
+        h = self.model.embed_tokens(ids)
+        for layer, cache in zip(self.model.layers, caches):
+            h = layer(h, pos, meta, cache, backend)
+        h = self.model.norm(h[last])
+        return self.lm_head(h)

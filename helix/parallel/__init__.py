@@ -1,0 +1,4 @@
+from helix.parallel.comm import Comm, LocalComm, TorchComm
+from helix.parallel.mesh import Mesh
+
+__all__ = ["Comm", "LocalComm", "TorchComm", "Mesh"]

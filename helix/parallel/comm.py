@@ -1,0 +1,137 @@
+"""One communication interface for every layer: all_to_all, all_reduce, all_gather, broadcast.
+
+Layers call `comm.<op>(tensor, axis)` with a named axis ("world", "kvp", "tpf"); the backend maps
+the axis to a process group. `LocalComm` is the single-rank identity; `TorchComm` runs
+torch.distributed (gloo on CPU, NCCL on GPU) with a timeout on every group.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from helix.parallel.mesh import Mesh
+
+AXES = ("world", "kvp", "tpf")
+
+
+class Comm:
+    """Interface. `axis` names a group of the mesh; sizes come from the layout."""
+
+    mesh: Mesh
+
+    def size(self, axis: str) -> int:
+        lay = self.mesh.layout
+        return {"world": lay.world_size, "kvp": lay.kvp, "tpf": lay.tpf}[axis]
+
+    def all_reduce(self, x: torch.Tensor, axis: str = "world") -> torch.Tensor:
+        raise NotImplementedError
+
+    def all_to_all(self, x: torch.Tensor, axis: str = "kvp") -> torch.Tensor:
+        """x [n, ...] with chunk j going to rank j of the axis; returns [n, ...], chunk i from rank i."""
+        raise NotImplementedError
+
+    def all_gather(self, x: torch.Tensor, axis: str = "world") -> torch.Tensor:
+        """Returns [n, *x.shape]: the x of every rank of the axis, in axis order."""
+        raise NotImplementedError
+
+    def broadcast_object(self, obj, src: int = 0):
+        """Control plane: rank `src`'s python object on every rank."""
+        raise NotImplementedError
+
+    def gather_object(self, obj) -> list:
+        """Control plane: every rank's object, in rank order, on every rank."""
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class LocalComm(Comm):
+    """World of one: every collective is the identity."""
+
+    def __init__(self, mesh: Mesh):
+        assert mesh.world == 1, "LocalComm is for a world of one rank"
+        self.mesh = mesh
+
+    def all_reduce(self, x, axis="world"):
+        return x
+
+    def all_to_all(self, x, axis="kvp"):
+        return x
+
+    def all_gather(self, x, axis="world"):
+        return x.unsqueeze(0)
+
+    def broadcast_object(self, obj, src=0):
+        return obj
+
+    def gather_object(self, obj):
+        return [obj]
+
+    def barrier(self):
+        pass
+
+
+class TorchComm(Comm):
+    """torch.distributed behind the interface. Requires the default group to be initialised."""
+
+    def __init__(self, mesh: Mesh, timeout_s: float = 300.0):
+        self.mesh = mesh
+        timeout = datetime.timedelta(seconds=timeout_s)
+        lay = mesh.layout
+        self.groups = {"world": None}
+        # new_group must be called by every rank for every group, in the same order
+        for axis, ranks_of in (("kvp", mesh.kvp_group_ranks), ("tpf", mesh.tpf_group_ranks)):
+            n_groups = lay.tpa if axis == "kvp" else lay.ep
+            for g in range(n_groups):
+                ranks = ranks_of(g)
+                pg = dist.new_group(ranks, timeout=timeout)
+                if mesh.rank in ranks:
+                    self.groups[axis] = pg
+        # control plane on gloo, so object broadcasts never touch the GPU stream
+        self.ctrl = (dist.new_group(backend="gloo", timeout=timeout)
+                     if dist.get_backend() != "gloo" else None)
+
+    def all_reduce(self, x, axis="world"):
+        if self.size(axis) > 1:
+            dist.all_reduce(x, group=self.groups[axis])
+        return x
+
+    def all_to_all(self, x, axis="kvp"):
+        if self.size(axis) == 1:
+            return x
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=self.groups[axis])
+        return out
+
+    def all_gather(self, x, axis="world"):
+        n = self.size(axis)
+        if n == 1:
+            return x.unsqueeze(0)
+        x = x.contiguous().view(1, *x.shape) if x.dim() == 0 else x.contiguous()
+        out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=self.groups[axis])
+        return out.view(n, *x.shape)
+
+    def broadcast_object(self, obj, src=0):
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.ctrl)
+        return box[0]
+
+    def gather_object(self, obj):
+        out = [None] * self.mesh.world
+        dist.all_gather_object(out, obj, group=self.ctrl)
+        return out
+
+    def barrier(self):
+        dist.barrier(group=self.ctrl)
+
+    def close(self):
+        if dist.is_initialized():
+            dist.destroy_process_group()

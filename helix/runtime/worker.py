@@ -1,0 +1,35 @@
+"""The loop of ranks > 0: receive rank 0's commands each step, run the same step, repeat."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from helix.config import Layout, RuntimeConfig
+from helix.loader import read_model_config
+from helix.parallel.comm import TorchComm
+from helix.parallel.mesh import Mesh
+from helix.runtime.engine import Engine
+
+
+def make_engine(model_ref: str, layout: Layout, runtime: RuntimeConfig, device: torch.device,
+                comm=None) -> Engine:
+    cfg, ckpt = read_model_config(model_ref)
+    if comm is None:
+        comm = TorchComm(Mesh(layout, dist.get_rank()), runtime.timeout_s)
+    return Engine(model_ref, cfg, ckpt, layout, runtime, comm, device)
+
+
+def serve(model_ref: str, layout: Layout, runtime: RuntimeConfig, device: torch.device) -> None:
+    engine = make_engine(model_ref, layout, runtime, device)
+    comm = engine.comm
+    comm.barrier()  # tells rank 0 this rank is built
+    while True:
+        msg = comm.broadcast_object(None)
+        if msg[0] == "step":
+            engine.step(msg[1])
+        elif msg[0] == "kv_tokens":
+            comm.gather_object(engine.kv_tokens())
+        elif msg[0] == "shutdown":
+            break
+    comm.close()
