@@ -209,13 +209,16 @@ class RuntimeConfig:
     attention_backend: str = "torch"  # torch | triton | flash-attn
     seed: int = 0                  # random weights of presets; default sampling seed
     timeout_s: float = 300.0       # collective timeout: a dead rank ends the run with an error
+    layers: int = 0                # run only the first n decoder layers (0: all; benchmarking)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         parse_dtype(self.dtype)
-        if self.page_size < 1 or self.max_batch < 1 or self.max_context < 0 or self.num_pages < 0:
-            raise ConfigError("page_size and max_batch must be >= 1, max_context and num_pages >= 0")
+        if self.page_size < 1 or self.max_batch < 1:
+            raise ConfigError("page_size and max_batch must be >= 1")
+        if self.max_context < 0 or self.num_pages < 0 or self.layers < 0:
+            raise ConfigError("max_context, num_pages and layers must be >= 0 (0: automatic)")
         if self.attention_backend not in ("torch", "triton", "flash-attn"):
             raise ConfigError(f"attention backend must be torch, triton or flash-attn, "
                               f"got {self.attention_backend!r}")

@@ -18,7 +18,8 @@ from helix.errors import CheckpointError, ConfigError
 from helix.layers.moe import PROJS, LocalExperts
 from helix.models import build_model
 
-PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
+PRESET_DIR = os.environ.get("HELIX_PRESETS") or os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
 
 
 def preset_path(name: str) -> str | None:
@@ -32,8 +33,14 @@ def list_presets() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".yaml"))
 
 
-def read_model_config(model: str) -> tuple[ModelConfig, str | None]:
-    """-> (config, checkpoint dir or None for a random-weight preset)."""
+def read_model_config(model: str, layers: int = 0) -> tuple[ModelConfig, str | None]:
+    """-> (config, checkpoint dir or None for a random-weight preset); `layers` > 0 keeps only the
+    first `layers` decoder layers."""
+    cfg, ckpt = _read_model_config(model)
+    return (cfg.with_layers(layers) if layers else cfg), ckpt
+
+
+def _read_model_config(model: str) -> tuple[ModelConfig, str | None]:
     if os.path.isdir(model):
         path = os.path.join(model, "config.json")
         if not os.path.isfile(path):

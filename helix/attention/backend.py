@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from helix.attention.merge import merge_partials, pack_partials, unpack_partials
 from helix.errors import ConfigError
 from helix.kv.manager import LocalKVMeta
 
@@ -32,6 +33,16 @@ class AttentionBackend:
         """Absorbed MLA: q_latent [T, H, Dl], q_rope [T, H, Dr] against the latent cache ->
         (o [T, H, Dl] in latent space, lse [T, H] fp32)."""
         raise NotImplementedError
+
+    # -- the Helix exchange (defaults in plain torch; kernel backends override) -----------------
+    def pack_partials(self, o: torch.Tensor, lse: torch.Tensor, n: int) -> torch.Tensor:
+        """o [T, H, d], lse [T, H] fp32 -> send buffer [n, T, H/n, d + c] (chunk j to KVP rank j)."""
+        return pack_partials(o, lse, n)
+
+    def merge_received(self, recv: torch.Tensor, d: int) -> torch.Tensor:
+        """recv [n, T, h, d + c] (partial i from KVP rank i) -> exact merged o [T, h, d]."""
+        o, lse = unpack_partials(recv, d)
+        return merge_partials(o, lse)[0]
 
 
 def get_backend(name: str, device: str) -> AttentionBackend:

@@ -72,5 +72,5 @@ class GQAAttention(nn.Module):
         backend.append_kv(k_cache, k, meta.slots)            # owner rank only (slot -1 elsewhere)
         backend.append_kv(v_cache, v, meta.slots)
         o, lse = backend.attend_gqa(q, k_cache, v_cache, meta, self.scale)   # local shard
-        o = self.exchange(o, lse)                            # [T, H/N, d]
+        o = self.exchange(o, lse, backend)                            # [T, H/N, d]
         return self.o_proj(o.reshape(T, -1))

@@ -81,6 +81,6 @@ class MLAAttention(nn.Module):
         (kv_cache,) = cache
         backend.append_kv(kv_cache, row, meta.slots)
         o, lse = backend.attend_mla(q_latent, q_rope, kv_cache, self.lora, meta, self.scale)
-        o = self.exchange(o, lse)                                           # [T, H/N, Dl]
+        o = self.exchange(o, lse, backend)                                           # [T, H/N, Dl]
         o = torch.einsum("thc,hvc->thv", o, w_uv[self.m0:self.m0 + self.hm])  # [T, H/N, v]
         return self.o_proj(o.reshape(T, -1))

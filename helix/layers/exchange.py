@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from helix.attention.merge import merge_partials, pack_partials, unpack_partials
 from helix.parallel.comm import Comm
 
 
@@ -17,12 +16,10 @@ class KVPExchange(nn.Module):
         self.comm = comm
         self.kvp = comm.size("kvp")
 
-    def forward(self, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    def forward(self, o: torch.Tensor, lse: torch.Tensor, backend) -> torch.Tensor:
         """o [T, H/tpa, d], lse [T, H/tpa] fp32 -> o [T, H/N, d]."""
         if self.kvp == 1:
             return o
-        send = pack_partials(o, lse, self.kvp)            # [kvp, T, H/N, d + c]
+        send = backend.pack_partials(o, lse, self.kvp)    # [kvp, T, H/N, d + c]
         recv = self.comm.all_to_all(send, "kvp")          # chunk i: rank i's partial of my heads
-        parts, lses = unpack_partials(recv, o.shape[-1])
-        merged, _ = merge_partials(parts, lses)
-        return merged
+        return backend.merge_received(recv, o.shape[-1])

@@ -116,7 +116,8 @@ class TorchComm(Comm):
             return x.unsqueeze(0)
         x = x.contiguous().view(1, *x.shape) if x.dim() == 0 else x.contiguous()
         out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=self.groups[axis])
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, x, group=self.groups[axis])
         return out.view(n, *x.shape)
 
     def broadcast_object(self, obj, src=0):

@@ -37,7 +37,7 @@ class LLM:
     def __init__(self, model: str, layout: Layout | None = None, runtime: RuntimeConfig | None = None):
         layout = layout or Layout()
         runtime = runtime or RuntimeConfig()
-        cfg, ckpt = read_model_config(model)          # bad model: fails before any process starts
+        cfg, ckpt = read_model_config(model, runtime.layers)   # bad model: fails before any process starts
         layout.validate(cfg)                          # bad layout: likewise
         world = layout.world_size
         if runtime.device == "cuda":

@@ -14,7 +14,7 @@ from helix.runtime.engine import Engine
 
 def make_engine(model_ref: str, layout: Layout, runtime: RuntimeConfig, device: torch.device,
                 comm=None) -> Engine:
-    cfg, ckpt = read_model_config(model_ref)
+    cfg, ckpt = read_model_config(model_ref, runtime.layers)
     if comm is None:
         comm = TorchComm(Mesh(layout, dist.get_rank()), runtime.timeout_s)
     return Engine(model_ref, cfg, ckpt, layout, runtime, comm, device)
