@@ -45,8 +45,8 @@ class GQAAttention(nn.Module):
         self.k_proj = ColumnShardLinear(D, hkv_all, kv0 * d, kv1 * d, cfg.qkv_bias, dtype)
         self.v_proj = ColumnShardLinear(D, hkv_all, kv0 * d, kv1 * d, cfg.qkv_bias, dtype)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_eps)
+            self.q_norm = RMSNorm(d, cfg.rms_eps, dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_eps, dtype)
         self.qk_norm = cfg.qk_norm
         # after the exchange this rank holds heads [g0, g0 + H/N)
         g0 = q0 + mesh.kvp_rank * (H // lay.world_size)

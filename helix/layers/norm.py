@@ -7,9 +7,9 @@ from helix.layers.weights import load_full
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, dtype=torch.float32):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = load_full
         self.eps = eps
 

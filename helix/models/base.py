@@ -13,11 +13,11 @@ from helix.parallel.comm import Comm
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
+    def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module, dtype):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
         self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
         self.mlp = mlp
 
     def forward(self, h, pos, meta, cache, backend):
@@ -30,7 +30,7 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm, dtype)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
 
 
 class CausalLM(nn.Module):

@@ -96,7 +96,7 @@ class LLM:
             device = rank_device(runtime, 0)
             init_distributed(0, world, runtime, device)
             self.engine = make_engine(model, layout, runtime, device)
-            self.engine.comm.barrier()
+            self._guarded(self.engine.comm.barrier)
         except BaseException:
             self._kill_workers()
             raise
@@ -111,6 +111,20 @@ class LLM:
                     self._kill_workers()
                     os._exit(1)
             time.sleep(0.2)
+
+    def _guarded(self, fn, *args):
+        """Run a driver-side collective; if it fails because a worker died, say which rank."""
+        try:
+            return fn(*args)
+        except RuntimeError:
+            time.sleep(0.5)  # let the dead worker's exit code land
+            dead = [(r, p.exitcode) for r, p in enumerate(self._procs, start=1)
+                    if p.exitcode not in (None, 0)]
+            if dead:
+                self._kill_workers()
+                raise RuntimeError(f"rank {dead[0][0]} exited with code {dead[0][1]} (its error is "
+                                   f"above); the run is over") from None
+            raise
 
     def _kill_workers(self):
         for p in self._procs:
@@ -158,7 +172,7 @@ class LLM:
         """Advance every running request by one token (new requests run their prompt)."""
         commands, self._pending = self._pending, []
         if self._procs or under_torchrun():
-            self.engine.comm.broadcast_object(("step", commands))
+            self._guarded(self.engine.comm.broadcast_object, ("step", commands))
         out = self.engine.step(commands)
         for rid, tok in out.tokens.items():
             self.outputs[rid].append(tok)
@@ -178,8 +192,8 @@ class LLM:
     def kv_tokens_per_rank(self) -> list[int]:
         """KV positions (layer 0) each rank stored for this run's requests."""
         if self._procs or under_torchrun():
-            self.engine.comm.broadcast_object(("kv_tokens",))
-            return self.engine.comm.gather_object(self.engine.kv_tokens())
+            self._guarded(self.engine.comm.broadcast_object, ("kv_tokens",))
+            return self._guarded(self.engine.comm.gather_object, self.engine.kv_tokens())
         return [self.engine.kv_tokens()]
 
     # -- shutdown ------------------------------------------------------------------------------
