@@ -82,6 +82,9 @@ class Engine:
         tokens = sample(logits, [r.params for r in batch], [self.generators.get(r.id) for r in batch])
         out = {}
         for r, tok in zip(batch, tokens):
+            forced = r.params.forced_tokens
+            if len(r.output) < len(forced):
+                tok = forced[len(r.output)]
             r.output.append(tok)
             out[r.id] = tok
             if tok in self._stop_ids(r.params):

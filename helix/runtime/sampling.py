@@ -20,6 +20,8 @@ class SamplingParams:
     seed: int | None = None                  # per-request seed (None: derived from the request id)
     stop_token_ids: tuple[int, ...] = ()     # extra ids that end the request
     ignore_eos: bool = False                 # do not stop at the model's eos ids
+    forced_tokens: tuple[int, ...] = ()      # emit these instead of sampling (teacher forcing:
+                                             # logits of a given continuation, parity runs)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
