@@ -1,0 +1,125 @@
+"""Bucket ladder: the batch sizes graphs are captured for, and how ranks agree on one.
+
+A graph is captured per bucket; a step with n rows replays the smallest bucket >= n, its
+inputs padded to that bucket. Every rank must replay the same bucket, because the collectives
+inside the graph must match in count, order and shape: `agree` takes the max need across ranks.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+ReduceMax = Callable[[int], int]
+"""Maps this rank's int to the max of that int over all ranks (the same on every rank)."""
+
+
+def default_buckets(max_size: int, step: int = 8) -> tuple[int, ...]:
+    """1, 2, 4, 8, 16, then every `step` (24, 32, ...) up to `max_size`, `max_size` always last.
+
+    Powers of two at the small end (where a decode batch often sits and padding a 3 to 8 would
+    waste most of the step); a linear ladder above 16 bounds padding waste to `step - 1` rows.
+    """
+    if max_size < 1:
+        raise ValueError(f"max_size must be >= 1, got {max_size}")
+    if step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    sizes = [b for b in (1, 2, 4, 8, 16) if b <= max_size]
+    sizes += range(16 + step, max_size + 1, step)
+    if sizes[-1] != max_size:
+        sizes.append(max_size)
+    return tuple(sizes)
+
+
+class BucketLadder:
+    """Ascending, distinct bucket sizes; the largest is the most rows a graph holds.
+
+    `BucketLadder(64)` gives the default ladder up to 64; `BucketLadder(buckets=[1, 8, 32])`
+    an explicit one (its max is its largest entry).
+    """
+
+    def __init__(self, max_size: int | None = None, *, buckets: Iterable[int] | None = None,
+                 step: int = 8):
+        if buckets is None:
+            if max_size is None:
+                raise ValueError("give max_size or an explicit list of buckets")
+            sizes = default_buckets(max_size, step)
+        else:
+            sizes = tuple(sorted(set(int(b) for b in buckets)))
+            if not sizes or sizes[0] < 1:
+                raise ValueError(f"buckets must be a non-empty list of ints >= 1, got {buckets}")
+            if max_size is not None and sizes[-1] != max_size:
+                raise ValueError(f"largest bucket {sizes[-1]} != max_size {max_size}")
+        self.buckets: tuple[int, ...] = sizes
+
+    @property
+    def max(self) -> int:
+        """The largest bucket: the row count static buffers are allocated for."""
+        return self.buckets[-1]
+
+    def __iter__(self):
+        return iter(self.buckets)
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def __repr__(self) -> str:
+        return f"BucketLadder({list(self.buckets)})"
+
+    def descending(self) -> Sequence[int]:
+        """Capture order: largest first, so smaller buckets reuse the shared pool's blocks."""
+        return self.buckets[::-1]
+
+    def choose(self, n: int) -> int | None:
+        """Smallest bucket >= n; None when n exceeds the largest (the caller runs eagerly).
+
+        n = 0 (a rank with no rows this step still takes part in the collectives) gives the
+        smallest bucket.
+        """
+        if n < 0:
+            raise ValueError(f"row count must be >= 0, got {n}")
+        i = bisect_left(self.buckets, n)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def agree(self, local_n: int, all_reduce_max: ReduceMax | None) -> int | None:
+        """The bucket every rank replays: choose(max over ranks of local_n).
+
+        `all_reduce_max` is e.g. `dist_reduce_max(group, device)`; None means one rank.
+        Returns None on every rank alike when the largest need exceeds the ladder.
+        """
+        return self.choose(agreed_rows(local_n, all_reduce_max))
+
+
+def agreed_rows(local_n: int, all_reduce_max: ReduceMax | None) -> int:
+    """max over ranks of local_n (local_n itself for one rank); checks the reduction's result."""
+    if all_reduce_max is None:
+        return local_n
+    agreed = int(all_reduce_max(int(local_n)))
+    if agreed < local_n:
+        raise RuntimeError(f"all_reduce_max returned {agreed} < local value {local_n}: "
+                           "it must return the max over ranks")
+    return agreed
+
+
+def dist_reduce_max(group=None, device: torch.device | str | None = None) -> ReduceMax:
+    """A ReduceMax over a torch.distributed group (None = the default group).
+
+    `device` must suit the backend: a CUDA device for NCCL, "cpu" for gloo (default: the
+    current CUDA device when the backend is NCCL, else CPU). One int64 all_reduce(MAX) and one
+    host sync per call: the bucket choice needs the value on the host anyway.
+    """
+    import torch.distributed as dist
+
+    if device is None:
+        nccl = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device = torch.device(device)
+
+    def reduce_max(n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(t.item())
+
+    return reduce_max
