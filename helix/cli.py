@@ -52,6 +52,13 @@ def _add_runtime_args(p: argparse.ArgumentParser, device_default: str | None) ->
                    default=d.attention_backend, help="attention kernels")
     g.add_argument("--seed", type=int, default=d.seed, help="preset weights / default sampling seed")
     g.add_argument("--layers", type=int, default=0, help="run only the first n layers (0: all)")
+    g = p.add_argument_group("CUDA graphs")
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly")
+    g.add_argument("--graph-buckets", type=_ids, default=(),
+                   help="batch buckets, e.g. 1,2,4,8 (default 1,2,4,8,16,24,... up to --max-batch)")
+    g.add_argument("--graph-breaks", type=lambda t: tuple(x for x in t.split(",") if x), default=(),
+                   help="regions to run eagerly inside the graph: attention, moe")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -76,7 +83,8 @@ def _configs(args):
     runtime = RuntimeConfig(device=device, dtype=dtype, page_size=args.page_size,
                             max_context=args.max_context, max_batch=args.max_batch,
                             num_pages=args.num_pages, attention_backend=args.attention_backend,
-                            seed=args.seed, layers=args.layers)
+                            seed=args.seed, layers=args.layers, cuda_graphs=args.cuda_graphs,
+                            graph_buckets=tuple(args.graph_buckets), graph_breaks=args.graph_breaks)
     return layout, runtime
 
 

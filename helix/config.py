@@ -210,6 +210,9 @@ class RuntimeConfig:
     seed: int = 0                  # random weights of presets; default sampling seed
     timeout_s: float = 300.0       # collective timeout: a dead rank ends the run with an error
     layers: int = 0                # run only the first n decoder layers (0: all; benchmarking)
+    cuda_graphs: bool = True       # decode steps through per-bucket graphs (CPU: same path, eager)
+    graph_buckets: tuple[int, ...] = ()   # batch buckets (empty: 1, 2, 4, 8, 16, 24, ... max_batch)
+    graph_breaks: tuple[str, ...] = ()    # regions to run eagerly under graphs: attention, moe
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -219,6 +222,11 @@ class RuntimeConfig:
             raise ConfigError("page_size and max_batch must be >= 1")
         if self.max_context < 0 or self.num_pages < 0 or self.layers < 0:
             raise ConfigError("max_context, num_pages and layers must be >= 0 (0: automatic)")
+        unknown = set(self.graph_breaks) - {"attention", "moe"}
+        if unknown:
+            raise ConfigError(f"unknown graph break(s) {', '.join(sorted(unknown))}: use attention, moe")
+        if any(b < 1 for b in self.graph_buckets):
+            raise ConfigError("graph buckets must be positive batch sizes")
         if self.attention_backend not in ("torch", "triton", "flash-attn"):
             raise ConfigError(f"attention backend must be torch, triton or flash-attn, "
                               f"got {self.attention_backend!r}")

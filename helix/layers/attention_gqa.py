@@ -16,6 +16,7 @@ from helix.config import ModelConfig
 from helix.layers.exchange import KVPExchange
 from helix.layers.linear import ColumnShardLinear, RowShardLinear
 from helix.layers.norm import RMSNorm
+from helix.layers.regions import region
 from helix.layers.rope import RotaryEmbedding
 from helix.parallel.comm import Comm
 
@@ -59,7 +60,7 @@ class GQAAttention(nn.Module):
     def kv_cache_shape(self, num_pages: int, page_size: int) -> list[tuple[int, ...]]:
         return [(num_pages, page_size, self.hkv, self.d)] * 2
 
-    def forward(self, x, pos, meta, cache, backend):
+    def forward(self, x, pos, meta, cache, backend, ctx=None):
         """x [T, D] replicated, pos [T] global positions -> [T, D] replicated."""
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.hq, self.d)
@@ -69,8 +70,12 @@ class GQAAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, pos), self.rope(k, pos)
         k_cache, v_cache = cache
-        backend.append_kv(k_cache, k, meta.slots)            # owner rank only (slot -1 elsewhere)
-        backend.append_kv(v_cache, v, meta.slots)
-        o, lse = backend.attend_gqa(q, k_cache, v_cache, meta, self.scale)   # local shard
+
+        def attend():
+            backend.append_kv(k_cache, k, meta.slots)        # owner rank only (slot -1 elsewhere)
+            backend.append_kv(v_cache, v, meta.slots)
+            return backend.attend_gqa(q, k_cache, v_cache, meta, self.scale)   # local shard
+
+        o, lse = region(ctx, "attention", attend)
         o = self.exchange(o, lse, backend)                            # [T, H/N, d]
         return self.o_proj(o.reshape(T, -1))

@@ -16,6 +16,7 @@ from helix.config import ModelConfig
 from helix.layers.exchange import KVPExchange
 from helix.layers.linear import ColumnShardLinear, ReplicatedLinear, RowShardLinear
 from helix.layers.norm import RMSNorm
+from helix.layers.regions import region
 from helix.layers.rope import RotaryEmbedding
 from helix.layers.weights import sliced_loader
 from helix.parallel.comm import Comm
@@ -65,7 +66,7 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.hq, self.nope + self.vdim, self.lora)
         return w[:, :self.nope], w[:, self.nope:]             # [h, nope, Dl], [h, v, Dl]
 
-    def forward(self, x, pos, meta, cache, backend):
+    def forward(self, x, pos, meta, cache, backend, ctx=None):
         """x [T, D] replicated, pos [T] -> [T, D] replicated."""
         T = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
@@ -79,8 +80,12 @@ class MLAAttention(nn.Module):
         k_rope = self.rope(k_rope.unsqueeze(1), pos).squeeze(1)
         row = torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1)     # [T, Dl + Dr]
         (kv_cache,) = cache
-        backend.append_kv(kv_cache, row, meta.slots)
-        o, lse = backend.attend_mla(q_latent, q_rope, kv_cache, self.lora, meta, self.scale)
+
+        def attend():
+            backend.append_kv(kv_cache, row, meta.slots)
+            return backend.attend_mla(q_latent, q_rope, kv_cache, self.lora, meta, self.scale)
+
+        o, lse = region(ctx, "attention", attend)
         o = self.exchange(o, lse, backend)                                           # [T, H/N, Dl]
         o = torch.einsum("thc,hvc->thv", o, w_uv[self.m0:self.m0 + self.hm])  # [T, H/N, v]
         return self.o_proj(o.reshape(T, -1))

@@ -22,6 +22,6 @@ class ParallelMLP(nn.Module):
         self.up_proj = ColumnShardLinear(dim, width, a, b, bias, dtype)
         self.down_proj = RowShardLinear(width, dim, a, b, comm, "world", bias, dtype, reduce=reduce)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         """x [T, D] replicated -> [T, D] (replicated if reduce, else this rank's partial sum)."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -15,6 +15,7 @@ from torch import nn
 
 from helix.config import ModelConfig
 from helix.layers.mlp import ParallelMLP
+from helix.layers.regions import region
 from helix.layers.router import Router
 from helix.layers.weights import sliced_loader
 from helix.parallel.comm import Comm
@@ -24,6 +25,8 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 
 class LocalExperts(nn.Module):
     """This rank's experts, stacked: gate/up [E_local, I/tpf, D], down [E_local, D, I/tpf]."""
+
+    graph_safe = False  # forward asks the host which experts got tokens
 
     def __init__(self, cfg: ModelConfig, comm: Comm, dtype=torch.float32):
         super().__init__()
@@ -78,10 +81,10 @@ class MoE(nn.Module):
                         dtype=dtype, reduce=False) if cfg.num_shared_experts else None)
         self.comm = comm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         """x [T, D] replicated -> [T, D] replicated."""
         weights, ids = self.gate(x)
-        y = self.experts(x, weights, ids)
+        y = region(ctx, "moe", lambda: self.experts(x, weights, ids))
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return self.comm.all_reduce(y, "world")

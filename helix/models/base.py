@@ -20,9 +20,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
         self.mlp = mlp
 
-    def forward(self, h, pos, meta, cache, backend):
-        h = h + self.self_attn(self.input_layernorm(h), pos, meta, cache, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, pos, meta, cache, backend, ctx=None):
+        h = h + self.self_attn(self.input_layernorm(h), pos, meta, cache, backend, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h), ctx)
 
 
 class DecoderStack(nn.Module):
@@ -34,7 +34,8 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """forward(ids [T], pos [T], meta, caches, backend, last [S]) -> logits [S, V] fp32."""
+    """forward(ids [T], pos [T], meta, caches, backend, last [S]) -> logits [S, V] fp32.
+    ctx: the graph context of a captured decode step (named eager regions), or None."""
 
     def __init__(self, cfg: ModelConfig, comm: Comm, layers: list[DecoderLayer], dtype):
         super().__init__()
@@ -46,9 +47,9 @@ class CausalLM(nn.Module):
     def kv_cache_shapes(self, num_pages: int, page_size: int) -> list[list[tuple[int, ...]]]:
         return [layer.self_attn.kv_cache_shape(num_pages, page_size) for layer in self.model.layers]
 
-    def forward(self, ids, pos, meta, caches, backend, last):
+    def forward(self, ids, pos, meta, caches, backend, last, ctx=None):
         h = self.model.embed_tokens(ids)
         for layer, cache in zip(self.model.layers, caches):
-            h = layer(h, pos, meta, cache, backend)
+            h = layer(h, pos, meta, cache, backend, ctx)
         h = self.model.norm(h[last])
         return self.lm_head(h)

@@ -11,6 +11,8 @@ import torch
 from helix.attention.backend import get_backend
 from helix.config import Layout, ModelConfig, RuntimeConfig
 from helix.kv.manager import KVManager
+from helix.kv.ownership import local_len
+from helix.runtime.decode_graphs import DecodeGraphs
 from helix.loader import build_and_load
 from helix.parallel.comm import Comm
 from helix.runtime.request import Request
@@ -47,6 +49,12 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.generators: dict[int, torch.Generator] = {}
         self.kv_tokens_released = 0
+        self.graphs = None
+        if runtime.cuda_graphs:
+            max_pages = -(-local_len(self.max_context, 0, layout.kvp, layout.kv_interleave)
+                          // runtime.page_size) + 1
+            self.graphs = DecodeGraphs(self, runtime.graph_buckets, runtime.graph_breaks, max_pages)
+            self.graphs.capture()
 
     # -- commands (identical on every rank) --------------------------------------------------
     def apply(self, commands: list[tuple]) -> None:
@@ -74,11 +82,16 @@ class Engine:
         if not batch:
             return StepOutput({}, finished, 0, time.perf_counter() - t0)
         feeds = [r.next_input() for r in batch]
-        meta = self.kv.prepare([(r.id, start, len(toks)) for r, (start, toks) in zip(batch, feeds)],
-                               self.device)
-        ids = torch.tensor([t for _, toks in feeds for t in toks], dtype=torch.long, device=self.device)
-        last = meta.cu_q[1:].long() - 1
-        logits = self.model(ids, meta.q_pos, meta, self.caches, self.backend, last)
+        plan = [(r.id, start, len(toks)) for r, (start, toks) in zip(batch, feeds)]
+        ids = [t for _, toks in feeds for t in toks]
+        if self.graphs is not None and len(ids) == len(batch):   # decode only: replay a graph
+            meta = self.kv.prepare(plan, "cpu")
+            logits = self.graphs.run(torch.tensor(ids, dtype=torch.long), meta)
+        else:
+            meta = self.kv.prepare(plan, self.device)
+            ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+            last = meta.cu_q[1:].long() - 1
+            logits = self.model(ids_t, meta.q_pos, meta, self.caches, self.backend, last)
         tokens = sample(logits, [r.params for r in batch], [self.generators.get(r.id) for r in batch])
         out = {}
         for r, tok in zip(batch, tokens):
@@ -93,7 +106,7 @@ class Engine:
                 r.finish_reason = "length"
         finished.update({r.id: r.finish_reason for r in self._retire()})
         self.last_logits = logits
-        return StepOutput(out, finished, int(ids.numel()), time.perf_counter() - t0)
+        return StepOutput(out, finished, len(ids), time.perf_counter() - t0)
 
     def _retire(self) -> list[Request]:
         done = self.scheduler.retire()
@@ -103,6 +116,12 @@ class Engine:
             self.generators.pop(r.id, None)
             self.requests.pop(r.id, None)
         return done
+
+    def close(self) -> None:
+        """Free the graphs (before any process group is destroyed)."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
 
     def kv_tokens(self) -> int:
         """KV positions this rank has stored for the run's requests (layer 0), live or finished."""

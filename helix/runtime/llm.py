@@ -149,9 +149,12 @@ class LLM:
 
     def _check_prompt(self, prompt_ids) -> list[int]:
         try:
-            prompt = [int(t) for t in prompt_ids]
+            given = list(prompt_ids)
+            prompt = [int(t) for t in given]
         except (TypeError, ValueError):
-            raise RequestError("prompt ids must be integers") from None
+            prompt = None
+        if prompt is None or any(p != t for p, t in zip(prompt, given)):  # 1.5 or "7" is not an id
+            raise RequestError("prompt ids must be integers")
         if not prompt:
             raise RequestError("empty prompt: give at least one token id")
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
@@ -184,6 +187,9 @@ class LLM:
         """Run the prompts as one batch to completion; returns the generated ids per prompt."""
         if not isinstance(params, list):
             params = [params] * len(prompts)
+        if len(params) != len(prompts):  # zip would silently drop prompts
+            raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params: give one "
+                               f"SamplingParams, or one per prompt")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         while any(i not in self.finish_reasons for i in ids):
             self.step()
@@ -203,12 +209,15 @@ class LLM:
         self._closed = True
         if self._procs or under_torchrun():
             self.engine.comm.broadcast_object(("shutdown",))
+            self.engine.close()
             self.engine.comm.close()
             for p in self._procs:
                 p.join(timeout=30)
             self._kill_workers()
             if hasattr(self, "_saved_threads"):
                 torch.set_num_threads(self._saved_threads)
+        else:
+            self.engine.close()
 
     def __enter__(self):
         return self

@@ -32,4 +32,5 @@ def serve(model_ref: str, layout: Layout, runtime: RuntimeConfig, device: torch.
             comm.gather_object(engine.kv_tokens())
         elif msg[0] == "shutdown":
             break
+    engine.close()  # graphs first: destroying NCCL groups under live graphs hung at exit
     comm.close()

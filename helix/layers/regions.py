@@ -1,0 +1,16 @@
+"""Named regions of the decode step that CUDA graph capture may leave eager ("breaks").
+
+`region(ctx, name, fn)` runs fn() inline when there is no graph context or the break `name` is
+not enabled; otherwise the captured segment ends, fn runs eagerly at every replay, and capture
+continues. fn must only read tensors at fixed addresses (static inputs, earlier outputs) and
+return the tensors later code reads. Names in use: "attention" (KV append + partial attention),
+"moe" (routed experts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def region(ctx, name: str, fn: Callable):
+    return fn() if ctx is None else ctx.graph_break(name, fn)
