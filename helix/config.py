@@ -213,6 +213,7 @@ class RuntimeConfig:
     cuda_graphs: bool = True       # decode steps through per-bucket graphs (CPU: same path, eager)
     graph_buckets: tuple[int, ...] = ()   # batch buckets (empty: 1, 2, 4, 8, 16, 24, ... max_batch)
     graph_breaks: tuple[str, ...] = ()    # regions to run eagerly under graphs: attention, moe
+    graph_eager: bool = False      # bucketed, padded graph path but no capture (debug: A/B vs capture)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):

@@ -26,21 +26,24 @@ class DecodeGraphs:
                  check_agreement: bool = False):
         self.engine = engine
         dev = engine.device
-        ladder = BucketLadder(max_size=engine.runtime.max_batch, buckets=buckets or None)
+        ladder = (BucketLadder(buckets=buckets) if buckets
+                  else BucketLadder(max_size=engine.runtime.max_batch))
         bufs = StaticBuffers(ladder.max, dev)
         bufs.add("ids", (), torch.int64, pad=0)
         bufs.add("pos", (), torch.int64, pad=0)
         bufs.add("slots", (), torch.int64, pad=-1)
         bufs.add("kv_lens", (), torch.int32, pad=0)
         bufs.add("block_tables", (max_pages,), torch.int32, pad=0)
-        self.arange = torch.arange(ladder.max + 1, dtype=torch.int32, device=dev)
+        # cu_q of a decode step is 0..rows; rows <= max_batch also in the eager fallback
+        rows = max(ladder.max, engine.runtime.max_batch)
+        self.arange = torch.arange(rows + 1, dtype=torch.int32, device=dev)
         self.needed_breaks = set(breaks)
         if not getattr(engine.backend, "graph_safe", False):
             self.needed_breaks.add("attention")
         if not all(getattr(m, "graph_safe", True) for m in engine.model.modules()):
             self.needed_breaks.add("moe")
         self.runner = GraphRunner(self._step, ladder, bufs, breaks=self.needed_breaks,
-                                  enabled=dev.type == "cuda")
+                                  enabled=dev.type == "cuda" and not engine.runtime.graph_eager)
         self.agree = dist_reduce_max(device=dev) if check_agreement else None
         self.max_pages = max_pages
 
