@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helix.config import ModelConfig
+from helix.layers.fused_moe import HAS_TRITON, fused_moe
 from helix.layers.mlp import ParallelMLP
 from helix.layers.regions import region
 from helix.layers.router import Router
@@ -24,9 +25,11 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 class LocalExperts(nn.Module):
-    """This rank's experts, stacked: gate/up [E_local, I/tpf, D], down [E_local, D, I/tpf]."""
+    """This rank's experts, stacked: gate/up [E_local, I/tpf, D], down [E_local, D, I/tpf].
 
-    graph_safe = False  # forward asks the host which experts got tokens
+    On CUDA with Triton: the fused kernel (graph safe, reads only experts that got tokens).
+    Elsewhere: a loop over the experts that got tokens, which asks the host which ones did.
+    """
 
     def __init__(self, cfg: ModelConfig, comm: Comm, dtype=torch.float32):
         super().__init__()
@@ -45,6 +48,10 @@ class LocalExperts(nn.Module):
                         "down_proj": sliced_loader((dim, width), 1, a, b)}
         self.loaded: set[tuple[int, str]] = set()
 
+    @property
+    def graph_safe(self) -> bool:
+        return HAS_TRITON and self.gate_proj.is_cuda
+
     def owns(self, expert: int) -> bool:
         return self.first <= expert < self.first + self.n_local
 
@@ -59,6 +66,8 @@ class LocalExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], weights/ids [T, k] -> partial [T, D] from this rank's experts."""
+        if self.graph_safe:
+            return fused_moe(x, self.gate_proj, self.up_proj, self.down_proj, weights, ids, self.first)
         out = torch.zeros_like(x)
         local = ids - self.first
         hit = (local >= 0) & (local < self.n_local)
