@@ -89,18 +89,30 @@ def _owner(model, param_name: str):
     return model.get_submodule(param_name.rsplit(".", 1)[0])
 
 
+def _safe_open(file: str):
+    """safe_open that reports a corrupt or truncated file as a CheckpointError, not a traceback."""
+    from safetensors import safe_open
+    try:
+        return safe_open(file, "pt")
+    except Exception as e:  # SafetensorError (bad header) or OSError
+        raise CheckpointError(f"{file} is not a readable safetensors file ({e}): re-save the "
+                              f"checkpoint") from None
+
+
 class _SafetensorsIndex:
     def __init__(self, path: str):
-        from safetensors import safe_open
-        self._open = safe_open
         single = os.path.join(path, "model.safetensors")
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise CheckpointError(f"{index} is not a safetensors index (JSON with a "
+                                      f"'weight_map'): re-save the checkpoint") from None
             self.files = {k: os.path.join(path, v) for k, v in weight_map.items()}
         elif os.path.isfile(single):
-            with safe_open(single, "pt") as f:
+            with _safe_open(single) as f:
                 self.files = {k: single for k in f.keys()}
         else:
             raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json: "
@@ -114,8 +126,12 @@ class _SafetensorsIndex:
         if file not in self._handles:
             if not os.path.isfile(file):
                 raise CheckpointError(f"shard {file} listed in the index is missing")
-            self._handles[file] = self._open(file, "pt")
-        return self._handles[file].get_tensor(name)
+            self._handles[file] = _safe_open(file)
+        try:
+            return self._handles[file].get_tensor(name)
+        except Exception as e:  # data past the end of a truncated file
+            raise CheckpointError(f"cannot read tensor {name!r} from {file} ({e}): re-save the "
+                                  f"checkpoint") from None
 
 
 def load_checkpoint(model: torch.nn.Module, path: str) -> None:

@@ -37,7 +37,8 @@ def unpack_partials(recv: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Ten
 
 def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """o [n, T, h, d], lse [n, T, h] fp32 -> (o [T, h, d] in o.dtype, lse [T, h] fp32)."""
-    lse = torch.nan_to_num(lse.float(), nan=float("-inf"), posinf=float("-inf"))
+    ninf = float("-inf")
+    lse = torch.nan_to_num(lse.float(), nan=ninf, posinf=ninf, neginf=ninf)
     total = torch.logsumexp(lse, dim=0)                                   # [T, h]
     finite = torch.isfinite(total)
     w = torch.exp(lse - torch.where(finite, total, torch.zeros_like(total)))  # -inf parts -> 0

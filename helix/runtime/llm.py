@@ -63,7 +63,6 @@ class LLM:
             self._start_torchrun(model, layout, runtime)
         else:
             self._start_local(model, layout, runtime)
-        self.scheduler_pages = self.engine.scheduler.num_pages
 
     # -- start-up ------------------------------------------------------------------------------
     def _start_torchrun(self, model, layout, runtime):
@@ -134,6 +133,9 @@ class LLM:
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams | None = None) -> int:
         """Queue a request; it joins the batch at the next step. Returns its id."""
+        return self._queue(*self._check_request(prompt_ids, params))
+
+    def _check_request(self, prompt_ids, params) -> tuple[list[int], SamplingParams, int]:
         params = params or SamplingParams()
         prompt = self._check_prompt(prompt_ids)
         max_len = min(len(prompt) + params.max_new_tokens, self.max_context)
@@ -142,6 +144,9 @@ class LLM:
             raise CapacityError(f"request needs {sched.pages_for(max_len)} KV pages per rank, the "
                                 f"pool has {sched.num_pages}: raise --num-pages, lower "
                                 f"--max-new-tokens, or add KVP ranks")
+        return prompt, params, max_len
+
+    def _queue(self, prompt: list[int], params: SamplingParams, max_len: int) -> int:
         rid = next(self._ids)
         self._pending.append(("add", rid, prompt, params, max_len))
         self.outputs[rid] = []
@@ -190,7 +195,8 @@ class LLM:
         if len(params) != len(prompts):  # zip would silently drop prompts
             raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params: give one "
                                f"SamplingParams, or one per prompt")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        checked = [self._check_request(p, sp) for p, sp in zip(prompts, params)]  # all or none
+        ids = [self._queue(*c) for c in checked]
         while any(i not in self.finish_reasons for i in ids):
             self.step()
         return [self.outputs[i] for i in ids]

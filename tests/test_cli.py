@@ -1,0 +1,155 @@
+"""The `helix` command line, run as a user runs it (a subprocess): generated tokens, the JSON
+line, the demo, and user errors (non-zero exit, one line on stderr, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from hf_fixtures import VOCAB, hf_greedy
+
+from helix import LLM, Layout, RuntimeConfig, SamplingParams
+
+PROMPTS = [[5, 17, 42], list(range(10, 50)), [77]]
+HELIX = [sys.executable, "-m", "helix.cli"]
+
+
+def helix(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    return subprocess.run([*HELIX, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def ids(p: list[int]) -> str:
+    return ",".join(map(str, p))
+
+
+def generate_args(model: str, prompts=PROMPTS, new: int = 16, *extra: str) -> list[str]:
+    args = ["generate", "--model", model, "--max-new-tokens", str(new), "--device", "cpu",
+            "--dtype", "float32", "--max-context", "256", "--page-size", "4"]
+    for p in prompts:
+        args += ["--prompt-ids", ids(p)]
+    return [*args, *extra]
+
+
+def test_generate_json_matches_transformers(hf_checkpoint):
+    path, hf = hf_checkpoint("llama")
+    r = helix(*generate_args(path, PROMPTS, 16, "--json", "--ignore-eos"))
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["tokens"] == [hf_greedy(hf, p, 16)[0] for p in PROMPTS]
+    assert result["finish_reasons"] == ["length"] * 3
+    assert result["world_size"] == 1 and result["dtype"] == "float32" and result["device"] == "cpu"
+    assert result["kv_tokens_per_rank"] == [sum(len(p) + 15 for p in PROMPTS)]
+    assert len(result["step_ms"]) == 16
+
+
+def test_generate_text_output_and_sampling_flags(llama_ckpt):
+    r = helix(*generate_args(llama_ckpt, PROMPTS[:2], 5, "--temperature", "0.8", "--top-k", "20",
+                             "--top-p", "0.9", "--sample-seed", "11", "--ignore-eos"))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert [re.sub(r":.*", "", line) for line in lines] == ["request 0", "request 1"]
+    got = [[int(t) for t in line.split(":")[1].split()] for line in lines]
+    params = SamplingParams(max_new_tokens=5, temperature=0.8, top_k=20, top_p=0.9, seed=11,
+                            ignore_eos=True)
+    with LLM(llama_ckpt, Layout(), RuntimeConfig(max_context=256, page_size=4)) as llm:
+        assert got == llm.generate(PROMPTS[:2], params)
+
+
+def test_stop_ids_flag(llama_ckpt):
+    r = helix(*generate_args(llama_ckpt, PROMPTS[1:2], 12, "--json"))
+    full = json.loads(r.stdout.strip().splitlines()[-1])["tokens"][0]
+    k = next(k for k in range(2, len(full)) if full[k] not in full[:k])
+    r = helix(*generate_args(llama_ckpt, PROMPTS[1:2], 12, "--json", "--stop-ids", str(full[k])))
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["tokens"] == [full[:k + 1]] and result["finish_reasons"] == ["stop"]
+
+
+def test_console_script_installed(llama_ckpt):
+    exe = os.path.join(os.path.dirname(sys.executable), "helix")
+    exe = exe if os.path.exists(exe) else shutil.which("helix")
+    assert exe, "the `helix` console script is not installed"
+    r = subprocess.run([exe, *generate_args(llama_ckpt, PROMPTS[:1], 2, "--json")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout.strip().splitlines()[-1])["tokens"][0]) == 2
+
+
+def _bad_arch(root: str) -> str:
+    path = os.path.join(root, "gpt2")
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}, f)
+    return path
+
+
+def _corrupt(root: str, src: str) -> str:
+    path = os.path.join(root, "corrupt")
+    shutil.copytree(src, path)
+    with open(os.path.join(path, "model.safetensors"), "wb") as f:
+        f.write(b"\x00" * 64)
+    return path
+
+
+USER_ERRORS = {  # id -> (args builder(ckpt, tmp), text the one stderr line must contain)
+    "missing-path": (lambda c, t: generate_args(os.path.join(t, "nope"), PROMPTS, 2), "not found"),
+    "unsupported-arch": (lambda c, t: generate_args(_bad_arch(t), PROMPTS, 2),
+                         "unsupported architecture 'GPT2LMHeadModel'"),
+    "corrupt-weights": (lambda c, t: generate_args(_corrupt(t, c), PROMPTS, 2), "safetensors"),
+    "token-out-of-vocab": (lambda c, t: generate_args(c, [[1, VOCAB]], 2), "outside the vocabulary"),
+    "prompt-too-long": (lambda c, t: generate_args(c, [list(range(100)) * 3], 2), "maximum context"),
+    "empty-prompt": (lambda c, t: generate_args(c, [[]], 2), "empty prompt"),
+    "no-prompt": (lambda c, t: generate_args(c, [], 2), "--prompt-ids"),
+    "prompt-not-ids": (lambda c, t: [*generate_args(c, [], 2), "--prompt-ids", "1,x"],
+                       "not a comma-separated list"),
+    "zero-new-tokens": (lambda c, t: generate_args(c, PROMPTS, 0), "max_new_tokens"),
+    "bad-layout": (lambda c, t: generate_args(c, PROMPTS, 2, "--kvp", "3"), "world size"),
+    "context-over-model": (lambda c, t: [*generate_args(c, PROMPTS, 2), "--max-context", "9999"],
+                           "max_context"),
+    "missing-model-flag": (lambda c, t: ["generate", "--prompt-ids", "1"], "--model"),
+    "unknown-command": (lambda c, t: ["serve-forever"], "invalid choice"),
+}
+
+
+@pytest.mark.parametrize("case", list(USER_ERRORS))
+def test_user_error_is_one_line(llama_ckpt, tmp_path, case):
+    build, text = USER_ERRORS[case]
+    r = helix(*build(llama_ckpt, str(tmp_path)))
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("helix: error:") and text in lines[0], lines[0]
+    assert r.stdout == ""
+
+
+def test_help_exits_zero():
+    r = helix("generate", "--help")
+    assert r.returncode == 0 and "--prompt-ids" in r.stdout and "--kvp" in r.stdout
+
+
+def test_demo():
+    """The demo as a user runs it (its default Helix layout, CPU ranks), with a small context.
+    Its tokens must equal a single-process run of the same prompts."""
+    r = helix("demo", "--max-context", "128", timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "Traceback" not in r.stderr
+    rows = re.findall(r"prompt of +(\d+) tokens -> (\d+) new \((\w+)\): ([\d ]+)", out)
+    assert [(int(n), int(k), why) for n, k, why, _ in rows] == [(5, 24, "length"), (23, 24, "length"),
+                                                              (61, 24, "length")]
+    held = [int(x) for x in re.findall(r"rank \d+: (\d+) KV positions", out)]
+    total = int(re.search(r"of (\d+) written", out).group(1))
+    assert total == sum(n + 23 for n in (5, 23, 61)) and sum(held) == total and len(held) >= 1
+    # the demo's prompts: torch.randint(0, 1000) from a generator seeded with --seed (0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (5, 23, 61)]
+    with LLM("tiny-llama", Layout(), RuntimeConfig(max_context=128)) as llm:
+        want = llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [[int(t) for t in row[3].split()] for row in rows] == want
