@@ -1,0 +1,146 @@
+"""Paged split-KV decode attention for GQA / MHA (one query token per sequence).
+
+Stage 1: one program per (kv_head, split, batch) loads each K/V tile of its split ONCE for all
+GROUP = Hq / Hkv query heads of that KV head: Q [BLOCK_G >= 16, d] x K^T [d, BLOCK_N] on tensor
+cores, online softmax in the exp2 domain, P [BLOCK_G, BLOCK_N] x V [BLOCK_N, d]. It writes a
+normalized partial O and its LSE per split (or, with one split, the final O and LSE directly).
+Stage 2 (triton_splits.reduce_splits) merges the splits exactly.
+
+All metadata (block tables, local lengths) is read on the device; splits and block sizes are
+constexpr picked from static sizes, so a launch is CUDA-graph capturable and never syncs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, reduce_splits,
+                                           run_kernel, sm_count_of, split_range, token_rows)
+
+__all__ = ["choose_num_splits", "gqa_decode"]
+
+
+@triton.jit
+def _gqa_split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2,
+    stride_qb, stride_qh,                  # q [B, Hq, d]
+    stride_kp, stride_kt, stride_kh,       # k_cache [P, page, Hkv, d]
+    stride_vp, stride_vt, stride_vh,       # v_cache [P, page, Hkv, d]
+    stride_btb,                            # block_tables [B, max_pages] int32
+    stride_ob, stride_oh, stride_os,       # o: [B, Hq, S, d] partials, or [B, Hq, d] (S = 1)
+    stride_lb, stride_lh,                  # lse: [B, Hq, S] partials, or [B, Hq] (S = 1)
+    HEAD_DIM,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SAME_LAYOUT: tl.constexpr,
+):
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+
+    g = tl.arange(0, BLOCK_G)                        # query heads of this group (padded)
+    gmask = g < GROUP
+    heads = kvh * GROUP + g
+    dcol = tl.arange(0, BLOCK_D)
+    dmask = dcol < HEAD_DIM
+
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dcol[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)           # [BLOCK_G, BLOCK_D]
+    q = q.to(k_ptr.dtype.element_ty)
+
+    kv_len = tl.load(lens_ptr + b)
+    start, end = split_range(kv_len, split, NUM_SPLITS, BLOCK_N)
+    bt_row = bt_ptr + b * stride_btb
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        k_rows, tmask = token_rows(bt_row, t0, end, stride_kp, stride_kt, BLOCK_N, PAGE_SIZE)
+        ld_mask = tmask[:, None] & dmask[None, :]
+        k = tl.load(k_base + k_rows[:, None] + dcol[None, :], mask=ld_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2   # [G, N]
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))        # finite: every block has a token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if SAME_LAYOUT:
+            v_rows = k_rows                                # K and V pools share strides
+        else:
+            v_rows, _ = token_rows(bt_row, t0, end, stride_vp, stride_vt, BLOCK_N, PAGE_SIZE)
+        v = tl.load(v_base + v_rows[:, None] + dcol[None, :], mask=ld_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has = l_i > 0                                          # empty split / empty shard: False
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
+    o_off = b * stride_ob + heads.to(tl.int64)[:, None] * stride_oh + split * stride_os
+    tl.store(o_ptr + o_off + dcol[None, :], out, mask=gmask[:, None] & dmask[None, :])
+    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
+
+
+def gqa_launch_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
+    """Tiles and warps: BLOCK_N tokens per K/V tile (64 x 128 bf16 = 16 KB), the group padded to
+    >= 16 rows for tl.dot. Memory-bound: 4 warps (several programs per SM), a 3-stage cp.async
+    pipeline. Llama-70B rank on sm_90: 96 registers, no spills, 39 KB shared memory
+    (profiling/kernel_resources.py)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = 64 if block_d <= 128 else 32
+    if dtype == torch.float32:          # fp32 dots run on FMA units: small tiles, no spills
+        block_n = 16
+    return dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+                num_warps=4, num_stages=3)
+
+
+def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+               num_splits: int | None = None, block_n: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, d]; k_cache, v_cache [P, page, Hkv, d]; block_tables [B, max_pages] int32;
+    kv_lens [B] int32 (0 allowed) -> o [B, Hq, d] in q.dtype, lse [B, Hq] fp32 (natural log,
+    -inf where kv_len == 0)."""
+    B, Hq, d = q.shape
+    _, page_size, Hkv, _ = k_cache.shape
+    assert Hq % Hkv == 0, "query heads must be a multiple of KV heads"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    group = Hq // Hkv
+    o = torch.empty((B, Hq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq), dtype=torch.float32, device=q.device)
+    if B == 0:
+        return o, lse
+    if num_splits is None:
+        num_splits = choose_num_splits(B, Hkv, block_tables.shape[1] * page_size,
+                                       sm_count_of(q.device))
+    config = gqa_launch_config(d, group, k_cache.dtype)
+    if block_n is not None:
+        config["BLOCK_N"] = block_n
+    if num_splits == 1:                  # write the final O / LSE directly, no stage 2
+        o_ws, lse_ws = o, lse
+        so = (o.stride(0), o.stride(1), 0)
+        sl = (lse.stride(0), lse.stride(1))
+    else:
+        o_ws = torch.empty((B, Hq, num_splits, d), dtype=torch.float32, device=q.device)
+        lse_ws = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
+        so = (o_ws.stride(0), o_ws.stride(1), o_ws.stride(2))
+        sl = (lse_ws.stride(0), lse_ws.stride(1))
+    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    run_kernel(
+        _gqa_split_kernel, (Hkv, num_splits, B),
+        q, k_cache, v_cache, block_tables, kv_lens, o_ws, lse_ws, scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), *so, *sl, d,
+        GROUP=group, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+        SAME_LAYOUT=k_cache.stride()[:2] == v_cache.stride()[:2], **config)
+    if num_splits > 1:
+        reduce_splits(o_ws, lse_ws, o, lse)
+    return o, lse

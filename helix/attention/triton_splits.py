@@ -1,0 +1,122 @@
+"""Split-KV plumbing shared by the Triton decode kernels (GQA and MLA).
+
+- `choose_num_splits`: how many KV splits one launch uses, from static sizes only (the batch
+  bucket, the block table's width), never from live lengths: a CUDA graph captured for a bucket
+  replays with the same constexpr splits, and eager steps compile a handful of variants at most
+  (splits are powers of two).
+- `token_rows`: the paged-KV row offsets (int64) of a block of tokens.
+- `split_range`: the token range [start, end) of one split.
+- `reduce_splits`: stage 2, the exact LSE merge of the per-split partials into O and LSE.
+- `run_kernel`: the one place every Helix Triton launch goes through (profiling/
+  kernel_resources.py swaps it to compile the production launches for sm_90 without a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)   # used inside kernels: must be a constexpr global
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int,
+                      min_tokens: int = 256, max_splits: int = 64) -> int:
+    """Splits per (batch, kv_head) so the launch fills about two waves of `sm_count` programs,
+    while each split keeps >= `min_tokens` tokens of `max_context`. A power of two in
+    [1, max_splits]. `kv_heads` counts the independent programs per sequence (GQA: local KV
+    heads; MLA: head blocks)."""
+    programs = max(1, batch * kv_heads)
+    want = triton.next_power_of_2(-(-2 * sm_count // programs))   # ceil(2 waves), rounded up
+    cap = max(1, max_context // max(1, min_tokens))               # splits long enough ...
+    cap = 1 << (cap.bit_length() - 1)                              # ... rounded down
+    return max(1, min(want, cap, max_splits))
+
+
+def run_kernel(kernel, grid, *args, **meta):
+    """kernel[grid](*args, **meta)."""
+    return kernel[grid](*args, **meta)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count_of(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; a small number elsewhere (interpreter: small grids)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+@triton.jit
+def split_range(kv_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens [start, end) of split `split` of a sequence of kv_len local tokens. Chunks are
+    BLOCK_N-aligned so a block never straddles a page when PAGE_SIZE % BLOCK_N == 0."""
+    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, kv_len)
+    return start, end
+
+
+@triton.jit
+def token_rows(bt_row_ptr, t0, end, stride_page, stride_tok,
+               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Offsets (int64, elements) of the rows of tokens t0 .. t0+BLOCK_N-1 in a paged pool
+    [P, PAGE_SIZE, ...], and their mask (t < end). Page ids are cast to int64 BEFORE the
+    page * stride product: a pool can hold more than 2^31 elements."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    mask = t < end
+    if PAGE_SIZE % BLOCK_N == 0:
+        # t0 is BLOCK_N-aligned: the whole block lies in one page -> one page id load.
+        page = tl.load(bt_row_ptr + t0 // PAGE_SIZE).to(tl.int64)
+    else:
+        page = tl.load(bt_row_ptr + t // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
+    rows = page * stride_page + (t % PAGE_SIZE).to(tl.int64) * stride_tok
+    return rows, mask
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    ows_ptr, lws_ptr,          # o_ws [R, S, D] fp32, lse_ws [R, S] fp32 (R = B * H rows)
+    o_ptr, lse_ptr,            # o [B, H, D] (any float dtype), lse [B, H] fp32
+    stride_ob, stride_oh,      # o strides (last dim contiguous)
+    HEADS, D,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # one program: one (b, h) row, BLOCK_D columns, all splits loaded at once (no serial loop)
+    row = tl.program_id(0).to(tl.int64)        # b * HEADS + h
+    b = row // HEADS
+    h = row % HEADS
+    sidx = tl.arange(0, BLOCK_S)
+    smask = sidx < NUM_SPLITS
+    lse = tl.load(lws_ptr + row * NUM_SPLITS + sidx, mask=smask,
+                  other=float("-inf"))                            # [S], -inf = empty split
+    m = tl.max(lse, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)                                      # empty splits: 0
+    total = tl.sum(w, axis=0)
+    w = w / tl.where(total > 0, total, 1.0)                       # all empty: O = 0
+    dcol = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = dcol < D
+    part = tl.load(ows_ptr + (row * NUM_SPLITS + sidx[:, None]) * D + dcol[None, :],
+                   mask=smask[:, None] & dmask[None, :], other=0.0)          # [S, BLOCK_D]
+    out = tl.sum(w[:, None] * part, axis=0)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + dcol, out, mask=dmask)
+    if tl.program_id(1) == 0:
+        out_lse = tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)),
+                           float("-inf"))
+        tl.store(lse_ptr + row, out_lse)
+
+
+def reduce_splits(o_ws: torch.Tensor, lse_ws: torch.Tensor, o: torch.Tensor,
+                  lse: torch.Tensor) -> None:
+    """o_ws [B, H, S, D] fp32, lse_ws [B, H, S] fp32 -> o [B, H, D] (its dtype), lse [B, H]."""
+    B, H, S, D = o_ws.shape
+    if B * H == 0:
+        return
+    block_s = triton.next_power_of_2(S)
+    block_d = min(triton.next_power_of_2(D), max(16, 4096 // block_s))   # <= 4K fp32 a tile
+    run_kernel(_reduce_splits_kernel, (B * H, triton.cdiv(D, block_d)), o_ws, lse_ws, o, lse,
+               o.stride(0), o.stride(1), H, D, NUM_SPLITS=S, BLOCK_S=block_s, BLOCK_D=block_d,
+               num_warps=4)

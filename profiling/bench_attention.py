@@ -1,0 +1,189 @@
+"""Decode attention kernels against the roofline of the GPU they run on (one GPU, one rank).
+
+Shapes per rank:
+  gqa: Llama-3.1-70B, 64 query heads / 8 KV heads, d 128, bf16, paged KV [P, page, 8, 128] x 2
+  mla: DeepSeek-V3 absorbed, 128 heads, Dl 512 + Dr 64, bf16, paged KV [P, page, 576]
+for batch x per-rank context, skipping combos whose KV exceeds --mem-cap-gb. Each config is first
+checked against a torch fp32 computation (rows 0 and B-1, loose bf16 tolerance), then timed as a
+CUDA-graph replay with L2 flushed. The copy bandwidth and bf16 matmul rate are measured in the same
+run; floor = max(bytes / copy_bw, flops / matmul_rate), bytes = KV read once + Q + O, flops = QK
+and PV. GQA also times torch SDPA (enable_gqa) over the same KV, seen contiguously.
+
+    python profiling/bench_attention.py --out profiling/results/attention_h200.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from helix.attention.triton_decode import gqa_decode  # noqa: E402
+from helix.attention.triton_mla import mla_decode  # noqa: E402
+from profiling.roofline import L2Flush, copy_bandwidth, graph_time_us, matmul_rate  # noqa: E402
+
+GQA = dict(hq=64, hkv=8, d=128)
+MLA = dict(h=128, dl=512, dr=64)
+BATCHES = [1, 2, 4, 8, 16, 32, 64]
+CONTEXTS = [4096, 16384, 65536, 131072, 262144, 524288]
+BF16 = 2
+DEVICE = "cuda"
+
+
+def kv_bytes_per_token(kernel: str) -> int:
+    return GQA["hkv"] * GQA["d"] * 2 * BF16 if kernel == "gqa" else (MLA["dl"] + MLA["dr"]) * BF16
+
+
+def cost(kernel: str, B: int, ctx: int) -> tuple[int, int]:
+    """(bytes, flops) of one decode step: KV read once, Q and O once; QK and PV products."""
+    kv = B * ctx * kv_bytes_per_token(kernel)
+    if kernel == "gqa":
+        hq, d = GQA["hq"], GQA["d"]
+        return kv + 2 * B * hq * d * BF16, 2 * 2 * B * hq * ctx * d
+    h, dl, dr = MLA["h"], MLA["dl"], MLA["dr"]
+    return kv + B * h * (dl + dr + dl) * BF16, 2 * B * h * ctx * (dl + dr + dl)
+
+
+def random_pool(shape, gen_chunk=2**28) -> torch.Tensor:
+    pool = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
+    flat = pool.view(-1)
+    for i in range(0, flat.numel(), gen_chunk):
+        flat[i:i + gen_chunk].normal_()
+    return pool
+
+
+def reference(q, k_seq, v_seq, scale, chunk=65536):
+    """q [hkv, g, dk] (query heads grouped by KV head), k_seq [n, hkv, dk], v_seq [n, hkv, dv]
+    -> (o [hkv * g, dv] fp32, lse [hkv * g]). Chunked over tokens to bound memory."""
+    scores = torch.cat([torch.einsum("kgd,nkd->kgn", q.float(), k_seq[i:i + chunk].float())
+                        for i in range(0, k_seq.shape[0], chunk)], dim=2) * scale
+    lse = torch.logsumexp(scores, dim=2)                          # [hkv, g]
+    p = torch.exp(scores - lse[..., None])
+    o = sum(torch.einsum("kgn,nkd->kgd", p[..., i:i + chunk], v_seq[i:i + chunk].float())
+            for i in range(0, v_seq.shape[0], chunk))
+    return o.flatten(0, 1), lse.flatten()
+
+
+def check(o, lse, ref_o, ref_lse, what):
+    err_o = (o.float() - ref_o).abs().max().item()
+    err_l = (lse - ref_lse).abs().max().item()
+    if not (err_o < 2e-2 + 2e-2 * ref_o.abs().max().item() and err_l < 2e-2):
+        raise AssertionError(f"{what}: max |o err| {err_o:.3g}, max |lse err| {err_l:.3g}")
+    return max(err_o, err_l)
+
+
+def bench_config(kernel, B, ctx, page, pools, flush, args):
+    pages = B * ctx // page
+    bt = torch.arange(pages, dtype=torch.int32, device=DEVICE).view(B, ctx // page)
+    lens = torch.full((B,), ctx, dtype=torch.int32, device=DEVICE)
+    rec = dict(kernel=f"triton-{kernel}", batch=B, context=ctx, sdpa_us=None)
+    if kernel == "gqa":
+        hq, hkv, d = GQA["hq"], GQA["hkv"], GQA["d"]
+        k_pool, v_pool = pools
+        q = torch.randn(B, hq, d, device=DEVICE, dtype=torch.bfloat16)
+        scale = d ** -0.5
+        fn = lambda: gqa_decode(q, k_pool, v_pool, bt, lens, scale)  # noqa: E731
+        o, lse = fn()
+        k_seq = k_pool[:pages].view(B, ctx, hkv, d)          # identity block table: contiguous
+        v_seq = v_pool[:pages].view(B, ctx, hkv, d)
+        errs = [check(o[b], lse[b], *reference(q[b].view(hkv, hq // hkv, d), k_seq[b], v_seq[b],
+                                                scale), f"gqa B{B} ctx{ctx} row {b}")
+                for b in {0, B - 1}]
+        rec["shape"] = "llama-3.1-70b rank: 64q/8kv d128 bf16"
+        if not args.no_sdpa:
+            rec["sdpa_us"] = sdpa_time(q, k_seq, v_seq, scale, flush)
+    else:
+        h, dl, dr = MLA["h"], MLA["dl"], MLA["dr"]
+        (kv_pool,) = pools
+        ql = torch.randn(B, h, dl, device=DEVICE, dtype=torch.bfloat16)
+        qr = torch.randn(B, h, dr, device=DEVICE, dtype=torch.bfloat16)
+        scale = 192 ** -0.5                                   # DeepSeek qk head dim 128 + 64
+        fn = lambda: mla_decode(ql, qr, kv_pool, bt, lens, scale)  # noqa: E731
+        o, lse = fn()
+        seq = kv_pool[:pages].view(B, ctx, 1, dl + dr)
+        errs = [check(o[b], lse[b], *reference(torch.cat((ql[b], qr[b]), -1)[None], seq[b],
+                                                seq[b, :, :, :dl], scale),
+                      f"mla B{B} ctx{ctx} row {b}") for b in {0, B - 1}]
+        rec["shape"] = "deepseek-v3 rank: 128h Dl512 Dr64 bf16"
+    rec["max_err"] = max(errs)
+    rec["time_us"] = graph_time_us(fn, args.iters, flush)
+    return rec
+
+
+def sdpa_time(q, k_seq, v_seq, scale, flush, repeat_cap_gb=16.0):
+    """torch SDPA over the same KV viewed [B, Hkv, ctx, d] (no copy) with enable_gqa; if that
+    fails, over KV repeated to every query head (when that copy stays under repeat_cap_gb)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    qs = q.unsqueeze(2)                                       # [B, Hq, 1, d]
+    ks, vs = k_seq.transpose(1, 2), v_seq.transpose(1, 2)     # [B, Hkv, ctx, d]
+    try:
+        return graph_time_us(lambda: sdpa(qs, ks, vs, scale=scale, enable_gqa=True), 10, flush)
+    except Exception as e:  # noqa: BLE001 - report, keep benchmarking the kernel
+        print(f"  sdpa enable_gqa failed: {type(e).__name__}: {e}", flush=True)
+    group = q.shape[1] // ks.shape[1]
+    if 2 * ks.numel() * group * ks.element_size() > repeat_cap_gb * 1e9:
+        return None
+    kr, vr = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+    try:
+        return graph_time_us(lambda: sdpa(qs, kr, vr, scale=scale), 10, flush)
+    except Exception as e:  # noqa: BLE001
+        print(f"  sdpa failed: {type(e).__name__}: {e}", flush=True)
+        return None
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON file for the records")
+    p.add_argument("--quick", action="store_true", help="batch {1, 8} x context {4K, 64K}")
+    p.add_argument("--kernels", default="gqa,mla", help="comma list of gqa, mla")
+    p.add_argument("--batches", default=None, help="comma list (default 1..64)")
+    p.add_argument("--contexts", default=None, help="comma list of tokens per rank")
+    p.add_argument("--mem-cap-gb", type=float, default=60.0, help="skip configs with more KV")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-sdpa", action="store_true")
+    args = p.parse_args()
+    batches = [int(x) for x in args.batches.split(",")] if args.batches else (
+        [1, 8] if args.quick else BATCHES)
+    contexts = [int(x) for x in args.contexts.split(",")] if args.contexts else (
+        [4096, 65536] if args.quick else CONTEXTS)
+
+    copy_bw, mm = copy_bandwidth(), matmul_rate()
+    print(f"copy {copy_bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
+    flush = L2Flush()
+    records = []
+    for kernel in args.kernels.split(","):
+        cap_tokens = int(args.mem_cap_gb * 1e9) // kv_bytes_per_token(kernel)
+        configs = [(B, c) for B in batches for c in contexts if B * c <= cap_tokens]
+        if not configs:
+            continue
+        pages = max(B * c for B, c in configs) // args.page_size
+        inner = (GQA["hkv"], GQA["d"]) if kernel == "gqa" else (MLA["dl"] + MLA["dr"],)
+        pools = [random_pool((pages, args.page_size, *inner))
+                 for _ in range(2 if kernel == "gqa" else 1)]
+        for B, ctx in configs:
+            rec = bench_config(kernel, B, ctx, args.page_size, pools, flush, args)
+            nbytes, flops = cost(kernel, B, ctx)
+            floor = max(nbytes / copy_bw, flops / mm) * 1e6
+            rec.update(floor_us=floor, roofline_fraction=floor / rec["time_us"],
+                       achieved_GBps=nbytes / rec["time_us"] / 1e3, copy_GBps=copy_bw / 1e9,
+                       matmul_TFLOPs=mm / 1e12, bytes=nbytes, flops=flops,
+                       page_size=args.page_size, device=torch.cuda.get_device_name())
+            records.append(rec)
+            sdpa = f"{rec['sdpa_us']:.1f}" if rec["sdpa_us"] else "-"
+            print(f"{kernel} B{B:<3} ctx {ctx:>7}: {rec['time_us']:9.1f} us  floor "
+                  f"{floor:9.1f} us  {100 * rec['roofline_fraction']:5.1f}% roofline  "
+                  f"{rec['achieved_GBps']:6.0f} GB/s  sdpa {sdpa} us", flush=True)
+            with open(args.out, "w") as f:                    # after every config: a kill keeps
+                json.dump(records, f, indent=1)               # what was measured
+        del pools
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

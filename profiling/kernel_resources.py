@@ -1,0 +1,170 @@
+"""Compile the production Triton launches for Hopper (sm_90) on any machine, no GPU needed, and
+report each kernel's registers, spills, shared memory and tensor-core instructions.
+
+The Helix launchers run on "meta" tensors (shapes, strides and dtypes, no data) with their one
+launch point (`run_kernel`) swapped for a recorder; each recorded launch is then compiled with
+triton.compile for GPUTarget("cuda", 90, 32), specialised as the JIT would (ints equal to 1
+become constants, ints divisible by 16 get the divisibility hint), and its cubin is read with
+the cuobjdump that ships in Triton's wheel. It catches what the interpreter cannot: kernels that
+do not compile, shared memory over the 227 KB a block may use, register spills, and wgmma
+(HGMMA) missing where the MLA kernel relies on it. Must run with TRITON_INTERPRET unset.
+
+    python profiling/kernel_resources.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from unittest import mock
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from helix.attention import (triton_append, triton_decode, triton_merge, triton_mla,  # noqa: E402
+                             triton_splits)
+
+SM90_SMEM_LIMIT = 232448            # bytes of shared memory one block may use on H100 / H200
+_MODULES = (triton_splits, triton_decode, triton_mla, triton_append, triton_merge)
+_PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
+        torch.int32: "*i32", torch.int64: "*i64", torch.int16: "*i16", torch.int8: "*i8"}
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """Within: every Helix launch is recorded as (kernel, args, meta) instead of run."""
+    launches = []
+
+    def record(kernel, grid, *args, **meta):
+        launches.append((kernel, args, meta))
+
+    with contextlib.ExitStack() as stack:
+        for mod in _MODULES:
+            stack.enter_context(mock.patch.object(mod, "run_kernel", record))
+        yield launches
+
+
+def _signature(kernel, args, meta):
+    """The JIT's specialisation of one launch: (signature, constexprs, attrs)."""
+    sig, consts, attrs = {}, {}, {}
+    options = {k: meta[k] for k in ("num_warps", "num_stages") if k in meta}
+    for i, name in enumerate(kernel.arg_names):
+        v = meta[name] if name in meta else args[i]
+        if name in meta or kernel.params[i].is_constexpr:
+            sig[name], consts[name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = _PTR[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]         # allocations are 16-byte aligned
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            if v == 1:
+                sig[name], consts[name] = "constexpr", 1
+                continue
+            sig[name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.fn.__name__}: cannot specialise {name}={v!r}")
+    return sig, consts, attrs, options
+
+
+def compile_sm90(kernel, args, meta) -> dict:
+    sig, consts, attrs, options = _signature(kernel, args, meta)
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    target = GPUTarget("cuda", 90, 32)
+    opts = triton.compiler.make_backend(target).parse_options(options)
+    cc = triton.compile(src, target=target, options=opts.__dict__)
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cc.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage",
+                                f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    return dict(kernel=kernel.fn.__name__, num_warps=opts.num_warps, num_stages=opts.num_stages,
+                constexprs={k: v for k, v in consts.items() if k.isupper()},
+                registers=regs, stack_bytes=stack, shared_bytes=cc.metadata.shared,
+                hgmma=sass.count("HGMMA"), hmma=sass.count("HMMA"),
+                local_loads=sass.count("LDL"), cp_async=sass.count("LDGSTS"))
+
+
+def production_launches(name: str):
+    """The launches of one named production case, recorded on meta tensors."""
+    m = dict(device="meta")
+    bf = torch.bfloat16
+    with recorded_launches() as launches:
+        if name == "gqa-llama70b":             # 64 q / 8 kv heads, d 128, bf16, 8 splits
+            q = torch.empty(4, 64, 128, dtype=bf, **m)
+            kv = torch.empty(1024, 64, 8, 128, dtype=bf, **m)
+            triton_decode.gqa_decode(q, kv, kv, torch.empty(4, 64, dtype=torch.int32, **m),
+                                     torch.empty(4, dtype=torch.int32, **m), 0.088, num_splits=8)
+        elif name == "gqa-mqa-d256-fp16":      # 32 q / 1 kv head, d 256
+            q = torch.empty(2, 32, 256, dtype=torch.float16, **m)
+            kv = torch.empty(256, 16, 1, 256, dtype=torch.float16, **m)
+            triton_decode.gqa_decode(q, kv, kv, torch.empty(2, 9, dtype=torch.int32, **m),
+                                     torch.empty(2, dtype=torch.int32, **m), 0.06, num_splits=4)
+        elif name == "gqa-fp32":
+            q = torch.empty(2, 32, 128, dtype=torch.float32, **m)
+            kv = torch.empty(256, 16, 8, 128, dtype=torch.float32, **m)
+            triton_decode.gqa_decode(q, kv, kv, torch.empty(2, 9, dtype=torch.int32, **m),
+                                     torch.empty(2, dtype=torch.int32, **m), 0.06, num_splits=1)
+        elif name in ("mla-deepseek-v3", "mla-deepseek-fp32"):   # 128 heads, Dl 512, Dr 64
+            dt = bf if name == "mla-deepseek-v3" else torch.float32
+            ql = torch.empty(4, 128, 512, dtype=dt, **m)
+            qr = torch.empty(4, 128, 64, dtype=dt, **m)
+            kv = torch.empty(1024, 64, 576, dtype=dt, **m)
+            triton_mla.mla_decode(ql, qr, kv, torch.empty(4, 64, dtype=torch.int32, **m),
+                                  torch.empty(4, dtype=torch.int32, **m), 0.072, num_splits=8)
+        elif name == "append-and-exchange":
+            for cache, rows in (((1024, 64, 8, 128), (4, 8, 128)), ((1024, 64, 576), (4, 576))):
+                triton_append.append_kv(torch.empty(cache, dtype=bf, **m),
+                                        torch.empty(rows, dtype=bf, **m),
+                                        torch.empty(4, dtype=torch.int64, **m))
+            for dt in (bf, torch.float32):
+                o = torch.empty(8, 64, 128, dtype=dt, **m)
+                send = triton_merge.pack_partials(o, torch.empty(8, 64, **m), 2)
+                triton_merge.merge_received(send, 128)
+        else:
+            raise ValueError(name)
+    return launches
+
+
+CASES = ["gqa-llama70b", "gqa-mqa-d256-fp16", "gqa-fp32", "mla-deepseek-v3", "mla-deepseek-fp32",
+         "append-and-exchange"]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--json", default=None, help="write the records here")
+    args = p.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("unset TRITON_INTERPRET: the interpreter has no compiler to ask")
+    records = []
+    for case in args.cases.split(","):
+        for kernel, a, meta in production_launches(case):
+            rec = dict(case=case, **compile_sm90(kernel, a, meta))
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,486 @@
+"""Triton kernels against the torch reference: decode (GQA, MLA), KV append, the exchange's
+pack / merge, the TritonAttention backend end to end over simulated KVP ranks, 64-bit offsets,
+and the production launches compiled for sm_90 (no GPU needed).
+
+Without CUDA the kernels run through Triton's interpreter. TRITON_INTERPRET must be set before
+triton is first imported (triton.jit reads it at decoration, triton's own library included):
+this module sets it at its top, and .ci/run exports TRITON_INTERPRET=1 for the whole suite. If
+triton was imported earlier in the process without it, collection fails here naming that fix.
+The interpreter (triton 3.9) computes bf16 dot products wrongly, so bf16 decode runs only on a
+GPU, where this same module runs the compiled kernels (bf16 included) if TRITON_INTERPRET is
+unset."""
+
+import os
+
+import torch
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import inspect  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+import pytest  # noqa: E402
+import triton.language.standard  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if not ON_GPU and not isinstance(triton.language.standard.cdiv, InterpretedFunction):
+    pytest.fail("triton was imported before TRITON_INTERPRET=1 was set (triton.jit reads it at "
+                "decoration, its own library too): export TRITON_INTERPRET=1 as .ci/run does",
+                pytrace=False)
+
+from helix.attention import merge as torch_merge  # noqa: E402
+from helix.attention import (triton_append, triton_backend, triton_decode,  # noqa: E402
+                             triton_merge, triton_mla, triton_splits)
+from helix.attention.torch_ref import TorchAttention  # noqa: E402
+from helix.kv.manager import KVManager, LocalKVMeta  # noqa: E402
+
+DEV = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def _decode_meta(lens: list[int], page: int, num_pages: int, gen: torch.Generator) -> LocalKVMeta:
+    """Decode metadata for len(lens) sequences with random (disjoint) pages; query at the end."""
+    B = len(lens)
+    width = max([1] + [-(-n // page) for n in lens]) + 1           # spare column, like a bucket
+    perm = torch.randperm(num_pages, generator=gen)[:B * width].view(B, width)
+    return LocalKVMeta(
+        slots=torch.full((B,), -1, dtype=torch.int64, device=DEV),
+        block_tables=perm.int().to(DEV), kv_lens=torch.tensor(lens, dtype=torch.int32, device=DEV),
+        cu_q=torch.arange(B + 1, dtype=torch.int32, device=DEV),
+        q_pos=torch.tensor([n - 1 for n in lens], dtype=torch.int64, device=DEV).clamp(min=0),
+        kvp_rank=0, kvp=1, interleave=1, page_size=page, is_decode=True)
+
+
+def _close(out, ref, dtype):
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+def _lse_close(lse, ref):
+    assert lse.dtype == torch.float32
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref)), (lse, ref)
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(lse[fin], ref[fin], atol=1e-4, rtol=1e-4)
+
+
+# -- the split heuristic --------------------------------------------------------------------
+
+def test_choose_num_splits():
+    s = triton_splits.choose_num_splits
+    for batch in (1, 2, 8, 64):
+        for ctx in (16, 4096, 65536, 1 << 19):
+            n = s(batch, 8, ctx, 132)
+            assert n >= 1 and n & (n - 1) == 0 and n <= 64
+            assert n == 1 or ctx // n >= 256                 # splits stay >= min_tokens long
+    assert s(1, 8, 65536, 132) >= 32                         # batch 1 long context: fill the GPU
+    assert s(64, 8, 65536, 132) == 1                         # big batch: enough programs already
+    assert s(1, 8, 100, 132) == 1                            # short context: no split
+    assert s(1, 2, 1 << 16, 132, min_tokens=1024) == 64
+
+
+# -- GQA decode ------------------------------------------------------------------------------
+
+GQA_CASES = [  # (B, Hq, Hkv, d, page, lens, splits, block_n)
+    (3, 8, 8, 32, 16, [1, 16, 17], None, None),              # MHA, page boundary +- 1
+    (4, 16, 4, 16, 8, [0, 33, 7, 64], None, None),           # group 4, an empty shard
+    (2, 8, 1, 64, 16, [31, 0], 4, None),                     # group 8 (MQA), odd length
+    (2, 16, 2, 24, 32, [95, 64], 3, 16),                     # d not a power of two, 3 splits
+    (2, 4, 2, 32, 4, [13, 5], 2, 16),                        # pages smaller than the block
+    (1, 8, 2, 16, 16, [0], 2, None),                         # everything empty
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", GQA_CASES, ids=lambda c: f"B{c[0]}-hq{c[1]}-hkv{c[2]}-d{c[3]}"
+                         f"-p{c[4]}-s{c[6]}")
+def test_gqa_decode(case, dtype):
+    B, hq, hkv, d, page, lens, splits, block_n = case
+    gen = torch.Generator().manual_seed(B * 1000 + sum(lens))
+    P = 40
+    meta = _decode_meta(lens, page, P, gen)
+    k = torch.randn(P, page, hkv, d, generator=gen).to(DEV, dtype)
+    v = torch.randn(P, page, hkv, d, generator=gen).to(DEV, dtype)
+    q = torch.randn(B, hq, 2 * d, generator=gen).to(DEV, dtype)[..., ::2]    # strided view
+    o, lse = triton_decode.gqa_decode(q, k, v, meta.block_tables, meta.kv_lens, d ** -0.5,
+                                      num_splits=splits, block_n=block_n)
+    ro, rl = TorchAttention().attend_gqa(q, k, v, meta, d ** -0.5)
+    assert o.dtype == dtype and o.shape == (B, hq, d) and not torch.isnan(o).any()
+    _close(o, ro, dtype)
+    _lse_close(lse, rl)
+    empty = meta.kv_lens == 0
+    assert torch.all(lse[empty] == float("-inf")) and torch.all(o[empty] == 0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gqa_decode_random_shapes(seed):
+    """Random batch, group (1 / 4 / 8), head dim, page size, lengths (0 and page multiples
+    included), splits; fp32 and fp16 alternate."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=gen))]  # noqa: E731
+    B, hkv, group, d, page = pick([1, 2, 5]), pick([1, 2]), pick([1, 4, 8]), pick([16, 40, 64]), \
+        pick([4, 16, 64])
+    lens = [pick([0, page, 2 * page - 1, int(torch.randint(1, 150, (1,), generator=gen))])
+            for _ in range(B)]
+    dtype = (torch.float32, torch.float16)[seed % 2]
+    meta = _decode_meta(lens, page, B * (150 // page + 3), gen)
+    P = meta.block_tables.max().item() + 1
+    k = torch.randn(P, page, hkv, d, generator=gen).to(DEV, dtype)
+    v = torch.randn(P, page, hkv, d, generator=gen).to(DEV, dtype)
+    q = torch.randn(B, hkv * group, d, generator=gen).to(DEV, dtype)
+    o, lse = triton_decode.gqa_decode(q, k, v, meta.block_tables, meta.kv_lens, 0.2,
+                                      num_splits=pick([None, 1, 2, 4]))
+    ro, rl = TorchAttention().attend_gqa(q, k, v, meta, 0.2)
+    _close(o, ro, dtype)
+    _lse_close(lse, rl)
+
+
+# -- MLA decode ------------------------------------------------------------------------------
+
+MLA_CASES = [  # (B, H, Dl, Dr, page, lens, splits, block_h)
+    (2, 4, 16, 4, 16, [37, 0], None, None),
+    (3, 8, 64, 16, 8, [1, 8, 9], 2, None),
+    (2, 2, 64, 16, 32, [100, 63], 4, None),
+    (1, 20, 32, 8, 16, [50], 1, 16),                         # two head blocks, one masked
+    (2, 6, 24, 8, 4, [0, 0], 2, None),                       # all empty
+    (1, 16, 512, 64, 64, [70], 2, None),                     # DeepSeek's Dl, Dr
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: f"B{c[0]}-h{c[1]}-dl{c[2]}-dr{c[3]}"
+                         f"-p{c[4]}-s{c[6]}")
+def test_mla_decode(case, dtype):
+    B, H, Dl, Dr, page, lens, splits, block_h = case
+    gen = torch.Generator().manual_seed(B * 1000 + sum(lens))
+    P = 40
+    meta = _decode_meta(lens, page, P, gen)
+    kv = torch.randn(P, page, Dl + Dr, generator=gen).to(DEV, dtype)
+    q = torch.randn(B, H, Dl + Dr, generator=gen).to(DEV, dtype)
+    ql, qr = q.split([Dl, Dr], dim=-1)                                    # non-contiguous views
+    o, lse = triton_mla.mla_decode(ql, qr, kv, meta.block_tables, meta.kv_lens, 0.3,
+                                   num_splits=splits, block_h=block_h)
+    ro, rl = TorchAttention().attend_mla(ql, qr, kv, Dl, meta, 0.3)
+    assert o.dtype == dtype and o.shape == (B, H, Dl) and not torch.isnan(o).any()
+    _close(o, ro, dtype)
+    _lse_close(lse, rl)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mla_decode_random_shapes(seed):
+    gen = torch.Generator().manual_seed(200 + seed)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=gen))]  # noqa: E731
+    B, H, Dl, Dr, page = pick([1, 3]), pick([2, 5, 8]), pick([16, 64]), pick([4, 16]), pick([8, 32])
+    lens = [pick([0, page, int(torch.randint(1, 120, (1,), generator=gen))]) for _ in range(B)]
+    dtype = (torch.float32, torch.float16)[seed % 2]
+    meta = _decode_meta(lens, page, B * (120 // page + 3), gen)
+    P = meta.block_tables.max().item() + 1
+    kv = torch.randn(P, page, Dl + Dr, generator=gen).to(DEV, dtype)
+    ql = torch.randn(B, H, Dl, generator=gen).to(DEV, dtype)
+    qr = torch.randn(B, H, Dr, generator=gen).to(DEV, dtype)
+    o, lse = triton_mla.mla_decode(ql, qr, kv, meta.block_tables, meta.kv_lens, 0.25,
+                                   num_splits=pick([None, 1, 2, 4]))
+    ro, rl = TorchAttention().attend_mla(ql, qr, kv, Dl, meta, 0.25)
+    _close(o, ro, dtype)
+    _lse_close(lse, rl)
+
+
+@pytest.mark.parametrize("trend", [1.0, -1.0], ids=["rising", "falling"])
+def test_mla_decode_lazy_rescale(trend):
+    """Scores that climb (or fall) by far more than 2^8 along the sequence: the lazy running-max
+    rescale must still give the exact softmax."""
+    gen = torch.Generator().manual_seed(4)
+    Dl, Dr, page, n = 32, 8, 16, 150
+    meta = _decode_meta([n], page, 16, gen)
+    q = torch.randn(1, 4, Dl + Dr, generator=gen)
+    kv = torch.randn(16, page, Dl + Dr, generator=gen) * 0.1
+    pos = torch.arange(n)
+    pages, offs = meta.block_tables[0].long().cpu()[pos // page], pos % page
+    kv[pages, offs] += trend * (pos[:, None] / 3.0) * q[0, 0] / q[0, 0].norm()   # logit ~ +-t/3
+    kv, q = kv.to(DEV), q.to(DEV)
+    o, lse = triton_mla.mla_decode(q[..., :Dl], q[..., Dl:], kv, meta.block_tables, meta.kv_lens,
+                                   1.0, num_splits=2)
+    ro, rl = TorchAttention().attend_mla(q[..., :Dl], q[..., Dl:], kv, Dl, meta, 1.0)
+    _close(o, ro, torch.float32)
+    _lse_close(lse, rl)
+
+
+# -- KV append -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("inner", [(2, 8), (3, 24), (20,)], ids=str)   # GQA [Hkv, d], MLA [Dl+Dr]
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_append_kv(inner, dtype):
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(6, 4, *inner, generator=gen).to(DEV, dtype)
+    rows = torch.randn(7, *inner, generator=gen).to(DEV)                  # fp32 rows: cast
+    slots = torch.tensor([5, -1, 0, 23, -1, 12, 4], dtype=torch.int64, device=DEV)
+    ref = cache.clone()
+    TorchAttention().append_kv(ref, rows, slots)
+    triton_append.append_kv(cache, rows, slots)
+    assert torch.equal(cache, ref)
+
+
+# -- the exchange: pack and merge ------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_pack_partials_bit_identical(dtype, n):
+    gen = torch.Generator().manual_seed(n)
+    T, H, d = 3, 8, 20
+    o = torch.randn(T, H, 2 * d, generator=gen).to(DEV, dtype)[..., :d]    # strided
+    lse = torch.randn(T, H, generator=gen).to(DEV) * 10
+    lse[0, 1], lse[1, :], lse[2, 3], lse[2, 4] = float("-inf"), float("-inf"), float("nan"), 3e38
+    ours, ref = triton_merge.pack_partials(o, lse, n), torch_merge.pack_partials(o, lse, n)
+    assert ours.shape == ref.shape == (n, T, H // n, d + ref.shape[-1] - d)
+    assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
+
+
+def _recv(dtype, n, T, h, d, gen, empty_frac=0.3):
+    """n partials as the all-to-all delivers them; empty partials (LSE -inf) carry O = 0."""
+    o = torch.randn(n, T, h, d, generator=gen)
+    lse = torch.randn(n, T, h, generator=gen) * 4
+    empty = torch.rand(n, T, h, generator=gen) < empty_frac
+    empty[:, 0, 0] = True                                                  # an all-empty row
+    lse[empty] = float("-inf")
+    o[empty] = 0
+    return torch.stack([torch_merge.pack_partials(o[i].to(DEV, dtype), lse[i].to(DEV), 1)[0]
+                        for i in range(n)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_merge_received(dtype, n):
+    gen = torch.Generator().manual_seed(10 + n)
+    T, h, d = 4, 5, 24
+    recv = _recv(dtype, n, T, h, d, gen)
+    ours = triton_merge.merge_received(recv, d)
+    ref = torch_merge.merge_partials(*torch_merge.unpack_partials(recv, d))[0]
+    assert ours.dtype == dtype and not torch.isnan(ours).any()
+    atol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours.float(), ref.float(), atol=atol, rtol=atol)
+    assert torch.all(ours[0, 0] == 0)
+
+
+def test_merge_received_ignores_empty_and_bad_partials():
+    """-inf (and NaN / +inf) partials contribute exactly nothing, whatever their O holds."""
+    T, h, d = 2, 3, 8
+    o = torch.randn(3, T, h, d)
+    lse = torch.tensor([1.5, float("-inf"), float("nan")]).view(3, 1, 1).expand(3, T, h).clone()
+    lse[:, 1, 2] = torch.tensor([float("-inf"), float("inf"), float("-inf")])   # all-empty row
+    recv = torch.stack([torch_merge.pack_partials(o[i].to(DEV), lse[i].to(DEV), 1)[0]
+                        for i in range(3)])
+    out = triton_merge.merge_received(recv, d).cpu()
+    assert torch.equal(out[0], o[0, 0])                                    # exact: weight 1
+    assert torch.equal(out[1, :2], o[0, 1, :2])
+    assert torch.all(out[1, 2] == 0)
+
+
+# -- the backend end to end: KVP ranks simulated in one process -------------------------------
+
+def _to_dev(meta: LocalKVMeta) -> LocalKVMeta:
+    return LocalKVMeta(**{k: (v.to(DEV) if torch.is_tensor(v) else v)
+                          for k, v in vars(meta).items()})
+
+
+def _rank_step(prompt_lens, kvp, rank, interleave, page):
+    """Prefill every sequence, then one decode step, on KVP rank `rank`: (slots of the prefill
+    rows, the decode meta)."""
+    kv = KVManager(64, page, rank, kvp, interleave)
+    pre = kv.prepare([(i, 0, n) for i, n in enumerate(prompt_lens)], "cpu")
+    dec = kv.prepare([(i, n, 1) for i, n in enumerate(prompt_lens)], "cpu")
+    return pre.slots.to(DEV), _to_dev(dec)
+
+
+def _exchange(backend, parts, d):
+    """parts: each rank's (o [T, H, d], lse [T, H]) -> each rank's merged o [T, H/kvp, d]."""
+    n = len(parts)
+    sends = [backend.pack_partials(o, lse, n) for o, lse in parts]
+    return [backend.merge_received(torch.stack([s[j] for s in sends]), d) for j in range(n)]
+
+
+@pytest.mark.parametrize("kvp,interleave", [(1, 1), (2, 1), (3, 4)])
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+def test_backend_decode_over_kvp_ranks(kvp, interleave, mla):
+    """append + attend + pack + merge over kvp simulated ranks == full attention (torch, kvp 1).
+    The prompt lengths leave some ranks with no token of a sequence (LSE -inf there)."""
+    gen = torch.Generator().manual_seed(kvp * 7 + interleave)
+    page, dtype, H, dl = 4, torch.float32, 12, 16
+    prompt_lens = [0, 1, 6, 13]
+    B = len(prompt_lens)
+    inner = (dl + 4,) if mla else (2, 8)                    # MLA [Dl + Dr]; GQA [Hkv, d]
+    seq_rows = torch.randn(B, max(prompt_lens) + 1, *inner, generator=gen).to(DEV, dtype)
+    prefill_rows = torch.cat([seq_rows[i, :n] for i, n in enumerate(prompt_lens)])
+    decode_rows = torch.stack([seq_rows[i, n] for i, n in enumerate(prompt_lens)])
+    q = torch.randn(B, H, inner[-1], generator=gen).to(DEV, dtype)
+
+    def run(backend, kvp_, rank):
+        pre_slots, meta = _rank_step(prompt_lens, kvp_, rank, interleave, page)
+        caches = [torch.zeros((64, page, *inner), dtype=dtype, device=DEV)
+                  for _ in range(1 if mla else 2)]
+        for c_i, c in enumerate(caches):                    # V = 2 K: distinct caches
+            backend.append_kv(c, prefill_rows * (c_i + 1), pre_slots)
+            backend.append_kv(c, decode_rows * (c_i + 1), meta.slots)
+        if mla:
+            return backend.attend_mla(q[..., :dl], q[..., dl:], caches[0], dl, meta, 0.4)
+        return backend.attend_gqa(q, caches[0], caches[1], meta, 0.4)
+
+    want_o, want_lse = run(TorchAttention(), 1, 0)
+    tri = triton_backend.TritonAttention()
+    parts = [run(tri, kvp, r) for r in range(kvp)]
+    d = dl if mla else inner[-1]
+    merged = torch.cat(_exchange(tri, parts, d), dim=1) if kvp > 1 else parts[0][0]
+    torch.testing.assert_close(merged, want_o, atol=2e-5, rtol=2e-5)
+    lse = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
+    _lse_close(lse, want_lse)
+
+
+def test_backend_prefill_falls_back_to_torch():
+    gen = torch.Generator().manual_seed(5)
+    kv = KVManager(16, 4, 0, 1, 1)
+    meta = _to_dev(kv.prepare([(0, 0, 5), (1, 0, 3)], "cpu"))
+    k = torch.randn(16, 4, 2, 8, generator=gen).to(DEV)
+    v = torch.randn(16, 4, 2, 8, generator=gen).to(DEV)
+    q = torch.randn(8, 4, 8, generator=gen).to(DEV)
+    ours = triton_backend.TritonAttention().attend_gqa(q, k, v, meta, 0.5)
+    ref = TorchAttention().attend_gqa(q, k, v, meta, 0.5)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+
+
+# -- flash-attn (GPU machines with flash_attn installed) -------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash_backend_decode():
+    pytest.importorskip("flash_attn")
+    from helix.attention.flash_backend import FlashAttention
+    from helix.errors import ConfigError
+    gen = torch.Generator().manual_seed(8)
+    page, P = 256, 8
+    meta = _decode_meta([300, 0, 1], page, P, gen)
+    k = torch.randn(P, page, 2, 64, generator=gen).to("cuda", torch.bfloat16)
+    v = torch.randn(P, page, 2, 64, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(3, 8, 64, generator=gen).to("cuda", torch.bfloat16)
+    o, lse = FlashAttention().attend_gqa(q, k, v, meta, 0.125)
+    ro, rl = TorchAttention().attend_gqa(q, k, v, meta, 0.125)
+    _close(o, ro, torch.bfloat16)
+    _lse_close(lse, rl)
+    small = _decode_meta([3], 16, P, gen)
+    with pytest.raises(ConfigError, match="page-size"):
+        FlashAttention().attend_gqa(q[:1], k.view(-1, 16, 2, 64), v.view(-1, 16, 2, 64), small,
+                                    1.0)
+
+
+# -- 64-bit offsets ---------------------------------------------------------------------------
+
+def test_page_offsets_are_int64_in_source():
+    """Every page / slot id is widened to int64 before it multiplies a stride."""
+    rows_src = inspect.getsource(triton_splits.token_rows.fn)
+    assert rows_src.count(".to(tl.int64)") >= 3 and "page * stride_page" in rows_src
+    for kernel in (triton_decode._gqa_split_kernel, triton_mla._mla_split_kernel):
+        src = inspect.getsource(kernel.fn)
+        assert "token_rows(" in src and "tl.program_id(2).to(tl.int64)" in src
+    assert "slot = tl.load(slots_ptr + t).to(tl.int64)" in inspect.getsource(
+        triton_append._append_kernel.fn)
+
+
+_BIG_POOL_SCRIPT = textwrap.dedent("""
+    import os, sys
+    if sys.argv[1] == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from helix.attention import triton_append, triton_decode, triton_mla
+    dev = sys.argv[1]
+    torch.manual_seed(0)
+    def pages_at_end(P, n):          # the last pages of a pool of P pages, shuffled
+        return (P - 1 - torch.randperm(n)).int().view(1, n).to(dev)
+    # MLA: [P, 16, 32] fp16 with P * 512 > 2^31 elements; only the touched pages are committed
+    page, Dl, Dr = 16, 16, 16
+    P = 2**31 // (page * (Dl + Dr)) + 8
+    kv = torch.empty((P, page, Dl + Dr), dtype=torch.float16, device=dev)
+    assert kv.numel() > 2**31
+    bt = pages_at_end(P, 3)
+    slots = (bt[0].long()[:, None] * page + torch.arange(page, device=dev)).reshape(-1)[:40]
+    rows = torch.randn(40, Dl + Dr, device=dev).half()
+    triton_append.append_kv(kv, rows, slots)
+    ql, qr = torch.randn(1, 4, Dl, device=dev).half(), torch.randn(1, 4, Dr, device=dev).half()
+    lens = torch.tensor([40], dtype=torch.int32, device=dev)
+    o, lse = triton_mla.mla_decode(ql, qr, kv, bt, lens, 0.25, num_splits=2)
+    r = rows.float()
+    s = (ql[0].float() @ r[:, :Dl].T + qr[0].float() @ r[:, Dl:].T) * 0.25
+    assert (o[0].float() - torch.softmax(s, -1) @ r[:, :Dl]).abs().max() < 2e-3
+    assert (lse[0] - torch.logsumexp(s, -1)).abs().max() < 1e-4
+    del kv
+    # GQA: k, v [P, 16, 1, 16] fp16 with > 2^31 elements each
+    P = 2**31 // (page * 16) + 8
+    k = torch.empty((P, page, 1, 16), dtype=torch.float16, device=dev)
+    v = torch.empty_like(k)
+    bt = pages_at_end(P, 3)
+    slots = (bt[0].long()[:, None] * page + torch.arange(page, device=dev)).reshape(-1)[:40]
+    kr, vr = torch.randn(40, 1, 16, device=dev).half(), torch.randn(40, 1, 16, device=dev).half()
+    triton_append.append_kv(k, kr, slots)
+    triton_append.append_kv(v, vr, slots)
+    q = torch.randn(1, 4, 16, device=dev).half()
+    o, lse = triton_decode.gqa_decode(q, k, v, bt, lens, 0.25, num_splits=2)
+    s = (q[0].float() @ kr[:, 0].float().T) * 0.25
+    assert (o[0].float() - torch.softmax(s, -1) @ vr[:, 0].float()).abs().max() < 2e-3
+    print("ok")
+""")
+
+
+def _run_big_pool(dev: str):
+    # a subprocess: with 32-bit offsets the kernels would read wild addresses and crash
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # script decides
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    res = subprocess.run([sys.executable, "-c", _BIG_POOL_SCRIPT, dev], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU variant below covers it")
+def test_pool_over_2_31_elements_cpu():
+    """A real pool of > 2^31 elements on CPU: torch.empty only reserves address space, and the
+    interpreter touches just the pages used, placed at the end of the pool."""
+    _run_big_pool("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pool_over_2_31_elements_gpu():
+    _run_big_pool("cuda")
+
+
+# -- the production launches compile for Hopper ------------------------------------------------
+
+def test_kernels_compile_for_sm90(tmp_path):
+    """What the interpreter cannot check: every production launch (Llama-70B GQA, DeepSeek MLA,
+    append, exchange, ...) compiles for sm_90 with triton's bundled ptxas, fits a block's shared
+    memory, barely spills, and the MLA kernel issues wgmma. No GPU needed."""
+    import triton
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
+        pytest.skip("this triton wheel ships no ptxas / cuobjdump")
+    from profiling.kernel_resources import SM90_SMEM_LIMIT
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=os.pathsep.join(sys.path))
+    out = tmp_path / "resources.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, os.path.join(root, "profiling", "kernel_resources.py"),
+                          "--json", str(out)], capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = json.loads(out.read_text())
+    assert {r["kernel"] for r in records} >= {"_gqa_split_kernel", "_mla_split_kernel",
+                                              "_reduce_splits_kernel", "_append_kernel",
+                                              "_pack_kernel", "_merge_kernel"}
+    for r in records:
+        assert r["shared_bytes"] <= SM90_SMEM_LIMIT, r
+        assert r["stack_bytes"] <= 64, r                  # no real register spills
+    mla = [r for r in records
+           if r["case"] == "mla-deepseek-v3" and r["kernel"] == "_mla_split_kernel"]
+    assert mla and mla[0]["hgmma"] > 0, mla                # tensor cores through wgmma
