@@ -96,12 +96,14 @@ class GraphRunner:
     # -- steps --------------------------------------------------------------------------------
     def run(self, n: int, inputs: Mapping[str, torch.Tensor] | None = None,
             pads: Mapping[str, float | int | bool] | None = None,
-            agree: ReduceMax | None = None) -> Any:
+            agree: ReduceMax | None = None, non_blocking: bool = False) -> Any:
         """One step with this rank's `n` rows; returns fn's outputs for the bucket's rows.
 
         inputs: name -> `[rows <= bucket, ...]` tensor copied into that static buffer, the rest
             of the bucket's rows padded (buffers not named keep whatever the caller wrote).
         pads: per-call pad overrides (default: each buffer's own pad).
+        non_blocking: asynchronous host-to-device copies (inputs in pinned host memory, which the
+            caller must not overwrite before the step's outputs are read).
         agree: max over ranks (see buckets.dist_reduce_max); None for one rank. Every rank must
             call run for every step, with the same agree, since the bucket choice is collective.
         Above the largest bucket, runs eagerly on `rows = max over ranks` rows (one warning).
@@ -116,7 +118,7 @@ class GraphRunner:
         if not self.graphs:
             self.capture_all()
         for name, src in inputs.items():
-            self.buffers.copy_in(name, src, pads.get(name), bucket=bucket)
+            self.buffers.copy_in(name, src, pads.get(name), bucket=bucket, non_blocking=non_blocking)
         if self.check_addresses:
             self.buffers.check_addresses()
         self.last_bucket = bucket

@@ -44,6 +44,10 @@ class DecodeGraphs:
             self.needed_breaks.add("moe")
         self.runner = GraphRunner(self._step, ladder, bufs, breaks=self.needed_breaks,
                                   enabled=dev.type == "cuda" and not engine.runtime.graph_eager)
+        # pinned host staging: one asynchronous copy per input, no host stall before the replay
+        pin = dev.type == "cuda"
+        self.staging = {name: torch.zeros((rows, *bufs.spec(name).row_shape), dtype=bufs[name].dtype,
+                                          pin_memory=pin) for name in bufs.names()}
         self.agree = dist_reduce_max(device=dev) if check_agreement else None
         self.max_pages = max_pages
 
@@ -68,9 +72,14 @@ class DecodeGraphs:
     def run(self, ids: torch.Tensor, meta: LocalKVMeta) -> torch.Tensor:
         """One decode step from this rank's host-side metadata -> logits [n, V] (a copy)."""
         n = ids.numel()
-        inputs = {"ids": ids, "pos": meta.q_pos, "slots": meta.slots, "kv_lens": meta.kv_lens,
-                  "block_tables": meta.block_tables}
-        logits = self.runner.run(n, inputs, agree=self.agree)
+        st = {k: v[:n] for k, v in self.staging.items()}
+        st["ids"].copy_(ids)
+        st["pos"].copy_(meta.q_pos)
+        st["slots"].copy_(meta.slots)
+        st["kv_lens"].copy_(meta.kv_lens)
+        st["block_tables"].zero_()
+        st["block_tables"][:, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        logits = self.runner.run(n, st, agree=self.agree, non_blocking=True)
         return logits[:n].clone()
 
     def close(self) -> None:
