@@ -74,6 +74,12 @@ def expected_tensors(model: torch.nn.Module) -> Iterator[tuple[str, tuple[int, .
     for name, p in model.named_parameters():
         if ".experts." in name and isinstance(_owner(model, name), LocalExperts):
             continue
+        parts = getattr(p, "checkpoint_parts", None)
+        if parts:  # fused parameter: one checkpoint tensor per part, `<parent>.<part>.<leaf>`
+            parent, _, leaf = name.rsplit(".", 2)
+            for part, f in parts:
+                yield f"{parent}.{part}.{leaf}", f.full_shape, (lambda t, n, p=p, f=f: f(p, t, n))
+            continue
         loader = p.weight_loader
         yield name, getattr(loader, "full_shape", tuple(p.shape)), (lambda t, n, p=p, f=loader: f(p, t, n))
     for prefix, mod in model.named_modules():

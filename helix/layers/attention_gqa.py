@@ -14,7 +14,7 @@ from torch import nn
 
 from helix.config import ModelConfig
 from helix.layers.exchange import KVPExchange
-from helix.layers.linear import ColumnShardLinear, RowShardLinear
+from helix.layers.linear import MergedColumnLinear, RowShardLinear
 from helix.layers.norm import RMSNorm
 from helix.layers.regions import region
 from helix.layers.rope import RotaryEmbedding
@@ -42,9 +42,10 @@ class GQAAttention(nn.Module):
         kv0, kv1 = kv_head_range(cfg, lay.tpa, mesh.tpa_rank)
         self.hkv, self.d = kv1 - kv0, d
         hkv_all = cfg.num_kv_heads * d
-        self.q_proj = ColumnShardLinear(D, H * d, q0 * d, (q0 + self.hq) * d, cfg.qkv_bias, dtype)
-        self.k_proj = ColumnShardLinear(D, hkv_all, kv0 * d, kv1 * d, cfg.qkv_bias, dtype)
-        self.v_proj = ColumnShardLinear(D, hkv_all, kv0 * d, kv1 * d, cfg.qkv_bias, dtype)
+        self.qkv_proj = MergedColumnLinear(D, [("q_proj", H * d, q0 * d, (q0 + self.hq) * d),
+                                               ("k_proj", hkv_all, kv0 * d, kv1 * d),
+                                               ("v_proj", hkv_all, kv0 * d, kv1 * d)],
+                                           cfg.qkv_bias, dtype)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_eps, dtype)
             self.k_norm = RMSNorm(d, cfg.rms_eps, dtype)
@@ -63,9 +64,10 @@ class GQAAttention(nn.Module):
     def forward(self, x, pos, meta, cache, backend, ctx=None):
         """x [T, D] replicated, pos [T] global positions -> [T, D] replicated."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.hq, self.d)
-        k = self.k_proj(x).view(T, self.hkv, self.d)
-        v = self.v_proj(x).view(T, self.hkv, self.d)
+        q, k, v = self.qkv_proj(x)                          # one GEMM, three views
+        q = q.view(T, self.hq, self.d)
+        k = k.view(T, self.hkv, self.d)
+        v = v.view(T, self.hkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, pos), self.rope(k, pos)

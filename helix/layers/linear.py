@@ -48,6 +48,35 @@ class ColumnShardLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class MergedColumnLinear(nn.Module):
+    """Several column shards in ONE GEMM: x [T, in] -> [T, sum of parts].
+
+    parts: (checkpoint name, full out features, start, stop); part i's rows [start, stop) of the
+    checkpoint tensor `<parent>.<name>.weight` land after the previous parts' rows. The loader
+    (helix.loader.expected_tensors) reads the parts by their checkpoint names.
+    """
+
+    def __init__(self, in_f: int, parts: list[tuple[str, int, int, int]], bias: bool = False,
+                 dtype=torch.float32):
+        super().__init__()
+        self.sizes = [stop - start for _, _, start, stop in parts]
+        offsets = [sum(self.sizes[:i]) for i in range(len(parts))]
+        self.weight = _param((sum(self.sizes), in_f), dtype, None)
+        self.weight.checkpoint_parts = [
+            (name, sliced_loader((out_f, in_f), 0, a, b, dst))
+            for (name, out_f, a, b), dst in zip(parts, offsets)]
+        self.bias = None
+        if bias:
+            self.bias = _param((sum(self.sizes),), dtype, None)
+            self.bias.checkpoint_parts = [
+                (name, sliced_loader((out_f,), 0, a, b, dst))
+                for (name, out_f, a, b), dst in zip(parts, offsets)]
+
+    def forward(self, x):
+        """-> one [T, size_i] view per part."""
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
 class RowShardLinear(nn.Module):
     """x [T, stop - start] (this rank's input features) -> [T, out], all-reduced over `axis`."""
 

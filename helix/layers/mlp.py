@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helix.layers.linear import ColumnShardLinear, RowShardLinear
+from helix.layers.linear import MergedColumnLinear, RowShardLinear
 from helix.parallel.comm import Comm
 
 
@@ -18,10 +18,11 @@ class ParallelMLP(nn.Module):
         n, r = comm.size("world"), comm.mesh.rank
         part = width // n
         a, b = r * part, (r + 1) * part
-        self.gate_proj = ColumnShardLinear(dim, width, a, b, bias, dtype)
-        self.up_proj = ColumnShardLinear(dim, width, a, b, bias, dtype)
+        self.gate_up_proj = MergedColumnLinear(dim, [("gate_proj", width, a, b),
+                                                     ("up_proj", width, a, b)], bias, dtype)
         self.down_proj = RowShardLinear(width, dim, a, b, comm, "world", bias, dtype, reduce=reduce)
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         """x [T, D] replicated -> [T, D] (replicated if reduce, else this rank's partial sum)."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)                     # one GEMM
+        return self.down_proj(F.silu(gate) * up)

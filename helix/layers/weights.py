@@ -19,14 +19,15 @@ def load_full(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
     param.data.copy_(full)
 
 
-def sliced_loader(full_shape: tuple[int, ...], dim: int, start: int, stop: int):
-    """Loader for a parameter holding [start, stop) of dimension `dim` of a tensor of full_shape;
+def sliced_loader(full_shape: tuple[int, ...], dim: int, start: int, stop: int, dst: int = 0):
+    """Loader for a parameter holding [start, stop) of dimension `dim` of a tensor of full_shape,
+    at offset `dst` of that dimension (several checkpoint tensors fused into one parameter);
     rows past the end of the full tensor (vocab padding) stay zero."""
     def load(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
         _check(name, full.shape, full_shape)
         stop_ = min(stop, full.shape[dim])
-        part = full.narrow(dim, start, stop_ - start)
-        param.data.zero_()
-        param.data.narrow(dim, 0, stop_ - start).copy_(part)
+        block = param.data.narrow(dim, dst, stop - start)
+        block.zero_()
+        block.narrow(dim, 0, stop_ - start).copy_(full.narrow(dim, start, stop_ - start))
     load.full_shape = tuple(full_shape)
     return load
