@@ -9,7 +9,7 @@ the cuobjdump that ships in Triton's wheel. It catches what the interpreter cann
 do not compile, shared memory over the 227 KB a block may use, register spills, and wgmma
 (HGMMA) missing where the MLA kernel relies on it. Must run with TRITON_INTERPRET unset.
 
-    python profiling/kernel_resources.py [--json out.json]
+    python profiling/kernel_resources.py [--json out.json] [--mla-candidates]
 """
 
 from __future__ import annotations
@@ -94,12 +94,15 @@ def compile_sm90(kernel, args, meta) -> dict:
                                 f.name], capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", f.name],
                               capture_output=True, text=True, check=True).stdout
+    shapes: dict[str, int] = {}
+    for shape in re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass):
+        shapes[shape] = shapes.get(shape, 0) + 1
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     return dict(kernel=kernel.fn.__name__, num_warps=opts.num_warps, num_stages=opts.num_stages,
                 constexprs={k: v for k, v in consts.items() if k.isupper()},
                 registers=regs, stack_bytes=stack, shared_bytes=cc.metadata.shared,
-                hgmma=sass.count("HGMMA"), hmma=sass.count("HMMA"),
+                hgmma=sass.count("HGMMA"), hgmma_shapes=shapes, hmma=sass.count("HMMA"),
                 local_loads=sass.count("LDL"), cp_async=sass.count("LDGSTS"))
 
 
@@ -130,6 +133,14 @@ def production_launches(name: str):
             kv = torch.empty(1024, 64, 576, dtype=dt, **m)
             triton_mla.mla_decode(ql, qr, kv, torch.empty(4, 64, dtype=torch.int32, **m),
                                   torch.empty(4, dtype=torch.int32, **m), 0.072, num_splits=8)
+        elif name.startswith("mla-candidate:"):      # profiling/tune_mla.py's configs
+            from profiling.tune_mla import CANDIDATES
+            ql = torch.empty(4, 128, 512, dtype=bf, **m)
+            qr = torch.empty(4, 128, 64, dtype=bf, **m)
+            kv = torch.empty(1024, 64, 576, dtype=bf, **m)
+            triton_mla.mla_decode(ql, qr, kv, torch.empty(4, 64, dtype=torch.int32, **m),
+                                  torch.empty(4, dtype=torch.int32, **m), 0.072, num_splits=8,
+                                  config=dict(CANDIDATES)[name.split(":", 1)[1]])
         elif name == "append-and-exchange":
             for cache, rows in (((1024, 64, 8, 128), (4, 8, 128)), ((1024, 64, 576), (4, 576))):
                 triton_append.append_kv(torch.empty(cache, dtype=bf, **m),
@@ -151,13 +162,21 @@ CASES = ["gqa-llama70b", "gqa-mqa-d256-fp16", "gqa-fp32", "mla-deepseek-v3", "ml
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--mla-candidates", action="store_true",
+                   help="instead: the MLA kernel of every config of profiling/tune_mla.py")
     p.add_argument("--json", default=None, help="write the records here")
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: the interpreter has no compiler to ask")
+    cases = args.cases.split(",")
+    if args.mla_candidates:
+        from profiling.tune_mla import CANDIDATES
+        cases = [f"mla-candidate:{name}" for name, _ in CANDIDATES]
     records = []
-    for case in args.cases.split(","):
+    for case in cases:
         for kernel, a, meta in production_launches(case):
+            if case.startswith("mla-candidate:") and kernel is not triton_mla._mla_split_kernel:
+                continue
             rec = dict(case=case, **compile_sm90(kernel, a, meta))
             records.append(rec)
             print(json.dumps(rec), flush=True)

@@ -210,6 +210,139 @@ def test_mla_decode_lazy_rescale(trend):
     _lse_close(lse, rl)
 
 
+# The structural variants of the MLA kernel (helix/attention/triton_mla.py's tunables; the GPU
+# run of profiling/tune_mla.py compares them): QK^T hidden from the PV dot or chained, eager or
+# lazy rescale, row-summed or deferred denominator, tiles smaller than / equal to / larger than
+# a page (page-id prefetch vs per-token page ids), and the launcher's split choices.
+MLA_VARIANTS = [
+    dict(SPLIT_QK=False, RESCALE_LOG2=8.0, DEFER_L=False, BLOCK_N=32),   # the pre-split kernel
+    dict(SPLIT_QK=True, RESCALE_LOG2=0.0, DEFER_L=False),
+    dict(SPLIT_QK=True, RESCALE_LOG2=8.0, DEFER_L=True),
+    dict(SPLIT_QK=True, RESCALE_LOG2=0.0, DEFER_L=True, BLOCK_N=16, num_stages=4),
+    dict(SPLIT_QK=False, RESCALE_LOG2=0.0, DEFER_L=True, BLOCK_N=64, num_warps=16),
+    dict(split_policy="1wave"),
+    dict(split_policy="fill", BLOCK_N=16),
+]
+MLA_VARIANT_CASES = [  # (B, H, Dl, Dr, page, lens, splits, block_h)
+    (3, 8, 64, 16, 16, [1, 40, 77], 2, None),
+    (2, 20, 32, 8, 32, [100, 0], 3, 16),                     # two head blocks, an empty row
+    (1, 4, 16, 4, 8, [61], None, None),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("variant", MLA_VARIANTS, ids=lambda v: ",".join(
+    f"{k}={v[k]}" for k in sorted(v)))
+@pytest.mark.parametrize("case", MLA_VARIANT_CASES, ids=lambda c: f"B{c[0]}-h{c[1]}-p{c[4]}")
+def test_mla_decode_variants(case, variant, dtype):
+    B, H, Dl, Dr, page, lens, splits, block_h = case
+    gen = torch.Generator().manual_seed(7 * B + sum(lens))
+    P = 40
+    meta = _decode_meta(lens, page, P, gen)
+    kv = torch.randn(P, page, Dl + Dr, generator=gen).to(DEV, dtype)
+    q = torch.randn(B, H, Dl + Dr, generator=gen).to(DEV, dtype)
+    ql, qr = q.split([Dl, Dr], dim=-1)
+    o, lse = triton_mla.mla_decode(ql, qr, kv, meta.block_tables, meta.kv_lens, 0.3,
+                                   num_splits=splits, block_h=block_h, config=variant)
+    ro, rl = TorchAttention().attend_mla(ql, qr, kv, Dl, meta, 0.3)
+    assert o.dtype == dtype and not torch.isnan(o).any()
+    _close(o, ro, dtype)
+    _lse_close(lse, rl)
+
+
+@pytest.mark.parametrize("variant", MLA_VARIANTS[:4], ids=lambda v: ",".join(
+    f"{k}={v[k]}" for k in sorted(v)))
+@pytest.mark.parametrize("trend", [1.0, -1.0], ids=["rising", "falling"])
+def test_mla_decode_variants_rescale(trend, variant):
+    """Logits climbing / falling by far more than 2^8 along the sequence: eager and lazy
+    rescale, with the denominator row-summed or deferred, give the exact softmax."""
+    gen = torch.Generator().manual_seed(5)
+    Dl, Dr, page, n = 32, 8, 16, 150
+    meta = _decode_meta([n], page, 16, gen)
+    q = torch.randn(1, 4, Dl + Dr, generator=gen)
+    kv = torch.randn(16, page, Dl + Dr, generator=gen) * 0.1
+    pos = torch.arange(n)
+    pages, offs = meta.block_tables[0].long().cpu()[pos // page], pos % page
+    kv[pages, offs] += trend * (pos[:, None] / 3.0) * q[0, 0] / q[0, 0].norm()
+    kv, q = kv.to(DEV), q.to(DEV)
+    o, lse = triton_mla.mla_decode(q[..., :Dl], q[..., Dl:], kv, meta.block_tables,
+                                   meta.kv_lens, 1.0, num_splits=2,
+                                   config=dict(variant, BLOCK_N=16))
+    ro, rl = TorchAttention().attend_mla(q[..., :Dl], q[..., Dl:], kv, Dl, meta, 1.0)
+    _close(o, ro, torch.float32)
+    _lse_close(lse, rl)
+
+
+def test_mla_decode_half_precision_partials():
+    """partial_dtype: the split partials stored in fp16 (bf16 on the GPU) stay within the
+    output dtype's tolerance."""
+    gen = torch.Generator().manual_seed(11)
+    B, H, Dl, Dr, page, lens = 2, 8, 64, 16, 16, [150, 33]
+    meta = _decode_meta(lens, page, 40, gen)
+    kv = torch.randn(40, page, Dl + Dr, generator=gen).to(DEV, torch.float16)
+    ql = torch.randn(B, H, Dl, generator=gen).to(DEV, torch.float16)
+    qr = torch.randn(B, H, Dr, generator=gen).to(DEV, torch.float16)
+    o, lse = triton_mla.mla_decode(ql, qr, kv, meta.block_tables, meta.kv_lens, 0.2,
+                                   num_splits=4, config=dict(partial_dtype=torch.float16))
+    ro, rl = TorchAttention().attend_mla(ql, qr, kv, Dl, meta, 0.2)
+    _close(o, ro, torch.float16)
+    _lse_close(lse, rl)
+
+
+def test_mla_tunables_validated_and_planned():
+    dev = torch.device("cpu")
+    with pytest.raises(ValueError, match="unknown MLA tunables"):
+        triton_mla.mla_plan(1, 128, 512, 64, torch.bfloat16, 4096, dev, dict(BLOCKN=64))
+    with pytest.raises(ValueError, match="split_policy"):
+        triton_mla.mla_plan(1, 128, 512, 64, torch.bfloat16, 4096, dev,
+                            dict(split_policy="many"))
+    cfg, splits, pdt = triton_mla.mla_plan(8, 128, 512, 64, torch.bfloat16, 65536, dev)
+    assert cfg["BLOCK_H"] == 64 and cfg["SPLIT_QK"] and pdt == torch.float32
+    assert "split_policy" not in cfg and "partial_dtype" not in cfg     # launcher-only keys
+    sms = triton_splits.sm_count_of(dev)
+    assert splits == triton_splits.choose_num_splits(8, 2, 65536, sms)
+    for policy, expect in (("1wave", triton_splits.choose_num_splits(8, 2, 65536, sms, waves=1.0,
+                                                                      round_up=False)),
+                           ("fill", triton_splits.fill_num_splits(8, 2, 65536, sms))):
+        _, s1, pdt = triton_mla.mla_plan(8, 128, 512, 64, torch.bfloat16, 65536, dev,
+                                         dict(split_policy=policy, partial_dtype=torch.bfloat16))
+        assert pdt == torch.bfloat16 and s1 == expect
+
+
+def test_split_policies():
+    s, fill = triton_splits.choose_num_splits, triton_splits.fill_num_splits
+    for batch in (1, 2, 4, 8, 16, 64):      # two head blocks, one program per SM: one wave
+        n = s(batch, 2, 1 << 20, 132, waves=1.0, round_up=False)
+        assert n & (n - 1) == 0 and batch * 2 * n <= 132 and (batch * 4 * n > 132 or n == 1)
+        assert fill(batch, 2, 1 << 20, 132) == n
+    assert s(8, 2, 65536, 132, waves=1.0, round_up=False) == 8
+    assert s(8, 2, 65536, 132) == 32                          # the default: 2 waves, round up
+    assert s(3, 2, 65536, 132, waves=1.0, round_up=False) == 16          # 96 programs: 73 %
+    assert fill(3, 2, 65536, 132) == 64                       # 384 programs in 3 waves: 97 %
+    assert fill(5, 2, 65536, 132) == 64                       # 640 in 5 waves: 97 %
+    assert fill(1, 2, 4096, 132) == 16                        # capped: >= 256 tokens a split
+    assert fill(1, 2, 100, 132) == 1
+    for batch in range(1, 70):
+        n = fill(batch, 2, 1 << 20, 132)
+        assert n & (n - 1) == 0 and 1 <= n <= 64
+
+
+def test_tune_mla_smoke(tmp_path):
+    """profiling/tune_mla.py end to end on the interpreter (tiny shapes, two configs)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "tune.json"
+    res = subprocess.run([sys.executable, os.path.join(root, "profiling", "tune_mla.py"),
+                          "--smoke", "--out", str(out), "--configs",
+                          "old-bn32-dupqk,split-bn64-fill-bf16part"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert not data["failures"] and len(data["records"]) == 2 * len(data["shapes"])
+    assert data["best"]["name"] in ("old-bn32-dupqk", "split-bn64-fill-bf16part")
+    assert "BEST" in res.stdout
+
+
 # -- KV append -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("inner", [(2, 8), (3, 24), (20,)], ids=str)   # GQA [Hkv, d], MLA [Dl+Dr]
@@ -484,3 +617,36 @@ def test_kernels_compile_for_sm90(tmp_path):
     mla = [r for r in records
            if r["case"] == "mla-deepseek-v3" and r["kernel"] == "_mla_split_kernel"]
     assert mla and mla[0]["hgmma"] > 0, mla                # tensor cores through wgmma
+    # QK^T split across the two warpgroups, not computed twice: (512 + 64) / 16 = 36 QK^T
+    # wgmma per tile (72 when both warpgroups compute the same S), beside the PV's m64n256
+    qk = sum(n for shape, n in mla[0]["hgmma_shapes"].items() if not shape.startswith("64x256"))
+    assert qk == 36 and "64x256x16" in mla[0]["hgmma_shapes"], mla
+
+
+def test_mla_tune_candidates_compile_for_sm90(tmp_path):
+    """Every config profiling/tune_mla.py times on the GPU compiles for sm_90, fits a block's
+    shared memory, and splits QK^T across the warpgroups (36 QK^T wgmma per tile) unless it is
+    the pre-split reference."""
+    import triton
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
+        pytest.skip("this triton wheel ships no ptxas / cuobjdump")
+    from profiling.kernel_resources import SM90_SMEM_LIMIT
+    from profiling.tune_mla import CANDIDATES
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=os.pathsep.join(sys.path))
+    out = tmp_path / "candidates.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, os.path.join(root, "profiling", "kernel_resources.py"),
+                          "--mla-candidates", "--json", str(out)], capture_output=True,
+                         text=True, timeout=900, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = {r["case"].split(":", 1)[1]: r for r in json.loads(out.read_text())}
+    assert set(records) == {name for name, _ in CANDIDATES}
+    for name, r in records.items():
+        assert r["shared_bytes"] <= SM90_SMEM_LIMIT and r["stack_bytes"] <= 128, r
+        qk = sum(n for shape, n in r["hgmma_shapes"].items()
+                 if not shape.startswith(("64x256", "64x128")))
+        assert qk == (72 if name == "old-bn32-dupqk" else 36), (name, r["hgmma_shapes"])
+

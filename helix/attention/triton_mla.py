@@ -10,9 +10,36 @@ both tensor-core products, and loads each KV tile ONCE for all of them:
 Q stays resident (shared memory) for the whole split. The head-block index is the fastest grid
 axis, so the H / BLOCK_H programs of one (split, batch) run side by side and share each tile
 through L2. (64 heads x 512 latent fp32 accumulators = 128 KB of registers over 8 warps: 128
-heads would not fit one program.) The running max is rescaled lazily (only when it grows by
-> 2^8), sparing the [64, 512] accumulator multiply on most tiles. Small test dims are padded to
-powers of two >= 16 with masks.
+heads would not fit one program.) Small test dims are padded to powers of two >= 16 with masks.
+
+Hopper (sm_90, wgmma) design, checked on the compiled kernel with
+profiling/kernel_resources.py (its --mla-candidates lists every variant below); the GPU run of
+profiling/tune_mla.py times the variants, all switchable through `mla_decode(config=...)`:
+- Two warpgroups (8 warps), M = 64: the PV product gives each warpgroup a [64, 256] half of O
+  (m64n256k16, P from registers, 128 fp32 accumulator registers per thread).
+- SPLIT_QK: Triton lays out a dot whose result reaches another dot ("chained", flash
+  attention) with ALL warps along M. With 64 rows and 8 warps that is both warpgroups computing
+  the SAME S with half-width wgmma: twice the QK^T work (~53 % of the FLOPs) and twice its
+  shared-memory reads. S is therefore passed through an `if` that is always taken (a value that
+  leaves an scf.if through its yield is outside the forward slice that layout pass inspects),
+  so QK^T gets warps [4, 2]: each warpgroup computes half of the tile's tokens (m64n32k16 at
+  BLOCK_N = 64). The latent and rope products are summed after scaling, not chained through
+  the accumulator (which would chain the latent dot again).
+- BLOCK_N = 64: QK^T reads Q (2 KB) + K (1 KB) of shared memory per 16 cycles of wgmma math,
+  against 2.5 KB per 8 cycles at BLOCK_N = 32. Shared memory: Q 72 KB + 2 stages x 72 KB +
+  8 KB for P = 224 KB (one program per SM; 227 KB is the limit, so no third stage).
+- The page id of the next tile is loaded one tile ahead and carried through the loop: the
+  pipeliner otherwise spends a stage on the page-table indirection (2 * k + 1 stages for
+  k + 1 KV buffers), and the deeper pipelines (BLOCK_N = 32, num_stages 3 or 4) get their
+  buffers.
+- RESCALE_LOG2 > 0: lazy running-max rescale (only when some row's max grows by more than
+  2^RESCALE_LOG2; exact, since l and O share the stale max) spares the [64, 512] accumulator
+  multiply on most tiles, but its branch costs ~30 registers (spills at BLOCK_N = 64);
+  RESCALE_LOG2 = 0 rescales every tile, branch-free.
+- DEFER_L: the softmax denominator kept as [BLOCK_H, BLOCK_N] partial sums (no per-tile
+  cross-warpgroup row reduction), reduced once at the end.
+- exp2 with log2(e) folded into the scale; P converted to the KV dtype for the PV product.
+- num_splits is a runtime argument: one binary for every split count.
 """
 
 from __future__ import annotations
@@ -21,8 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, reduce_splits,
-                                           run_kernel, sm_count_of, split_range, token_rows)
+from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, fill_num_splits,
+                                           next_page_id, page_rows, reduce_splits, run_kernel,
+                                           sm_count_of, split_range, token_rows)
 
 
 @triton.jit
@@ -34,10 +62,11 @@ def _mla_split_kernel(
     stride_btb,                            # block_tables [B, max_pages] int32
     stride_ob, stride_oh, stride_os,       # o: [B, H, S, Dl] partials, or [B, H, Dl] (S = 1)
     stride_lb, stride_lh,                  # lse: [B, H, S] partials, or [B, H]
-    HEADS, D_LATENT, D_ROPE,
+    HEADS, num_splits,
+    D_LATENT: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_QK: tl.constexpr, RESCALE_LOG2: tl.constexpr, DEFER_L: tl.constexpr,
 ):
     hb = tl.program_id(0)
     split = tl.program_id(1)
@@ -57,33 +86,60 @@ def _mla_split_kernel(
                  mask=hmask[:, None] & rmask[None, :], other=0.0).to(kv_dtype)   # [BH, DR]
 
     kv_len = tl.load(lens_ptr + b)
-    start, end = split_range(kv_len, split, NUM_SPLITS, BLOCK_N)
+    start, end = split_range(kv_len, split, num_splits, BLOCK_N)
     bt_row = bt_ptr + b * stride_btb
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if DEFER_L:
+        l_i = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DL], dtype=tl.float32)
+    if PAGE_SIZE % BLOCK_N == 0:      # a block lies in one page: its id is fetched a tile ahead
+        page = next_page_id(bt_row, start, end, PAGE_SIZE)
     for t0 in range(start, end, BLOCK_N):
-        rows, tmask = token_rows(bt_row, t0, end, stride_kvp, stride_kvt, BLOCK_N, PAGE_SIZE)
+        if PAGE_SIZE % BLOCK_N == 0:
+            rows, tmask = page_rows(page, t0, end, stride_kvp, stride_kvt, BLOCK_N, PAGE_SIZE)
+            page = next_page_id(bt_row, t0 + BLOCK_N, end, PAGE_SIZE)
+        else:
+            rows, tmask = token_rows(bt_row, t0, end, stride_kvp, stride_kvt, BLOCK_N,
+                                     PAGE_SIZE)
         c = tl.load(kv_ptr + rows[:, None] + cl[None, :],
                     mask=tmask[:, None] & lmask[None, :], other=0.0)             # [N, DL]
         kr = tl.load(kv_ptr + rows[:, None] + D_LATENT + cr[None, :],
                      mask=tmask[:, None] & rmask[None, :], other=0.0)            # [N, DR]
-        s = tl.dot(ql, tl.trans(c), input_precision=DOT_PRECISION)
-        s = tl.dot(qr, tl.trans(kr), acc=s, input_precision=DOT_PRECISION)
-        s = tl.where(tmask[None, :], s * scale_log2, float("-inf"))             # [BH, N]
+        if SPLIT_QK:
+            s_lat = tl.dot(ql, tl.trans(c), input_precision=DOT_PRECISION)
+            s_rope = tl.dot(qr, tl.trans(kr), input_precision=DOT_PRECISION)
+            s = s_lat * scale_log2 + s_rope * scale_log2      # (a plain + would fuse the dots)
+            if t0 < end:      # always true: hides S from the PV dot's layout choice (see top)
+                s = tl.where(tmask[None, :], s, float("-inf"))
+        else:
+            s = tl.dot(ql, tl.trans(c), input_precision=DOT_PRECISION)
+            s = tl.dot(qr, tl.trans(kr), acc=s, input_precision=DOT_PRECISION)
+            s = tl.where(tmask[None, :], s * scale_log2, float("-inf"))         # [BH, N]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Lazy rescale: keep a stale running max until some row's grows by > 2^8 (the first
-        # block always rescales). Exact, since l and acc share the max; p stays <= 256. Saves
-        # the [BH, Dl] accumulator multiply on most blocks.
-        if tl.max(m_new - m_i, axis=0) > 8.0:
+        if RESCALE_LOG2 > 0:
+            # Lazy: keep a stale running max until some row's grows by > 2^RESCALE_LOG2 (the
+            # first block always rescales: m_i = -inf); p stays <= 2^RESCALE_LOG2.
+            grow = tl.max(m_new - m_i, axis=0) > RESCALE_LOG2
+            m_use = tl.where(grow, m_new, m_i)
+            alpha = tl.exp2(m_i - m_use)
+            if grow:
+                acc = acc * alpha[:, None]
+            m_i = m_use
+        else:
             alpha = tl.exp2(m_i - m_new)
             acc = acc * alpha[:, None]
-            l_i = l_i * alpha
             m_i = m_new
         p = tl.exp2(s - m_i[:, None])
-        l_i += tl.sum(p, axis=1)
+        if DEFER_L:
+            l_i = l_i * alpha[:, None] + p
+        else:
+            l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(kv_dtype), c, acc=acc, input_precision=DOT_PRECISION)
+    if DEFER_L:
+        l_i = tl.sum(l_i, axis=1)
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -93,29 +149,73 @@ def _mla_split_kernel(
     tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=hmask)
 
 
+# The tunables of one MLA launch: kernel meta-parameters (upper case, num_warps, num_stages)
+# and launcher choices (lower case). mla_launch_config gives defaults; mla_decode(config=...)
+# overrides any of them (profiling/tune_mla.py compares candidates on the GPU).
+MLA_TUNABLES = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "SPLIT_QK", "RESCALE_LOG2",
+                "DEFER_L", "split_policy", "partial_dtype")
+SPLIT_POLICIES = ("2waves", "1wave", "fill")
+
+
 def mla_launch_config(heads: int, d_latent: int, d_rope: int, dtype: torch.dtype) -> dict:
-    """BLOCK_H heads per program (64 for DeepSeek: the 64 x 512 fp32 accumulator over 8 warps,
-    two warpgroups of wgmma), BLOCK_N tokens per tile (32 x 576 bf16 = 36 KB). DeepSeek on sm_90
-    (profiling/kernel_resources.py): wgmma, 255 registers, 8 bytes of stack, 144 KB of shared
-    memory (Q 72 KB + 2 KV stages): one program per SM. BLOCK_N = 64 spills 248 bytes."""
+    """Defaults (the best guess before measuring: profiling/tune_mla.py compares them with
+    the alternatives on the GPU). DeepSeek (128 heads, Dl 512, Dr 64, bf16) on sm_90 with
+    triton 3.6 (profiling/kernel_resources.py): BLOCK_H 64 (two head blocks), BLOCK_N 64, 8
+    warps (two warpgroups), 2 stages, SPLIT_QK, eager rescale, deferred denominator: 229
+    registers, no spills, 224 KB of shared memory, 40 wgmma per 64-token tile (32 + 4
+    m64n32k16 QK^T, 4 m64n256k16 PV) where the previous layout issued 144 (2 x 72 m64n16k16
+    QK^T, both warpgroups computing the same S, + 4 m64n256k16) per 64 tokens.
+    Launcher choices: split_policy, how many KV splits when the caller gives none: "2waves"
+    (choose_num_splits: ~2 waves of programs, splits rounded up to a power of two), "1wave"
+    (rounded down: B * head blocks * splits <= #SMs) or "fill" (fill_num_splits: the fewest
+    splits whose last wave is >= 90 % full; the kernel holds one program per SM);
+    partial_dtype, the dtype of the split partials (None: fp32)."""
     block_dl = max(16, triton.next_power_of_2(d_latent))
     block_dr = max(16, triton.next_power_of_2(d_rope))
     block_h = min(64, max(16, triton.next_power_of_2(heads)))
-    block_n = 32 if block_dl >= 256 else 64
+    block_n = 64
     if dtype == torch.float32:          # 4-byte tiles: half the heads and tokens per program
-        block_h, block_n = min(block_h, 32), block_n // 2
+        block_h, block_n = min(block_h, 32), 16 if block_dl >= 256 else 32
     big = block_h * block_dl >= 64 * 256
-    return dict(BLOCK_H=block_h, BLOCK_DL=block_dl, BLOCK_DR=block_dr, BLOCK_N=block_n,
-                num_warps=8 if big else 4, num_stages=2)
+    return dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=8 if big else 4, num_stages=2,
+                SPLIT_QK=True, RESCALE_LOG2=0.0, DEFER_L=True,
+                split_policy="2waves", partial_dtype=None,
+                BLOCK_DL=block_dl, BLOCK_DR=block_dr)
+
+
+def mla_plan(batch: int, heads: int, d_latent: int, d_rope: int, dtype: torch.dtype,
+             max_context: int, device: torch.device, config: dict | None = None,
+             num_splits: int | None = None) -> tuple[dict, int, torch.dtype]:
+    """(kernel meta-parameters, num_splits, partial dtype) of one launch: the defaults of
+    mla_launch_config overridden by `config` (keys in MLA_TUNABLES)."""
+    cfg = mla_launch_config(heads, d_latent, d_rope, dtype)
+    unknown = set(config or {}) - set(MLA_TUNABLES)
+    if unknown:
+        raise ValueError(f"unknown MLA tunables {sorted(unknown)}; known: {MLA_TUNABLES}")
+    cfg.update(config or {})
+    policy = cfg.pop("split_policy")
+    partial_dtype = cfg.pop("partial_dtype") or torch.float32
+    if policy not in SPLIT_POLICIES:
+        raise ValueError(f"split_policy {policy!r} not in {SPLIT_POLICIES}")
+    if num_splits is None:   # fill the GPU: compute-bound, and one program per SM (smem)
+        args = (batch, triton.cdiv(heads, cfg["BLOCK_H"]), max_context, sm_count_of(device))
+        if policy == "fill":
+            num_splits = fill_num_splits(*args)
+        else:
+            num_splits = choose_num_splits(*args, waves=2.0 if policy == "2waves" else 1.0,
+                                           round_up=policy == "2waves")
+    return cfg, num_splits, partial_dtype
 
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                num_splits: int | None = None, block_n: int | None = None,
-               block_h: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               block_h: int | None = None,
+               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent [B, H, Dl], q_rope [B, H, Dr], kv_cache [P, page, Dl + Dr] (latent, rope key),
     block_tables [B, max_pages] int32, kv_lens [B] int32 -> o [B, H, Dl] in q_latent.dtype,
-    lse [B, H] fp32 (natural log, -inf where kv_len == 0)."""
+    lse [B, H] fp32 (natural log, -inf where kv_len == 0). `config` overrides any of
+    MLA_TUNABLES (block_n / block_h: shorthands for BLOCK_N / BLOCK_H)."""
     B, H, Dl = q_latent.shape
     Dr = q_rope.shape[-1]
     _, page_size, width = kv_cache.shape
@@ -128,20 +228,20 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
     lse = torch.empty((B, H), dtype=torch.float32, device=q_latent.device)
     if B == 0:
         return o, lse
-    config = mla_launch_config(H, Dl, Dr, kv_cache.dtype)
+    config = dict(config or {})
     if block_n is not None:
         config["BLOCK_N"] = block_n
     if block_h is not None:
         config["BLOCK_H"] = block_h
-    head_blocks = triton.cdiv(H, config["BLOCK_H"])
-    if num_splits is None:   # fill the GPU: compute-bound, and one program per SM (smem)
-        num_splits = choose_num_splits(B, head_blocks, block_tables.shape[1] * page_size,
-                                       sm_count_of(q_latent.device))
+    cfg, num_splits, partial_dtype = mla_plan(B, H, Dl, Dr, kv_cache.dtype,
+                                              block_tables.shape[1] * page_size,
+                                              q_latent.device, config, num_splits)
+    head_blocks = triton.cdiv(H, cfg["BLOCK_H"])
     if num_splits == 1:
         o_ws, lse_ws = o, lse
         so, sl = (o.stride(0), o.stride(1), 0), (lse.stride(0), lse.stride(1))
     else:
-        o_ws = torch.empty((B, H, num_splits, Dl), dtype=torch.float32, device=o.device)
+        o_ws = torch.empty((B, H, num_splits, Dl), dtype=partial_dtype, device=o.device)
         lse_ws = torch.empty((B, H, num_splits), dtype=torch.float32, device=o.device)
         so = (o_ws.stride(0), o_ws.stride(1), o_ws.stride(2))
         sl = (lse_ws.stride(0), lse_ws.stride(1))
@@ -151,8 +251,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
         q_latent, q_rope, kv_cache, block_tables, kv_lens, o_ws, lse_ws, scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), *so, *sl,
-        H, Dl, Dr, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
-        **config)
+        H, num_splits, Dl, Dr, PAGE_SIZE=page_size, DOT_PRECISION=precision, **cfg)
     if num_splits > 1:
         reduce_splits(o_ws, lse_ws, o, lse)
     return o, lse

@@ -1,9 +1,9 @@
 """Split-KV plumbing shared by the Triton decode kernels (GQA and MLA).
 
-- `choose_num_splits`: how many KV splits one launch uses, from static sizes only (the batch
-  bucket, the block table's width), never from live lengths: a CUDA graph captured for a bucket
-  replays with the same constexpr splits, and eager steps compile a handful of variants at most
-  (splits are powers of two).
+- `choose_num_splits` / `fill_num_splits`: how many KV splits one launch uses, from static sizes
+  only (the batch bucket, the block table's width), never from live lengths: a CUDA graph
+  captured for a bucket replays with the same splits, and eager steps compile a handful of
+  variants at most (splits are powers of two).
 - `token_rows`: the paged-KV row offsets (int64) of a block of tokens.
 - `split_range`: the token range [start, end) of one split.
 - `reduce_splits`: stage 2, the exact LSE merge of the per-split partials into O and LSE.
@@ -24,16 +24,46 @@ LN2 = tl.constexpr(0.6931471805599453)   # used inside kernels: must be a conste
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int,
-                      min_tokens: int = 256, max_splits: int = 64) -> int:
-    """Splits per (batch, kv_head) so the launch fills about two waves of `sm_count` programs,
-    while each split keeps >= `min_tokens` tokens of `max_context`. A power of two in
-    [1, max_splits]. `kv_heads` counts the independent programs per sequence (GQA: local KV
-    heads; MLA: head blocks)."""
+                      min_tokens: int = 256, max_splits: int = 64, waves: float = 2.0,
+                      round_up: bool = True) -> int:
+    """Splits per (batch, kv_head) so the launch fills about `waves` waves of `sm_count`
+    programs (splits rounded up to a power of two, or down with round_up=False: then the
+    programs stay <= waves * sm_count, one exact wave for power-of-two batches when a program
+    fills an SM), while each split keeps >= `min_tokens` tokens of `max_context`. A power of
+    two in [1, max_splits]. `kv_heads` counts the independent programs per sequence (GQA:
+    local KV heads; MLA: head blocks)."""
     programs = max(1, batch * kv_heads)
-    want = triton.next_power_of_2(-(-2 * sm_count // programs))   # ceil(2 waves), rounded up
+    target = max(1, int(waves * sm_count))
+    if round_up:
+        want = triton.next_power_of_2(-(-target // programs))     # ceil(waves), rounded up
+    else:
+        want = max(1, target // programs)
+        want = 1 << (want.bit_length() - 1)                        # rounded down
     cap = max(1, max_context // max(1, min_tokens))               # splits long enough ...
     cap = 1 << (cap.bit_length() - 1)                              # ... rounded down
     return max(1, min(want, cap, max_splits))
+
+
+def fill_num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int,
+                    min_tokens: int = 256, max_splits: int = 64, min_fill: float = 0.9) -> int:
+    """For kernels that hold one program per SM: the fewest splits (a power of two) whose
+    programs fill their last wave to >= min_fill (programs / (waves * sm_count)), else the
+    best-filled; each split keeps >= min_tokens tokens of max_context. Fewer programs: fewer
+    split partials to write and merge, fewer per-program prologues (B = 8, 2 head blocks,
+    132 SMs: 8 splits, one wave of 128 programs; B = 3: 64 splits, 384 programs in 3 waves)."""
+    programs = max(1, batch * kv_heads)
+    cap = max(1, min(max_splits, max_context // max(1, min_tokens)))
+    cap = 1 << (cap.bit_length() - 1)
+    best, best_fill, n = 1, 0.0, 1
+    while n <= cap:
+        total = programs * n
+        fill = total / (-(-total // sm_count) * sm_count)
+        if fill >= min_fill:
+            return n
+        if fill > best_fill + 1e-9:
+            best, best_fill = n, fill
+        n *= 2
+    return best
 
 
 def run_kernel(kernel, grid, *args, **meta):
@@ -50,10 +80,11 @@ def sm_count_of(device: torch.device) -> int:
 
 
 @triton.jit
-def split_range(kv_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def split_range(kv_len, split, num_splits, BLOCK_N: tl.constexpr):
     """Tokens [start, end) of split `split` of a sequence of kv_len local tokens. Chunks are
-    BLOCK_N-aligned so a block never straddles a page when PAGE_SIZE % BLOCK_N == 0."""
-    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    BLOCK_N-aligned so a block never straddles a page when PAGE_SIZE % BLOCK_N == 0.
+    num_splits: a constexpr (GQA) or a runtime int (MLA: one binary for every split count)."""
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, kv_len)
     return start, end
@@ -74,6 +105,24 @@ def token_rows(bt_row_ptr, t0, end, stride_page, stride_tok,
         page = tl.load(bt_row_ptr + t // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
     rows = page * stride_page + (t % PAGE_SIZE).to(tl.int64) * stride_tok
     return rows, mask
+
+
+@triton.jit
+def next_page_id(bt_row_ptr, t, end, PAGE_SIZE: tl.constexpr):
+    """The page id (int64) of token t, 0 when t >= end. Loaded one tile AHEAD of its use and
+    carried through the loop (a scalar), so a tile's KV copies do not depend on a load of their
+    own iteration: Triton's pipeliner would spend a pipeline stage on that indirection (2 k + 1
+    stages for k + 1 KV buffers; with 2 stages the id load sits right before the copies)."""
+    return tl.load(bt_row_ptr + t // PAGE_SIZE, mask=t < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def page_rows(page, t0, end, stride_page, stride_tok,
+              BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """token_rows for a block that lies in ONE page whose id (int64) is already loaded."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    rows = page * stride_page + (t % PAGE_SIZE).to(tl.int64) * stride_tok
+    return rows, t < end
 
 
 @triton.jit
