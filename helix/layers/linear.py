@@ -72,9 +72,13 @@ class MergedColumnLinear(nn.Module):
                 (name, sliced_loader((out_f,), 0, a, b, dst))
                 for (name, out_f, a, b), dst in zip(parts, offsets)]
 
+    def joint(self, x):
+        """-> [T, sum of parts]: the parts side by side, as one tensor."""
+        return F.linear(x, self.weight, self.bias)
+
     def forward(self, x):
         """-> one [T, size_i] view per part."""
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.joint(x).split(self.sizes, dim=-1)
 
 
 class RowShardLinear(nn.Module):

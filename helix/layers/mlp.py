@@ -4,9 +4,9 @@ all-reduce. With reduce=False the caller sums the partial output (MoE shared exp
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from helix.layers.fused_ops import silu_mul
 from helix.layers.linear import MergedColumnLinear, RowShardLinear
 from helix.parallel.comm import Comm
 
@@ -24,5 +24,4 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         """x [T, D] replicated -> [T, D] (replicated if reduce, else this rank's partial sum)."""
-        gate, up = self.gate_up_proj(x)                     # one GEMM
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj.joint(x)))   # [T, 2I] -> [T, I]

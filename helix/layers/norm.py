@@ -1,8 +1,10 @@
-"""RMSNorm: normalise in fp32, scale in the input dtype (as the reference checkpoints do)."""
+"""RMSNorm: normalise in fp32, scale in the input dtype (as the reference checkpoints do).
+On CUDA one Triton kernel (helix.layers.fused_ops); add_forward also folds in the residual add."""
 
 import torch
 from torch import nn
 
+from helix.layers.fused_ops import add_rms_norm, rms_norm
 from helix.layers.weights import load_full
 
 
@@ -14,7 +16,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        """x [..., dim] -> weight * (x / rms(x)), normalised in fp32, rounded to x.dtype first."""
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (self(residual + x), residual + x): the residual add and the norm in one kernel."""
+        return add_rms_norm(x, residual, self.weight, self.eps)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from helix.config import RopeConfig
+from helix.layers.fused_ops import rope as apply_rope
 
 
 def inv_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
@@ -73,11 +74,7 @@ class RotaryEmbedding(nn.Module):
         self.interleave = rope.interleave
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[pos].unsqueeze(1)     # [T, 1, dim/2]
-        sin = self.sin[pos].unsqueeze(1)
-        xf = x.float()
-        if self.interleave:                  # pairs (2i, 2i+1); output in [evens | odds] order
-            a, b = xf[..., 0::2], xf[..., 1::2]
-        else:                                # halves (rotate_half)
-            a, b = xf.chunk(2, dim=-1)
-        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).to(x.dtype)
+        """x [T, h, dim] (any strides) -> [T, h, dim] in x.dtype, computed in fp32. interleave:
+        pairs (2i, 2i+1), output in [evens | odds] order; else halves (rotate_half). One Triton
+        kernel on CUDA (helix.layers.fused_ops.rope)."""
+        return apply_rope(x, self.cos, self.sin, pos, self.interleave)

@@ -20,9 +20,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
         self.mlp = mlp
 
-    def forward(self, h, pos, meta, cache, backend, ctx=None):
-        h = h + self.self_attn(self.input_layernorm(h), pos, meta, cache, backend, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h), ctx)
+    def forward(self, h, pos, meta, cache, backend, ctx=None, residual=None):
+        """-> (out, residual): this layer's hidden state is out + residual. The residual adds are
+        left to the next norm, which fuses them (RMSNorm.add_forward: one kernel on CUDA):
+        residual=None means h is the whole hidden state (the first layer)."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        a = self.self_attn(x, pos, meta, cache, backend, ctx)
+        x, residual = self.post_attention_layernorm.add_forward(a, residual)
+        return self.mlp(x, ctx), residual
 
 
 class DecoderStack(nn.Module):
@@ -49,7 +57,13 @@ class CausalLM(nn.Module):
 
     def forward(self, ids, pos, meta, caches, backend, last, ctx=None):
         h = self.model.embed_tokens(ids)
+        residual = None
         for layer, cache in zip(self.model.layers, caches):
-            h = layer(h, pos, meta, cache, backend, ctx)
-        h = self.model.norm(h[last])
+            h, residual = layer(h, pos, meta, cache, backend, ctx, residual)
+        if residual is None:
+            h = self.model.norm(h[last])
+        elif 4 * last.shape[0] < h.shape[0]:    # prefill: gather the few rows first
+            h = self.model.norm.add_forward(h[last], residual[last])[0]
+        else:                                   # decode: add + norm in one kernel, then gather
+            h = self.model.norm.add_forward(h, residual)[0][last]
         return self.lm_head(h)
