@@ -7,6 +7,8 @@ exits 0.
 
 from __future__ import annotations
 
+from profiling.plotting import png_path, pyplot
+
 import argparse
 import json
 from collections import defaultdict
@@ -17,12 +19,8 @@ def main():
     p.add_argument("json", help="records written by bench_attention.py --out")
     p.add_argument("--out", default=None, help="PNG path (default: the JSON path with .png)")
     args = p.parse_args()
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot written (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     with open(args.json) as f:
         records = json.load(f)
@@ -54,7 +52,7 @@ def main():
     fig.suptitle(f"{rec.get('device', '')}: copy {rec['copy_GBps']:.0f} GB/s, "
                  f"bf16 matmul {rec['matmul_TFLOPs']:.0f} TFLOP/s", fontsize=10)
     fig.tight_layout()
-    out = args.out or args.json.rsplit(".", 1)[0] + ".png"
+    out = png_path(args.json, args.out)
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
 

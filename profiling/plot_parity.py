@@ -6,6 +6,8 @@ oracle, fp32 layouts and --dtype layouts side by side (log scale).
 
 from __future__ import annotations
 
+from profiling.plotting import png_path, pyplot
+
 import argparse
 import json
 
@@ -15,12 +17,8 @@ def main():
     p.add_argument("json")
     p.add_argument("--out", default=None, help="PNG path (default: the JSON path with .png)")
     args = p.parse_args()
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot written (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     with open(args.json) as f:
         data = json.load(f)
@@ -41,7 +39,7 @@ def main():
     ax.set_title(f"Layout parity on {data['meta'].get('device')} x{data['meta'].get('gpus')}")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    out = args.out or args.json.rsplit(".", 1)[0] + ".png"
+    out = png_path(args.json, args.out)
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
 

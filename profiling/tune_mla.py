@@ -40,7 +40,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helix.attention.triton_mla import mla_decode, mla_plan  # noqa: E402
 
 # name -> overrides of helix.attention.triton_mla.MLA_TUNABLES (the rest: mla_launch_config's
-# defaults, today those of "split-bn64"). Compile-time resources on sm_90, triton 3.6
+# defaults, today those of "split-bn64-rowsum", the best of the first H200 run; every candidate
+# names DEFER_L so it keeps the meaning it was measured with). Compile-time resources on sm_90,
+# triton 3.6
 # (registers / stack bytes / shared bytes / wgmma per tile):
 CANDIDATES = [   # most informative first: --budget-s skips from the end
     # the kernel before this change: warps [8, 1] on QK^T -> both warpgroups compute the same
@@ -49,30 +51,31 @@ CANDIDATES = [   # most informative first: --budget-s skips from the end
     # default: QK^T split across the warpgroups (36 m64n32k16 + 4 m64n256k16 per 64 tokens),
     # eager rescale, denominator kept as [64, 64] partial sums (no per-tile cross-warpgroup
     # row sum). 229 / 0 / 229376
-    ("split-bn64", dict()),
+    ("split-bn64", dict(DEFER_L=True)),
     # - with the per-tile row sum instead. 221 / 0 / 229376
     ("split-bn64-rowsum", dict(DEFER_L=False)),
     # + lazy rescale (skips the [64, 512] multiply on most tiles): 255 / 96 (spills loop
     # invariants, ~20 LDL per tile) / 229376
-    ("split-bn64-lazy", dict(RESCALE_LOG2=8.0)),
+    ("split-bn64-lazy", dict(RESCALE_LOG2=8.0, DEFER_L=True)),
     # 32-token tiles, 4 KV buffers (the page id is prefetched, so k stages = k buffers): loads
     # issued 3 tiles ahead, but QK^T m64n16 per warpgroup. 214 / 0 / 225280
-    ("split-bn32-s4", dict(BLOCK_N=32, num_stages=4)),
+    ("split-bn32-s4", dict(BLOCK_N=32, num_stages=4, DEFER_L=True)),
     # split count: the fewest splits whose last wave of programs is >= 90 % full (B=8: 8
     # splits = 128 programs in one wave, not 32 = 512 in four): fewer partials and prologues
-    ("split-bn64-fill", dict(split_policy="fill")),
+    ("split-bn64-fill", dict(split_policy="fill", DEFER_L=True)),
     # bf16 split partials: half the partial-write + merge traffic. 255 / 0 / 229376
-    ("split-bn64-bf16part", dict(partial_dtype=torch.bfloat16)),
+    ("split-bn64-bf16part", dict(partial_dtype=torch.bfloat16, DEFER_L=True)),
     # 4 warpgroups: O in 64 x 128 quarters (128 registers), QK^T m64n16 per warpgroup.
     # 128 / 0 / 229376
-    ("split-bn64-w16", dict(num_warps=16)),
+    ("split-bn64-w16", dict(num_warps=16, DEFER_L=True)),
     # the likely-best combination of the independent choices above. 255 / 0 / 229376
-    ("split-bn64-fill-bf16part", dict(split_policy="fill", partial_dtype=torch.bfloat16)),
+    ("split-bn64-fill-bf16part", dict(split_policy="fill", partial_dtype=torch.bfloat16,
+                                      DEFER_L=True)),
     # 32-token tiles, lazy rescale fits without spills here. 255 / 0 / 225280
-    ("split-bn32-s4-lazy", dict(BLOCK_N=32, num_stages=4, RESCALE_LOG2=8.0)),
+    ("split-bn32-s4-lazy", dict(BLOCK_N=32, num_stages=4, RESCALE_LOG2=8.0, DEFER_L=True)),
     # 3 / 2 KV buffers. 214 / 0 / 188416, 151552
-    ("split-bn32-s3", dict(BLOCK_N=32, num_stages=3)),
-    ("split-bn32-s2", dict(BLOCK_N=32)),
+    ("split-bn32-s3", dict(BLOCK_N=32, num_stages=3, DEFER_L=True)),
+    ("split-bn32-s2", dict(BLOCK_N=32, DEFER_L=True)),
 ]
 
 GPU_DIMS = dict(h=128, dl=512, dr=64, page=64, dtype=torch.bfloat16)

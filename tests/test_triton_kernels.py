@@ -327,6 +327,9 @@ def test_split_policies():
         assert n & (n - 1) == 0 and 1 <= n <= 64
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="interpreter smoke run for CPU CI; on a GPU run tune_mla.py itself "
+                           "(triton 3.6's interpreter cannot run two of its configs)")
 def test_tune_mla_smoke(tmp_path):
     """profiling/tune_mla.py end to end on the interpreter (tiny shapes, two configs)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
