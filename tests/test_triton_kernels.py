@@ -361,6 +361,21 @@ def test_append_kv(inner, dtype):
     assert torch.equal(cache, ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_append_kv_pair_equals_two_appends(dtype):
+    """K and V in one launch; V a strided view of a fused projection, as the GQA layer passes it."""
+    gen = torch.Generator().manual_seed(4)
+    k_cache = torch.randn(6, 4, 2, 8, generator=gen).to(DEV, dtype)
+    v_cache = torch.randn(6, 4, 2, 8, generator=gen).to(DEV, dtype)
+    k = torch.randn(5, 2, 8, generator=gen).to(DEV, dtype)
+    v = torch.randn(5, 48, generator=gen).to(DEV, dtype)[:, 16:32].view(5, 2, 8)   # strided rows
+    slots = torch.tensor([3, -1, 22, 0, -1], dtype=torch.int64, device=DEV)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    TorchAttention().append_kv_pair(ref_k, ref_v, k, v, slots)
+    triton_append.append_kv_pair(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
 # -- the exchange: pack and merge ------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

@@ -22,6 +22,12 @@ class AttentionBackend:
         """Write rows [T, ...] into cache [P, page, ...] at flat slots [T]; slot -1 is skipped."""
         raise NotImplementedError
 
+    def append_kv_pair(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, slots: torch.Tensor) -> None:
+        """K and V of the same positions (kernel backends do it in one launch)."""
+        self.append_kv(k_cache, k, slots)
+        self.append_kv(v_cache, v, slots)
+
     def attend_gqa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: LocalKVMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, d] -> (o [T, Hq, d] in q.dtype, lse [T, Hq] fp32). Query head h reads KV head

@@ -25,6 +25,40 @@ def _append_kernel(rows_ptr, slots_ptr, cache_ptr, stride_row, stride_slot, R,
     tl.store(cache_ptr + slot * stride_slot + col, vals.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _append_pair_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stride_k, stride_v,
+                        stride_slot, R, BLOCK: tl.constexpr):
+    """K and V rows of one position in one launch (GQA: the two caches share slots)."""
+    t = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    mask = (col < R) & (tl.full([BLOCK], 0, tl.int64) + slot >= 0)
+    k = tl.load(k_ptr + t * stride_k + col, mask=mask, other=0.0)
+    v = tl.load(v_ptr + t * stride_v + col, mask=mask, other=0.0)
+    tl.store(k_cache_ptr + slot * stride_slot + col, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * stride_slot + col, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(rows: torch.Tensor, T: int, R: int) -> torch.Tensor:
+    rows = rows.reshape(T, R)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def append_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    """append_kv of K and V (same shapes, same slots) in one launch."""
+    T = k.shape[0]
+    R = math.prod(k_cache.shape[2:])
+    assert k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert math.prod(k.shape[1:]) == R == math.prod(v.shape[1:]) and slots.shape[0] == T
+    if T == 0:
+        return
+    k, v = _rows(k, T, R), _rows(v, T, R)
+    block = min(1024, triton.next_power_of_2(R))
+    run_kernel(_append_pair_kernel, (T, triton.cdiv(R, block)), k, v, slots, k_cache, v_cache,
+               k.stride(0), v.stride(0), R, R, BLOCK=block, num_warps=4)
+
+
 def append_kv(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
     """cache [P, page, ...] (positions contiguous within a page), rows [T, ...], slots [T]."""
     T = rows.shape[0]
@@ -33,9 +67,7 @@ def append_kv(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> N
     assert cache.is_contiguous(), "KV pool must be contiguous"
     if T == 0:
         return
-    rows = rows.reshape(T, R)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(rows, T, R)
     block = min(1024, triton.next_power_of_2(R))
     run_kernel(_append_kernel, (T, triton.cdiv(R, block)), rows, slots, cache, rows.stride(0), R,
                R, BLOCK=block, num_warps=4)

@@ -35,6 +35,10 @@ class TritonAttention(AttentionBackend):
         _check_device(cache)
         triton_append.append_kv(cache, rows, slots)
 
+    def append_kv_pair(self, k_cache, v_cache, k, v, slots):
+        _check_device(k_cache)
+        triton_append.append_kv_pair(k_cache, v_cache, k, v, slots)
+
     def attend_gqa(self, q, k_cache, v_cache, meta: LocalKVMeta, scale):
         """q [T, Hq, d] -> o [T, Hq, d], lse [T, Hq]; decode: T == S, query at the sequence end."""
         if not meta.is_decode:

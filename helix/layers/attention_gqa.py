@@ -69,13 +69,14 @@ class GQAAttention(nn.Module):
         k = k.view(T, self.hkv, self.d)
         v = v.view(T, self.hkv, self.d)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, pos), self.rope(k, pos)
+            q, k = self.rope(self.q_norm(q), pos), self.rope(self.k_norm(k), pos)
+        else:  # q and k are adjacent columns of the GEMM output: rotate both in one launch
+            qk = self.rope(q.as_strided((T, self.hq + self.hkv, self.d), q.stride()), pos)
+            q, k = qk.split([self.hq, self.hkv], dim=1)
         k_cache, v_cache = cache
 
         def attend():
-            backend.append_kv(k_cache, k, meta.slots)        # owner rank only (slot -1 elsewhere)
-            backend.append_kv(v_cache, v, meta.slots)
+            backend.append_kv_pair(k_cache, v_cache, k, v, meta.slots)  # owner rank only (slot -1)
             return backend.attend_gqa(q, k_cache, v_cache, meta, self.scale)   # local shard
 
         o, lse = region(ctx, "attention", attend)

@@ -27,6 +27,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> h [T, D], replicated."""
+        if self.shard >= self.vocab:           # one rank holds the whole vocabulary
+            return F.embedding(ids, self.weight)
         local = ids - self.start
         inside = (local >= 0) & (local < self.shard)
         h = F.embedding(torch.where(inside, local, torch.zeros_like(local)), self.weight)
@@ -51,5 +53,7 @@ class ParallelLMHead(nn.Module):
         """h [S, D] -> logits [S, V] fp32, identical on every rank."""
         w = self.tied.weight if self.tied is not None else self.weight
         local = F.linear(h, w).float()                       # [S, shard]
+        if self.shard >= self.vocab:
+            return local[:, :self.vocab]
         full = self.comm.all_gather(local, "world")          # [N, S, shard]
         return full.permute(1, 0, 2).reshape(h.shape[0], -1)[:, :self.vocab]

@@ -43,6 +43,7 @@ class DecoderStack(nn.Module):
 
 class CausalLM(nn.Module):
     """forward(ids [T], pos [T], meta, caches, backend, last [S]) -> logits [S, V] fp32.
+    last: the row of each sequence's last token, or None when every row is one (decode).
     ctx: the graph context of a captured decode step (named eager regions), or None."""
 
     def __init__(self, cfg: ModelConfig, comm: Comm, layers: list[DecoderLayer], dtype):
@@ -60,10 +61,11 @@ class CausalLM(nn.Module):
         residual = None
         for layer, cache in zip(self.model.layers, caches):
             h, residual = layer(h, pos, meta, cache, backend, ctx, residual)
-        if residual is None:
+        if last is not None and residual is None:
             h = self.model.norm(h[last])
-        elif 4 * last.shape[0] < h.shape[0]:    # prefill: gather the few rows first
+        elif last is not None and 4 * last.shape[0] < h.shape[0]:   # prefill: gather first
             h = self.model.norm.add_forward(h[last], residual[last])[0]
         else:                                   # decode: add + norm in one kernel, then gather
-            h = self.model.norm.add_forward(h, residual)[0][last]
+            h = self.model.norm.add_forward(h, residual)[0]
+            h = h if last is None else h[last]
         return self.lm_head(h)

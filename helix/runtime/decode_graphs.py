@@ -66,8 +66,8 @@ class DecodeGraphs:
                            kv_lens=bufs.view("kv_lens", bucket), cu_q=self.arange[:bucket + 1],
                            q_pos=bufs.view("pos", bucket), kvp_rank=kv.kvp_rank, kvp=kv.kvp,
                            interleave=kv.interleave, page_size=kv.page_size, is_decode=True)
-        last = self.arange[:bucket].long()
-        return e.model(bufs.view("ids", bucket), meta.q_pos, meta, e.caches, e.backend, last, ctx)
+        # every row is its sequence's last token: last=None, no gather
+        return e.model(bufs.view("ids", bucket), meta.q_pos, meta, e.caches, e.backend, None, ctx)
 
     def run(self, ids: torch.Tensor, meta: LocalKVMeta) -> torch.Tensor:
         """One decode step from this rank's host-side metadata -> logits [n, V] (a copy)."""
