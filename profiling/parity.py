@@ -52,6 +52,13 @@ def run(model: str, layout: Layout, runtime: RuntimeConfig, prompts, steps: int,
                 "kv_tokens_per_rank": llm.kv_tokens_per_rank()}
 
 
+def parse_layout(spec: str) -> Layout:
+    """"KxA" (kvp x tpa) or "KxAeE" (with expert parallelism E), e.g. 4x2e8."""
+    attn, _, ep = spec.lower().partition("e")
+    kvp, tpa = (int(x) for x in attn.split("x"))
+    return Layout(kvp=kvp, tpa=tpa, ep=int(ep) if ep else 1)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
@@ -83,7 +90,7 @@ def forced_report(res: dict, oracle: dict, single: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny-llama,tiny-deepseek-v3")
-    ap.add_argument("--layouts", default="2x1,1x2", help="comma list of KVPxTPA")
+    ap.add_argument("--layouts", default="2x1,1x2", help="comma list of KVPxTPA[eEP], e.g. 4x2e8")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--layers", type=int, default=0)
@@ -106,8 +113,7 @@ def main() -> None:
         forced = oracle["tokens"]
         runs = {}
         for spec in layouts:
-            kvp, tpa = (int(x) for x in spec.lower().split("x"))
-            lay = Layout(kvp=kvp, tpa=tpa)
+            lay = parse_layout(spec)
             runs[spec] = {"fp32": run(model, lay, rt32, prompts, args.steps, forced),
                           "low": run(model, lay, rt, prompts, args.steps, forced),
                           "free": run(model, lay, rt, prompts, args.steps)}

@@ -46,7 +46,6 @@ class Engine:
         self.scheduler = Scheduler(num_pages, runtime.page_size, layout.kvp, layout.kv_interleave,
                                    runtime.max_batch)
         self.backend = get_backend(runtime.attention_backend, runtime.device)
-        self.requests: dict[int, Request] = {}
         self.generators: dict[int, torch.Generator] = {}
         self.kv_tokens_released = 0
         self.graphs = None
@@ -62,7 +61,6 @@ class Engine:
             if cmd[0] == "add":
                 _, req_id, prompt, params, max_len = cmd
                 req = Request(req_id, list(prompt), params, max_len)
-                self.requests[req_id] = req
                 if not params.greedy:
                     seed = params.seed if params.seed is not None else self.runtime.seed * 1000003 + req_id
                     self.generators[req_id] = torch.Generator(device=self.device).manual_seed(seed)
@@ -114,7 +112,6 @@ class Engine:
             self.kv_tokens_released += self.kv.local_tokens(r.id)
             self.kv.free(r.id)
             self.generators.pop(r.id, None)
-            self.requests.pop(r.id, None)
         return done
 
     def close(self) -> None:
