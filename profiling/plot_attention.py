@@ -7,7 +7,7 @@ exits 0.
 
 from __future__ import annotations
 
-from profiling.plotting import png_path, pyplot
+from profiling.plotting import pyplot, save
 
 import argparse
 import json
@@ -51,10 +51,7 @@ def main():
     rec = records[0]
     fig.suptitle(f"{rec.get('device', '')}: copy {rec['copy_GBps']:.0f} GB/s, "
                  f"bf16 matmul {rec['matmul_TFLOPs']:.0f} TFLOP/s", fontsize=10)
-    fig.tight_layout()
-    out = png_path(args.json, args.out)
-    fig.savefig(out, dpi=120)
-    print(f"wrote {out}")
+    save(fig, args.json, args.out)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from profiling.plotting import png_path, pyplot
+from profiling.plotting import pyplot, save
 
 MODES = ("eager", "graphed", "graphed_attention_break")
 
@@ -45,10 +45,7 @@ def main():
     ax.set_ylabel("ms per decode step")
     ax.set_title(f"Decode step, eager vs CUDA graphs ({data['meta']['device']})")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = png_path(args.json, args.out)
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
+    save(fig, args.json, args.out)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ oracle, fp32 layouts and --dtype layouts side by side (log scale).
 
 from __future__ import annotations
 
-from profiling.plotting import png_path, pyplot
+from profiling.plotting import pyplot, save
 
 import argparse
 import json
@@ -38,10 +38,7 @@ def main():
     ax.set_ylabel("logits relative error vs fp32 single rank")
     ax.set_title(f"Layout parity on {data['meta'].get('device')} x{data['meta'].get('gpus')}")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = png_path(args.json, args.out)
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
+    save(fig, args.json, args.out)
 
 
 if __name__ == "__main__":

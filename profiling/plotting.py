@@ -15,5 +15,9 @@ def pyplot():
     return plt
 
 
-def png_path(json_path: str, out: str | None) -> str:
-    return out or json_path.rsplit(".", 1)[0] + ".png"
+def save(fig, json_path: str, out: str | None) -> None:
+    """Write the figure next to its JSON (same name, .png) unless `out` names a path."""
+    path = out or json_path.rsplit(".", 1)[0] + ".png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")

@@ -10,9 +10,7 @@ import os
 
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_mode import DEV, ON_GPU  # first: chooses the interpreter before triton loads
 
 import json  # noqa: E402
 import subprocess  # noqa: E402
@@ -28,7 +26,6 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from helix.layers import fused_moe as fm  # noqa: E402
 from helix.layers.moe import LocalExperts  # noqa: E402
 
-DEV = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

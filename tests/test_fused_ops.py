@@ -13,9 +13,7 @@ import os
 
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_mode import DEV, ON_GPU  # first: chooses the interpreter before triton loads
 
 import json  # noqa: E402
 import subprocess  # noqa: E402
@@ -27,14 +25,8 @@ from unittest import mock  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton.language.standard  # noqa: E402
 from torch import nn  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-if not ON_GPU and not isinstance(triton.language.standard.cdiv, InterpretedFunction):
-    pytest.fail("triton was imported before TRITON_INTERPRET=1 was set (triton.jit reads it at "
-                "decoration, its own library too): export TRITON_INTERPRET=1 as .ci/run does",
-                pytrace=False)
 
 from helix.config import RopeConfig  # noqa: E402
 from helix.layers import fused_ops as fo  # noqa: E402
@@ -42,7 +34,6 @@ from helix.layers.norm import RMSNorm  # noqa: E402
 from helix.layers.rope import RotaryEmbedding  # noqa: E402
 from helix.models.base import DecoderLayer  # noqa: E402
 
-DEV = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EPS = 1e-6

@@ -217,7 +217,7 @@ def test_seeded_sampling_is_reproducible(llama_ckpt):
     p = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
     with make_llm(llama_ckpt) as llm:
         x, y = llm.add_request(B, p), llm.add_request(B, p)
-        z = llm.add_request(A, greedy(5))
+        llm.add_request(A, greedy(5))                   # a greedy neighbour in the batch
         run_to_end(llm)
         assert llm.outputs[x] == llm.outputs[y]
         batched = llm.outputs[x]

@@ -14,9 +14,7 @@ import os
 
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_mode import DEV, ON_GPU  # first: chooses the interpreter before triton loads
 
 import inspect  # noqa: E402
 import json  # noqa: E402
@@ -25,13 +23,7 @@ import sys  # noqa: E402
 import textwrap  # noqa: E402
 
 import pytest  # noqa: E402
-import triton.language.standard  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-if not ON_GPU and not isinstance(triton.language.standard.cdiv, InterpretedFunction):
-    pytest.fail("triton was imported before TRITON_INTERPRET=1 was set (triton.jit reads it at "
-                "decoration, its own library too): export TRITON_INTERPRET=1 as .ci/run does",
-                pytrace=False)
 
 from helix.attention import merge as torch_merge  # noqa: E402
 from helix.attention import (triton_append, triton_backend, triton_decode,  # noqa: E402
@@ -39,7 +31,6 @@ from helix.attention import (triton_append, triton_backend, triton_decode,  # no
 from helix.attention.torch_ref import TorchAttention  # noqa: E402
 from helix.kv.manager import KVManager, LocalKVMeta  # noqa: E402
 
-DEV = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
 

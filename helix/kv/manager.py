@@ -27,6 +27,11 @@ class LocalKVMeta:
     is_decode: bool             # one query token per sequence, all at the sequence end
 
 
+def _cat(parts: list) -> torch.Tensor:
+    """ints and int64 tensors, in order -> one int64 tensor."""
+    return torch.cat([torch.as_tensor(x, dtype=torch.int64).reshape(-1) for x in parts])
+
+
 class KVManager:
     def __init__(self, num_pages: int, page_size: int, kvp_rank: int, kvp: int, interleave: int):
         self.alloc = PageAllocator(num_pages)
@@ -49,6 +54,19 @@ class KVManager:
         self.alloc.free(self.pages.pop(seq_id, []))
         self.lengths.pop(seq_id, None)
 
+    def _slots(self, pages: list[int], p):
+        """Flat slot of position(s) p (an int, or a tensor of a prompt's positions) on this rank;
+        -1 where another KVP rank owns the position."""
+        j = local_index(p, self.kvp, self.interleave)
+        mine = kv_owner(p, self.kvp, self.interleave) == self.kvp_rank
+        if isinstance(p, int):
+            return pages[j // self.page_size] * self.page_size + j % self.page_size if mine else -1
+        if not pages:                       # this rank owns none of the sequence yet
+            return torch.full_like(p, -1)
+        # positions owned elsewhere index past this rank's pages: clamp, then mask them out
+        page = torch.tensor(pages, dtype=torch.int64)[(j // self.page_size).clamp(max=len(pages) - 1)]
+        return torch.where(mine, page * self.page_size + j % self.page_size, -1)
+
     def prepare(self, batch: list[tuple[int, int, int]], device) -> LocalKVMeta:
         """batch: (seq_id, start position, number of new tokens) per sequence, in batch order.
         Grows each sequence's pages and returns this rank's metadata for the step."""
@@ -56,14 +74,9 @@ class KVManager:
         for seq_id, start, n in batch:
             assert self.lengths.get(seq_id, 0) == start, "sequence positions out of order"
             self._grow(seq_id, start + n)
-            pages = self.pages[seq_id]
-            for p in range(start, start + n):
-                if kv_owner(p, self.kvp, self.interleave) == self.kvp_rank:
-                    j = local_index(p, self.kvp, self.interleave)
-                    slots.append(pages[j // self.page_size] * self.page_size + j % self.page_size)
-                else:
-                    slots.append(-1)
-                q_pos.append(p)
+            pos = start if n == 1 else torch.arange(start, start + n)   # prompts: vectorised
+            slots.append(self._slots(self.pages[seq_id], pos))
+            q_pos.append(pos)
             cu.append(cu[-1] + n)
             lens.append(self.local_tokens(seq_id))
         width = max([len(self.pages[s]) for s, _, _ in batch] + [1])
@@ -72,10 +85,10 @@ class KVManager:
             pages = self.pages[seq_id]
             table[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
         return LocalKVMeta(
-            slots=torch.tensor(slots, dtype=torch.int64, device=device),
+            slots=_cat(slots).to(device),
             block_tables=table.to(device),
             kv_lens=torch.tensor(lens, dtype=torch.int32, device=device),
             cu_q=torch.tensor(cu, dtype=torch.int32, device=device),
-            q_pos=torch.tensor(q_pos, dtype=torch.int64, device=device),
+            q_pos=_cat(q_pos).to(device),
             kvp_rank=self.kvp_rank, kvp=self.kvp, interleave=self.interleave,
             page_size=self.page_size, is_decode=all(n == 1 for _, _, n in batch))
