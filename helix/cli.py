@@ -3,6 +3,7 @@
   helix demo                         a Helix decode of a small default model (GPU if present)
   helix generate --model M --prompt-ids 5,17,42 [--prompt-ids ...] --max-new-tokens N [--json]
                  [--kvp K --tpa A [--tpf F] [--ep E] [--kv-interleave I]]
+  helix sweep configs/sweeps/tiny-cpu.yaml [--out results.json]   decode latency sweeps
 
 A user's mistake exits non-zero with one line on stderr, never a traceback.
 """
@@ -158,6 +159,25 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from helix.sweep import load_sweep, run_sweep
+    sweep = load_sweep(args.file)
+    records: list[dict] = []
+
+    def report(rec):
+        records.append(rec)
+        lay = rec["layout"]
+        print(f"{rec['model']:>18} kvp={lay['kvp']} tpa={lay['tpa']} ep={lay['ep']} "
+              f"B={rec['batch']:<3} ctx={rec['context']:<7} step {rec['step_ms_median']:8.2f} ms "
+              f"(p90 {rec['step_ms_p90']:.2f})  {rec['tokens_per_s']:9.1f} tok/s", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:     # after every point: an interrupted sweep keeps data
+                json.dump(records, f, indent=1)
+
+    run_sweep(sweep, report)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="helix", description="Helix-parallel decode runtime")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -169,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     _add_runtime_args(p, None)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("sweep", help="decode latency over a YAML sweep (configs/sweeps/)")
+    p.add_argument("file", help="sweep YAML: models, layouts, batches, contexts, ...")
+    p.add_argument("--out", default=None, help="JSON file for the records")
+    p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("demo", help="a Helix decode of a small default model")
     p.add_argument("--model", default="tiny-llama", help="preset or checkpoint (default tiny-llama)")

@@ -13,6 +13,7 @@ from helix.config import Layout, ModelConfig, RuntimeConfig
 from helix.kv.manager import KVManager
 from helix.kv.ownership import local_len
 from helix.runtime.decode_graphs import DecodeGraphs
+from helix.runtime.nvtx import nvtx_range
 from helix.loader import build_and_load
 from helix.parallel.comm import Comm
 from helix.runtime.request import Request
@@ -83,14 +84,20 @@ class Engine:
         plan = [(r.id, start, len(toks)) for r, (start, toks) in zip(batch, feeds)]
         ids = [t for _, toks in feeds for t in toks]
         if self.graphs is not None and len(ids) == len(batch):   # decode only: replay a graph
-            meta = self.kv.prepare(plan, "cpu")
-            logits = self.graphs.run(torch.tensor(ids, dtype=torch.long), meta)
+            with nvtx_range("helix.prepare"):
+                meta = self.kv.prepare(plan, "cpu")
+            with nvtx_range(f"helix.decode_graph[{len(batch)}]"):
+                logits = self.graphs.run(torch.tensor(ids, dtype=torch.long), meta)
         else:
-            meta = self.kv.prepare(plan, self.device)
-            ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-            last = meta.cu_q[1:].long() - 1
-            logits = self.model(ids_t, meta.q_pos, meta, self.caches, self.backend, last)
-        tokens = sample(logits, [r.params for r in batch], [self.generators.get(r.id) for r in batch])
+            with nvtx_range("helix.prepare"):
+                meta = self.kv.prepare(plan, self.device)
+                ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+            with nvtx_range(f"helix.forward_eager[{len(ids)} tokens]"):
+                last = meta.cu_q[1:].long() - 1
+                logits = self.model(ids_t, meta.q_pos, meta, self.caches, self.backend, last)
+        with nvtx_range("helix.sample"):
+            tokens = sample(logits, [r.params for r in batch],
+                            [self.generators.get(r.id) for r in batch])
         out = {}
         for r, tok in zip(batch, tokens):
             forced = r.params.forced_tokens

@@ -1,0 +1,152 @@
+"""YAML latency sweeps: decode step time over models x layouts x batches x contexts.
+
+    name: llama70b-4gpu           # a label, copied into every record
+    model: llama-3.1-70b          # or `models: [a, b]`; presets, YAML files or checkpoint dirs
+    layers: 4                     # first n layers (0: all)
+    device: cuda                  # cpu | cuda (default: cuda when present)
+    dtype: bfloat16               # default: bfloat16 on cuda, float32 on cpu
+    layouts:                      # Layout fields; every layout must hold for every model
+      - {kvp: 1, tpa: 4}
+      - {kvp: 4, tpa: 1, kv_interleave: 16}
+    batches: [1, 8, 32]
+    contexts: [32768, 131072]     # prompt tokens per request (the KV each decode step reads)
+    decode_steps: 16              # timed steps (median and p90 reported)
+    warmup_steps: 3
+    cuda_graphs: true
+    attention_backend: triton
+    page_size: 64
+
+Every key is checked before anything runs; a mistake is one line naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import yaml
+
+from helix.config import Layout, RuntimeConfig
+from helix.errors import ConfigError
+
+_KEYS = {"name", "model", "models", "layers", "device", "dtype", "layouts", "batches", "contexts",
+         "decode_steps", "warmup_steps", "cuda_graphs", "attention_backend", "page_size", "seed"}
+_LAYOUT_KEYS = {"kvp", "tpa", "tpf", "ep", "kv_interleave"}
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str
+    models: tuple[str, ...]
+    layouts: tuple[Layout, ...]
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    runtime: dict = field(default_factory=dict)   # RuntimeConfig fields shared by every run
+    decode_steps: int = 16
+    warmup_steps: int = 3
+
+
+def _ints(spec: dict, key: str, path: str) -> tuple[int, ...]:
+    v = spec.get(key)
+    if not isinstance(v, list) or not v or not all(isinstance(x, int) and x > 0 for x in v):
+        raise ConfigError(f"{path}: '{key}' must be a non-empty list of positive integers, "
+                          f"e.g. {key}: [1, 8]")
+    return tuple(v)
+
+
+def load_sweep(path: str) -> Sweep:
+    try:
+        with open(path) as f:
+            spec = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read sweep file {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{path}: a sweep is a mapping of keys ({', '.join(sorted(_KEYS))})")
+    unknown = set(spec) - _KEYS
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(sorted(map(str, unknown)))}; "
+                          f"allowed: {', '.join(sorted(_KEYS))}")
+    models = spec.get("models", [spec["model"]] if "model" in spec else None)
+    if not isinstance(models, list) or not models or not all(isinstance(m, str) for m in models):
+        raise ConfigError(f"{path}: give 'model: NAME' or 'models: [NAME, ...]'")
+    layouts = spec.get("layouts", [{}])
+    if not isinstance(layouts, list) or not all(isinstance(x, dict) for x in layouts):
+        raise ConfigError(f"{path}: 'layouts' must be a list of mappings, e.g. - {{kvp: 2, tpa: 1}}")
+    for lay in layouts:
+        bad = set(lay) - _LAYOUT_KEYS
+        if bad:
+            raise ConfigError(f"{path}: unknown layout key(s) {', '.join(sorted(map(str, bad)))}; "
+                              f"allowed: {', '.join(sorted(_LAYOUT_KEYS))}")
+    for key in ("layers", "page_size", "seed"):
+        if key in spec and (not isinstance(spec[key], int) or isinstance(spec[key], bool)
+                            or spec[key] < 0):
+            raise ConfigError(f"{path}: '{key}' must be a non-negative integer, got {spec[key]!r}")
+    if not isinstance(spec.get("cuda_graphs", True), bool):
+        raise ConfigError(f"{path}: 'cuda_graphs' must be true or false")
+    device = spec.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    runtime = dict(device=device, dtype=spec.get("dtype") or ("bfloat16" if device == "cuda" else "float32"),
+                   layers=spec.get("layers", 0), cuda_graphs=spec.get("cuda_graphs", True),
+                   attention_backend=spec.get("attention_backend", "torch"),
+                   page_size=spec.get("page_size", 16), seed=spec.get("seed", 0))
+    RuntimeConfig(**runtime)                        # validates device, dtype, backend, sizes
+    steps, warm = spec.get("decode_steps", 16), spec.get("warmup_steps", 3)
+    if not isinstance(steps, int) or steps < 1 or not isinstance(warm, int) or warm < 0:
+        raise ConfigError(f"{path}: decode_steps must be >= 1 and warmup_steps >= 0 (integers)")
+    return Sweep(name=str(spec.get("name", path)), models=tuple(models),
+                 layouts=tuple(Layout(**lay) for lay in layouts),
+                 batches=_ints(spec, "batches", path) if "batches" in spec else (1,),
+                 contexts=_ints(spec, "contexts", path) if "contexts" in spec else (128,),
+                 runtime=runtime, decode_steps=steps, warmup_steps=warm)
+
+
+def check(sweep: Sweep) -> None:
+    """Every layout against every model, before any process starts."""
+    from helix.loader import read_model_config
+    for model in sweep.models:
+        cfg, _ = read_model_config(model, sweep.runtime["layers"])
+        for lay in sweep.layouts:
+            lay.validate(cfg)
+
+
+def run_point(sweep: Sweep, model: str, layout: Layout, batch: int, context: int) -> dict:
+    """Decode latency of `batch` requests holding `context` tokens each."""
+    from helix.runtime.llm import LLM
+    from helix.runtime.sampling import SamplingParams
+    steps = sweep.warmup_steps + sweep.decode_steps
+    rt = RuntimeConfig(max_batch=batch, max_context=context + steps + 2, **sweep.runtime)
+    g = torch.Generator().manual_seed(0)
+    with LLM(model, layout, rt) as llm:
+        for _ in range(batch):
+            llm.add_request(torch.randint(0, llm.cfg.vocab_size, (context,), generator=g).tolist(),
+                            SamplingParams(max_new_tokens=steps + 1, ignore_eos=True))
+        t0 = time.perf_counter()
+        llm.step()                                  # prefill
+        prefill_s = time.perf_counter() - t0
+        times = [llm.step().seconds for _ in range(steps)][sweep.warmup_steps:]
+        kv = llm.kv_tokens_per_rank()
+    times.sort()
+    median = statistics.median(times)
+    return {"sweep": sweep.name, "model": model, "layout": layout.as_dict(), "batch": batch,
+            "context": context, "device": rt.device, "dtype": rt.dtype, "layers": rt.layers,
+            "cuda_graphs": rt.cuda_graphs, "attention_backend": rt.attention_backend,
+            "prefill_ms": 1e3 * prefill_s, "step_ms_median": 1e3 * median,
+            "step_ms_p90": 1e3 * times[int(0.9 * (len(times) - 1))],
+            "tokens_per_s": batch / median, "kv_tokens_per_rank": kv}
+
+
+def run_sweep(sweep: Sweep, on_record=None) -> list[dict]:
+    check(sweep)
+    records = []
+    for model in sweep.models:
+        for layout in sweep.layouts:
+            for batch in sweep.batches:
+                for context in sweep.contexts:
+                    rec = run_point(sweep, model, layout, batch, context)
+                    records.append(rec)
+                    if on_record:
+                        on_record(rec)
+    return records
