@@ -10,6 +10,9 @@
       - {kvp: 4, tpa: 1, kv_interleave: 16}
     batches: [1, 8, 32]
     contexts: [32768, 131072]     # prompt tokens per request (the KV each decode step reads)
+    prefill: synthetic            # synthetic: the context's KV is taken as written (no prefill,
+                                  # arbitrary values, read at full cost); real: run the prompt
+    max_batch_tokens: 33554432    # skip points whose batch x context exceeds this (KV memory)
     decode_steps: 16              # timed steps (median and p90 reported)
     warmup_steps: 3
     cuda_graphs: true
@@ -32,7 +35,8 @@ from helix.config import Layout, RuntimeConfig
 from helix.errors import ConfigError
 
 _KEYS = {"name", "model", "models", "layers", "device", "dtype", "layouts", "batches", "contexts",
-         "decode_steps", "warmup_steps", "cuda_graphs", "attention_backend", "page_size", "seed"}
+         "decode_steps", "warmup_steps", "cuda_graphs", "attention_backend", "page_size", "seed",
+         "prefill", "max_batch_tokens"}
 _LAYOUT_KEYS = {"kvp", "tpa", "tpf", "ep", "kv_interleave"}
 
 
@@ -46,6 +50,8 @@ class Sweep:
     runtime: dict = field(default_factory=dict)   # RuntimeConfig fields shared by every run
     decode_steps: int = 16
     warmup_steps: int = 3
+    prefill: str = "synthetic"
+    max_batch_tokens: int = 0     # 0: no limit
 
 
 def _ints(spec: dict, key: str, path: str) -> tuple[int, ...]:
@@ -81,7 +87,7 @@ def load_sweep(path: str) -> Sweep:
         if bad:
             raise ConfigError(f"{path}: unknown layout key(s) {', '.join(sorted(map(str, bad)))}; "
                               f"allowed: {', '.join(sorted(_LAYOUT_KEYS))}")
-    for key in ("layers", "page_size", "seed"):
+    for key in ("layers", "page_size", "seed", "max_batch_tokens"):
         if key in spec and (not isinstance(spec[key], int) or isinstance(spec[key], bool)
                             or spec[key] < 0):
             raise ConfigError(f"{path}: '{key}' must be a non-negative integer, got {spec[key]!r}")
@@ -93,6 +99,9 @@ def load_sweep(path: str) -> Sweep:
                    attention_backend=spec.get("attention_backend", "torch"),
                    page_size=spec.get("page_size", 16), seed=spec.get("seed", 0))
     RuntimeConfig(**runtime)                        # validates device, dtype, backend, sizes
+    prefill = spec.get("prefill", "synthetic")
+    if prefill not in ("synthetic", "real"):
+        raise ConfigError(f"{path}: 'prefill' must be synthetic or real, got {prefill!r}")
     steps, warm = spec.get("decode_steps", 16), spec.get("warmup_steps", 3)
     if not isinstance(steps, int) or steps < 1 or not isinstance(warm, int) or warm < 0:
         raise ConfigError(f"{path}: decode_steps must be >= 1 and warmup_steps >= 0 (integers)")
@@ -100,7 +109,8 @@ def load_sweep(path: str) -> Sweep:
                  layouts=tuple(Layout(**lay) for lay in layouts),
                  batches=_ints(spec, "batches", path) if "batches" in spec else (1,),
                  contexts=_ints(spec, "contexts", path) if "contexts" in spec else (128,),
-                 runtime=runtime, decode_steps=steps, warmup_steps=warm)
+                 runtime=runtime, decode_steps=steps, warmup_steps=warm, prefill=prefill,
+                 max_batch_tokens=spec.get("max_batch_tokens", 0))
 
 
 def check(sweep: Sweep) -> None:
@@ -120,11 +130,13 @@ def run_point(sweep: Sweep, model: str, layout: Layout, batch: int, context: int
     rt = RuntimeConfig(max_batch=batch, max_context=context + steps + 2, **sweep.runtime)
     g = torch.Generator().manual_seed(0)
     with LLM(model, layout, rt) as llm:
+        params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
+        synthetic = sweep.prefill == "synthetic"
         for _ in range(batch):
-            llm.add_request(torch.randint(0, llm.cfg.vocab_size, (context,), generator=g).tolist(),
-                            SamplingParams(max_new_tokens=steps + 1, ignore_eos=True))
+            prompt = torch.randint(0, llm.cfg.vocab_size, (1 if synthetic else context,), generator=g)
+            llm.add_request(prompt.tolist(), params, synthetic_prefix=context - 1 if synthetic else 0)
         t0 = time.perf_counter()
-        llm.step()                                  # prefill
+        llm.step()                                  # prefill (synthetic: a first decode step)
         prefill_s = time.perf_counter() - t0
         times = [llm.step().seconds for _ in range(steps)][sweep.warmup_steps:]
         kv = llm.kv_tokens_per_rank()
@@ -133,7 +145,7 @@ def run_point(sweep: Sweep, model: str, layout: Layout, batch: int, context: int
     return {"sweep": sweep.name, "model": model, "layout": layout.as_dict(), "batch": batch,
             "context": context, "device": rt.device, "dtype": rt.dtype, "layers": rt.layers,
             "cuda_graphs": rt.cuda_graphs, "attention_backend": rt.attention_backend,
-            "prefill_ms": 1e3 * prefill_s, "step_ms_median": 1e3 * median,
+            "prefill": sweep.prefill, "first_step_ms": 1e3 * prefill_s, "step_ms_median": 1e3 * median,
             "step_ms_p90": 1e3 * times[int(0.9 * (len(times) - 1))],
             "tokens_per_s": batch / median, "kv_tokens_per_rank": kv}
 
@@ -145,6 +157,8 @@ def run_sweep(sweep: Sweep, on_record=None) -> list[dict]:
         for layout in sweep.layouts:
             for batch in sweep.batches:
                 for context in sweep.contexts:
+                    if sweep.max_batch_tokens and batch * context > sweep.max_batch_tokens:
+                        continue
                     rec = run_point(sweep, model, layout, batch, context)
                     records.append(rec)
                     if on_record:

@@ -63,3 +63,11 @@ def test_cli_rejects_an_invalid_layout_before_running(tmp_path):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("helix: error:") and "divisible" in lines[0]
     assert "Traceback" not in res.stderr and res.stdout == ""
+
+
+def test_points_over_the_token_budget_are_skipped(tmp_path):
+    sweep = load_sweep(_write(tmp_path, "model: tiny-llama\ndevice: cpu\nbatches: [1, 2]\n"
+                                        "contexts: [9, 20]\nmax_batch_tokens: 20\ndecode_steps: 1\n"
+                                        "warmup_steps: 0\n"))
+    points = [(r["batch"], r["context"]) for r in run_sweep(sweep)]
+    assert points == [(1, 9), (1, 20), (2, 9)]

@@ -39,6 +39,7 @@ class KVManager:
         self.kvp_rank, self.kvp, self.interleave = kvp_rank, kvp, interleave
         self.pages: dict[int, list[int]] = {}   # seq id -> local pages
         self.lengths: dict[int, int] = {}       # seq id -> global length written
+        self._tables: dict[int, torch.Tensor] = {}  # seq id -> its pages as int32, rebuilt on growth
 
     def local_tokens(self, seq_id: int) -> int:
         return local_len(self.lengths.get(seq_id, 0), self.kvp_rank, self.kvp, self.interleave)
@@ -48,11 +49,25 @@ class KVManager:
         pages = self.pages.setdefault(seq_id, [])
         if need > len(pages):
             pages.extend(self.alloc.allocate(need - len(pages)))
+            self._tables.pop(seq_id, None)
         self.lengths[seq_id] = new_len
+
+    def _table(self, seq_id: int) -> torch.Tensor:
+        """The sequence's pages as an int32 tensor (cached: a long context has thousands)."""
+        if seq_id not in self._tables:
+            self._tables[seq_id] = torch.tensor(self.pages[seq_id], dtype=torch.int32)
+        return self._tables[seq_id]
+
+    def assume_prefix(self, seq_id: int, length: int) -> None:
+        """Take positions [0, length) of a new sequence as already written (their pages hold
+        whatever they hold): long-context benchmarks start decoding without a prefill."""
+        assert seq_id not in self.lengths, "assume_prefix is for a new sequence"
+        self._grow(seq_id, length)
 
     def free(self, seq_id: int) -> None:
         self.alloc.free(self.pages.pop(seq_id, []))
         self.lengths.pop(seq_id, None)
+        self._tables.pop(seq_id, None)
 
     def _slots(self, pages: list[int], p):
         """Flat slot of position(s) p (an int, or a tensor of a prompt's positions) on this rank;
@@ -82,8 +97,8 @@ class KVManager:
         width = max([len(self.pages[s]) for s, _, _ in batch] + [1])
         table = torch.zeros((len(batch), width), dtype=torch.int32)
         for i, (seq_id, _, _) in enumerate(batch):
-            pages = self.pages[seq_id]
-            table[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            row = self._table(seq_id)
+            table[i, :row.numel()] = row
         return LocalKVMeta(
             slots=_cat(slots).to(device),
             block_tables=table.to(device),

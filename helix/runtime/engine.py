@@ -60,8 +60,8 @@ class Engine:
     def apply(self, commands: list[tuple]) -> None:
         for cmd in commands:
             if cmd[0] == "add":
-                _, req_id, prompt, params, max_len = cmd
-                req = Request(req_id, list(prompt), params, max_len)
+                _, req_id, prompt, params, max_len, prefix = cmd
+                req = Request(req_id, list(prompt), params, max_len, prefix)
                 if not params.greedy:
                     seed = params.seed if params.seed is not None else self.runtime.seed * 1000003 + req_id
                     self.generators[req_id] = torch.Generator(device=self.device).manual_seed(seed)
@@ -80,6 +80,9 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return StepOutput({}, finished, 0, time.perf_counter() - t0)
+        for r in batch:
+            if r.prefix and r.id not in self.kv.lengths:       # synthetic KV: no prefill
+                self.kv.assume_prefix(r.id, r.prefix)
         feeds = [r.next_input() for r in batch]
         plan = [(r.id, start, len(toks)) for r, (start, toks) in zip(batch, feeds)]
         ids = [t for _, toks in feeds for t in toks]

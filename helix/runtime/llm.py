@@ -131,28 +131,32 @@ class LLM:
                 p.kill()
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, prompt_ids, params: SamplingParams | None = None) -> int:
-        """Queue a request; it joins the batch at the next step. Returns its id."""
-        return self._queue(*self._check_request(prompt_ids, params))
+    def add_request(self, prompt_ids, params: SamplingParams | None = None,
+                    synthetic_prefix: int = 0) -> int:
+        """Queue a request; it joins the batch at the next step. Returns its id.
+        synthetic_prefix: positions of arbitrary KV placed before the prompt, with no prefill
+        (long-context decode benchmarks: the KV is read at full cost, its values are noise)."""
+        return self._queue(*self._check_request(prompt_ids, params, synthetic_prefix))
 
-    def _check_request(self, prompt_ids, params) -> tuple[list[int], SamplingParams, int]:
+    def _check_request(self, prompt_ids, params, prefix: int = 0
+                       ) -> tuple[list[int], SamplingParams, int, int]:
         params = params or SamplingParams()
-        prompt = self._check_prompt(prompt_ids)
-        max_len = min(len(prompt) + params.max_new_tokens, self.max_context)
+        prompt = self._check_prompt(prompt_ids, prefix)
+        max_len = min(prefix + len(prompt) + params.max_new_tokens, self.max_context)
         sched = self.engine.scheduler
         if sched.pages_for(max_len) > sched.num_pages:
             raise CapacityError(f"request needs {sched.pages_for(max_len)} KV pages per rank, the "
                                 f"pool has {sched.num_pages}: raise --num-pages, lower "
                                 f"--max-new-tokens, or add KVP ranks")
-        return prompt, params, max_len
+        return prompt, params, max_len, prefix
 
-    def _queue(self, prompt: list[int], params: SamplingParams, max_len: int) -> int:
+    def _queue(self, prompt: list[int], params: SamplingParams, max_len: int, prefix: int) -> int:
         rid = next(self._ids)
-        self._pending.append(("add", rid, prompt, params, max_len))
+        self._pending.append(("add", rid, prompt, params, max_len, prefix))
         self.outputs[rid] = []
         return rid
 
-    def _check_prompt(self, prompt_ids) -> list[int]:
+    def _check_prompt(self, prompt_ids, prefix: int = 0) -> list[int]:
         try:
             given = list(prompt_ids)
             prompt = [int(t) for t in given]
@@ -165,9 +169,11 @@ class LLM:
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        if len(prompt) >= self.max_context:
-            raise RequestError(f"prompt of {len(prompt)} tokens does not fit the maximum context of "
-                               f"{self.max_context}: shorten it or raise --max-context")
+        if not isinstance(prefix, int) or prefix < 0:
+            raise RequestError(f"synthetic_prefix must be a non-negative integer, got {prefix!r}")
+        if prefix + len(prompt) >= self.max_context:
+            raise RequestError(f"prompt of {prefix + len(prompt)} tokens does not fit the maximum "
+                               f"context of {self.max_context}: shorten it or raise --max-context")
         return prompt
 
     def abort(self, request_id: int) -> None:

@@ -13,6 +13,8 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     max_len: int                              # prompt + generation cap (max context)
+    prefix: int = 0                           # positions of arbitrary KV before the prompt
+                                              # (benchmarking long contexts without prefill)
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None          # length | stop | abort
 
@@ -22,10 +24,10 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return self.prefix + len(self.prompt) + len(self.output)
 
     def next_input(self) -> tuple[int, list[int]]:
         """(start position, token ids) to feed this step: the prompt first, then the last token."""
         if not self.output:
-            return 0, list(self.prompt)
+            return self.prefix, list(self.prompt)
         return self.num_tokens - 1, [self.output[-1]]
