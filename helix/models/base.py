@@ -3,7 +3,6 @@ Module names follow the Hugging Face checkpoints, so parameter names are checkpo
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from helix.config import ModelConfig
