@@ -7,11 +7,11 @@ Knows nothing of LLMs; depends on torch only (cuda-python optional, for graphs.i
 from graphs.breakable import Break, BreakableGraph, GraphContext, Segment, Step
 from graphs.buckets import BucketLadder, ReduceMax, agreed_rows, default_buckets, dist_reduce_max
 from graphs.runner import EagerFallbackWarning, GraphRunner
-from graphs.static import BufferSpec, StaticBuffers
+from graphs.static import BufferSpec, HostStaging, StaticBuffers
 
 __all__ = [
     "Break", "BreakableGraph", "GraphContext", "Segment", "Step",
     "BucketLadder", "ReduceMax", "agreed_rows", "default_buckets", "dist_reduce_max",
     "EagerFallbackWarning", "GraphRunner",
-    "BufferSpec", "StaticBuffers",
+    "BufferSpec", "HostStaging", "StaticBuffers",
 ]

@@ -9,6 +9,7 @@ no KV write; length 0: empty attention), so padded rows compute harmlessly and a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,36 @@ class StaticBuffers:
         self._specs: dict[str, BufferSpec] = {}
         self._tensors: dict[str, torch.Tensor] = {}
         self._ptrs: dict[str, int] = {}
+        # packed(): dtype -> (flat arena, [(name, element offset, elements per row)] in order)
+        self.arenas: dict[torch.dtype, tuple[torch.Tensor, list[tuple[str, int, int]]]] = {}
+
+    @classmethod
+    def packed(cls, max_rows: int, device: torch.device | str,
+               specs: dict[str, tuple[tuple[int, ...], torch.dtype, float | int | bool]]
+               ) -> StaticBuffers:
+        """Buffers `name -> (row_shape, dtype, pad)` laid out back to back, in the given order,
+        in ONE flat tensor per dtype (an arena). Each buffer is still a contiguous
+        `[max_rows, *row_shape]` view at a fixed address; a `HostStaging` mirror then uploads
+        every input of a step with one host-to-device copy per dtype. Put the widest buffer
+        last in its dtype: an upload of b rows copies the earlier regions whole but only b rows
+        of the last one."""
+        self = cls(max_rows, device)
+        groups: dict[torch.dtype, list[tuple[str, BufferSpec]]] = {}
+        for name, (row_shape, dtype, pad) in specs.items():
+            spec = BufferSpec(tuple(int(s) for s in row_shape), dtype, pad)
+            groups.setdefault(dtype, []).append((name, spec))
+        for dtype, members in groups.items():
+            widths = [math.prod(spec.row_shape) for _, spec in members]
+            arena = torch.empty(max_rows * sum(widths), dtype=dtype, device=self.device)
+            layout, off = [], 0
+            for (name, spec), w in zip(members, widths):
+                t = arena[off:off + max_rows * w].view(max_rows, *spec.row_shape)
+                t.fill_(spec.pad)
+                self._specs[name], self._tensors[name], self._ptrs[name] = spec, t, t.data_ptr()
+                layout.append((name, off, w))
+                off += max_rows * w
+            self.arenas[dtype] = (arena, layout)
+        return self
 
     # -- allocation ---------------------------------------------------------------------------
     def add(self, name: str, row_shape: tuple[int, ...] = (), dtype: torch.dtype = torch.int64,
@@ -133,3 +164,60 @@ class StaticBuffers:
     def _check_rows(self, bucket: int) -> None:
         if not 0 < bucket <= self.max_rows:
             raise ValueError(f"bucket {bucket} outside 1..{self.max_rows}")
+
+
+class HostStaging:
+    """A host mirror of a `StaticBuffers.packed` set (pinned when the buffers are on CUDA): a
+    step writes its rows on the host with `put`, then `upload(bucket)` issues ONE copy per
+    dtype arena instead of a copy (and a pad fill) per buffer.
+
+    With non_blocking uploads the copy reads the mirror when the stream reaches it, so the
+    caller must not `put` into a mirror whose last upload may still be pending: alternate two
+    mirrors and make sure the step that used one has finished before writing it again.
+    """
+
+    def __init__(self, bufs: StaticBuffers):
+        if not bufs.arenas:
+            raise ValueError("HostStaging needs StaticBuffers.packed(...) buffers")
+        self.bufs = bufs
+        pin = bufs.device.type == "cuda"
+        self.arenas = {dt: torch.empty(a.numel(), dtype=dt, pin_memory=pin)
+                       for dt, (a, _) in bufs.arenas.items()}
+        self._views: dict[str, torch.Tensor] = {}
+        for dt, (_, layout) in bufs.arenas.items():
+            for name, off, w in layout:
+                spec = bufs.spec(name)
+                view = self.arenas[dt][off:off + bufs.max_rows * w].view(bufs.max_rows,
+                                                                           *spec.row_shape)
+                view.fill_(spec.pad)
+                self._views[name] = view
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """The host mirror of buffer `name`, `[max_rows, *row_shape]`."""
+        return self._views[name]
+
+    def put(self, name: str, src: torch.Tensor, bucket: int, pad_tail: bool = True) -> None:
+        """Host rows `[:n] = src` (`src` may be narrower than a row: `pad_tail` pads the rest of
+        each row; False leaves those columns stale, for readers bounded by another input, e.g.
+        block-table columns past a sequence's length) and rows `[n:bucket]` = the pad."""
+        view, pad = self._views[name], self.bufs.spec(name).pad
+        n = src.shape[0]
+        if n > bucket or bucket > self.bufs.max_rows or src.dim() != view.dim() or any(
+                a > b for a, b in zip(src.shape[1:], view.shape[1:])):
+            raise ValueError(f"{name}: input {tuple(src.shape)} does not fit "
+                             f"[{bucket}, {', '.join(map(str, view.shape[1:]))}]")
+        view[tuple(slice(0, s) for s in src.shape)].copy_(src)
+        if pad_tail and src.shape[1:] != view.shape[1:]:
+            for d, s in enumerate(src.shape[1:], start=1):
+                if s < view.shape[d]:
+                    view[:n].narrow(d, s, view.shape[d] - s).fill_(pad)
+        if n < bucket:
+            view[n:bucket].fill_(pad)
+
+    def upload(self, bucket: int, non_blocking: bool = True) -> None:
+        """Copy rows `[:bucket]` of every buffer to the device: one copy per dtype arena (the
+        arena's earlier buffers whole, its last buffer up to row `bucket`)."""
+        for dt, (dev, layout) in self.bufs.arenas.items():
+            _, off, w = layout[-1]
+            end = off + bucket * w
+            dev[:end].copy_(self.arenas[dt][:end], non_blocking=non_blocking)

@@ -60,6 +60,8 @@ def _add_runtime_args(p: argparse.ArgumentParser, device_default: str | None) ->
                    help="batch buckets, e.g. 1,2,4,8 (default 1,2,4,8,16,24,... up to --max-batch)")
     g.add_argument("--graph-breaks", type=lambda t: tuple(x for x in t.split(",") if x), default=(),
                    help="regions to run eagerly inside the graph: attention, moe")
+    g.add_argument("--no-overlap", dest="overlap", action="store_false", default=None,
+                   help="finish each step before preparing the next (default on cuda: overlap)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -85,7 +87,8 @@ def _configs(args):
                             max_context=args.max_context, max_batch=args.max_batch,
                             num_pages=args.num_pages, attention_backend=args.attention_backend,
                             seed=args.seed, layers=args.layers, cuda_graphs=args.cuda_graphs,
-                            graph_buckets=tuple(args.graph_buckets), graph_breaks=args.graph_breaks)
+                            graph_buckets=tuple(args.graph_buckets), graph_breaks=args.graph_breaks,
+                            overlap=args.overlap)
     return layout, runtime
 
 

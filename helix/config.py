@@ -214,6 +214,8 @@ class RuntimeConfig:
     graph_buckets: tuple[int, ...] = ()   # batch buckets (empty: 1, 2, 4, 8, 16, 24, ... max_batch)
     graph_breaks: tuple[str, ...] = ()    # regions to run eagerly under graphs: attention, moe
     graph_eager: bool = False      # bucketed, padded graph path but no capture (debug: A/B vs capture)
+    overlap: bool | None = None    # prepare step N+1 on the host while step N runs on the device;
+                                   # tokens are reported one step later (None: on for cuda)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -235,6 +237,10 @@ class RuntimeConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    @property
+    def resolved_overlap(self) -> bool:
+        return self.device == "cuda" if self.overlap is None else bool(self.overlap)
 
     def resolved_max_context(self, model: ModelConfig) -> int:
         return self.max_context or min(model.max_position, 8192)

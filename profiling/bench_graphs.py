@@ -2,10 +2,14 @@
 
 For each model and batch: B requests with a --context-token prompt are prefilled, then decode
 steps are timed in three modes: eager (no graphs), graphed (whole step captured), graphed with
-the "attention" break (attention eager inside the graph). Recorded per mode: the median wall
-time of a step (LLM.step: scheduling, metadata, replay, sampling), the median GPU time of the
-graph replay alone (CUDA events), and the sum of the step's kernel times from the torch profiler
-(the floor a perfect launcher reaches). Rank 0 is measured; with --kvp/--tpa > 1 the other ranks
+the "attention" break (attention eager inside the graph), and without overlap (each step read
+back before the next is prepared). Recorded per mode: `wall_ms_per_step`, the wall time of
+--steps consecutive LLM.step() calls divided by their number (what a user sees per token: host
+scheduling, metadata, upload, replay, sampling, read-back; with overlap the host part of step
+N + 1 runs while step N is on the GPU); `step_ms`, the median of those calls; `replay_ms`, the
+median GPU time of upload + replay alone (CUDA events); and from the torch profiler the sum of
+the step's kernel times (`kernel_ms`, the floor a perfect launcher reaches), its copies, the
+kernel count and the top kernels. Rank 0 is measured; with --kvp/--tpa > 1 the other ranks
 run as spawned workers.
 
     python profiling/bench_graphs.py --models llama-3.1-8b,deepseek-v3 --layers 4 \
@@ -18,33 +22,52 @@ import argparse
 import json
 import statistics
 import subprocess
+import time
 
 import torch
 
 from helix import LLM, Layout, RuntimeConfig, SamplingParams
 
 MODES = {"eager": dict(cuda_graphs=False), "graphed": dict(cuda_graphs=True),
-         "graphed_attention_break": dict(cuda_graphs=True, graph_breaks=("attention",))}
+         "graphed_attention_break": dict(cuda_graphs=True, graph_breaks=("attention",)),
+         "graphed_no_overlap": dict(cuda_graphs=True, overlap=False),
+         "eager_no_overlap": dict(cuda_graphs=False, overlap=False)}
+DEFAULT_MODES = "eager,graphed,graphed_attention_break,graphed_no_overlap"
 
 
-def kernel_ms_per_step(llm: LLM, steps: int) -> float:
-    """Sum of CUDA kernel durations per decode step (torch profiler, rank 0)."""
+def kernel_profile(llm: LLM, steps: int, top: int = 12) -> dict:
+    """Per decode step, from the torch profiler (rank 0): the sum of CUDA kernel durations
+    (`kernel_ms`, the floor a perfect launcher reaches), of memcpy/memset durations
+    (`copy_ms`), the kernel count, and the `top` kernels by time."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             llm.step()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
-    return total_us / 1e3 / steps
+    kern, copies, count, rows = 0.0, 0.0, 0, []
+    for e in prof.key_averages():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = e.self_device_time_total / steps
+        if e.key.startswith(("Memcpy", "Memset")):
+            copies += us
+        else:
+            kern += us
+            count += e.count
+            rows.append((us, e.count / steps, e.key))
+    rows.sort(reverse=True)
+    return {"kernel_ms": kern / 1e3, "copy_ms": copies / 1e3, "kernels_per_step": count / steps,
+            "top_kernels": [{"us": round(us, 2), "per_step": round(c, 2), "name": k[:120]}
+                            for us, c, k in rows[:top]]}
 
 
 def replay_ms(llm: LLM, steps: int) -> float | None:
-    """Median GPU time of the graph replay alone, from CUDA events around the runner."""
+    """Median GPU time of the staged upload + graph replay, from CUDA events around it
+    (synchronising: overlap is off while this is measured)."""
     graphs = llm.engine.graphs
     if graphs is None:
         return None
-    times, run = [], graphs.runner.run
+    times, run = [], graphs.run
 
     def timed(*a, **k):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -55,12 +78,12 @@ def replay_ms(llm: LLM, steps: int) -> float | None:
         times.append(s.elapsed_time(e))
         return out
 
-    graphs.runner.run = timed
+    graphs.run = timed
     try:
         for _ in range(steps):
             llm.step()
     finally:
-        graphs.runner.run = run
+        del graphs.run                      # back to the class's method
     return statistics.median(times)
 
 
@@ -78,13 +101,18 @@ def bench(model: str, layout: Layout, mode: str, batch: int, args) -> dict:
         llm.step()                                    # prefill
         for _ in range(args.warmup):
             llm.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         walls = [llm.step().seconds * 1e3 for _ in range(args.steps)]
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / args.steps
         rep = replay_ms(llm, args.steps)
-        kern = kernel_ms_per_step(llm, args.steps)
+        prof = kernel_profile(llm, args.steps)
         breaks = sorted(llm.engine.graphs.needed_breaks) if llm.engine.graphs else []
     return {"model": model, "layers": args.layers, "layout": layout.as_dict(), "mode": mode,
             "breaks": breaks, "batch": batch, "context": args.context, "backend": args.backend,
-            "step_ms": statistics.median(walls), "replay_ms": rep, "kernel_ms": kern}
+            "overlap": rt.resolved_overlap, "step_ms": statistics.median(walls),
+            "wall_ms_per_step": wall, "replay_ms": rep, **prof}
 
 
 def main() -> None:
@@ -96,7 +124,7 @@ def main() -> None:
     ap.add_argument("--kvp", type=int, default=1)
     ap.add_argument("--tpa", type=int, default=1)
     ap.add_argument("--backend", default="triton")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=DEFAULT_MODES, help=f"comma list of {', '.join(MODES)}")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", required=True)
@@ -113,9 +141,10 @@ def main() -> None:
                 print(json.dumps(rec), flush=True)
             if "eager" in rows and "graphed" in rows:
                 g, e = rows["graphed"], rows["eager"]
-                print(f"# {model} b={batch}: eager {e['step_ms']:.2f} ms, graphed {g['step_ms']:.2f} ms "
-                      f"({e['step_ms'] / g['step_ms']:.1f}x), replay {g['replay_ms']:.3f} ms vs kernels "
-                      f"{g['kernel_ms']:.3f} ms ({g['replay_ms'] / g['kernel_ms']:.2f}x)", flush=True)
+                print(f"# {model} b={batch}: eager {e['wall_ms_per_step']:.3f} ms, graphed "
+                      f"{g['wall_ms_per_step']:.3f} ms ({e['wall_ms_per_step'] / g['wall_ms_per_step']:.2f}x), "
+                      f"graphed / kernels {g['wall_ms_per_step'] / g['kernel_ms']:.3f}x, replay "
+                      f"{g['replay_ms']:.3f} ms, kernels {g['kernel_ms']:.3f} ms", flush=True)
     meta = {"device": torch.cuda.get_device_name(0), "gpus": layout.world_size,
             "torch": torch.__version__, "args": vars(args),
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

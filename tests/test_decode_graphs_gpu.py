@@ -45,3 +45,27 @@ def test_captured_decode_is_bitwise_equal_to_eager(model, world, breaks):
     assert graphed[0] == eager[0]
     for a, b in zip(graphed[1], eager[1]):
         assert torch.equal(a, b)
+
+
+@needs_cuda
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-deepseek-v3"])
+def test_overlapped_steps_give_the_same_tokens(model, world):
+    """Overlap (tokens stay on the device, read back one step later) against the synchronous
+    path, graphed and eager, with greedy and seeded temperature sampling."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in NEW]
+    params[1] = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.7, top_p=0.9,
+                               seed=5)
+
+    def run(overlap, graphs):
+        rt = RuntimeConfig(device="cuda", dtype="float32", page_size=16, max_batch=4,
+                           graph_buckets=(1, 2, 4), cuda_graphs=graphs, overlap=overlap,
+                           attention_backend="triton")
+        with LLM(model, Layout(kvp=world), rt) as llm:
+            return llm.generate(PROMPTS, params)
+
+    want = run(False, False)
+    assert run(True, True) == want
+    assert run(True, False) == want

@@ -497,3 +497,16 @@ def test_kernels_compile_for_sm90(tmp_path):
         assert r["local"] == 0, r                    # no register spills
         if r["kernel"] == "_rope_kernel":            # products and sums rounded separately
             assert r["fusion"] is False and r["ffma"] == 0, r
+
+
+# -- select_tokens ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("T", [1, 5, 1300])
+def test_select_tokens(T):
+    g = torch.Generator().manual_seed(T)
+    tokens = torch.randint(0, 1000, (64,), generator=g)
+    src = torch.randint(-1, 64, (T,), generator=g)
+    src[0] = -1
+    ids = torch.randint(0, 1000, (T,), generator=g)
+    want = torch.tensor([tokens[s].item() if s >= 0 else i for s, i in zip(src.tolist(), ids.tolist())])
+    assert torch.equal(fo.select_tokens_torch(src, ids, tokens), want)
+    assert torch.equal(fo.select_tokens_triton(src, ids, tokens), want)

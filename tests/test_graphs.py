@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from graphs import (Break, BreakableGraph, BucketLadder, EagerFallbackWarning, GraphContext,
-                    GraphRunner, Segment, StaticBuffers, default_buckets, dist_reduce_max)
+                    GraphRunner, HostStaging, Segment, StaticBuffers, default_buckets, dist_reduce_max)
 from graphs import inspect as graph_inspect
 
 gpu = pytest.mark.gpu
@@ -101,6 +101,51 @@ def test_copy_in_narrow_rows_and_dtype():
         bufs.copy_in("table", torch.zeros(2, 5), bucket=4)   # wider than the buffer
     with pytest.raises(KeyError):
         bufs.copy_in("nope", table)
+
+
+def _packed(rows=8):
+    return StaticBuffers.packed(rows, "cpu", {
+        "ids": ((), torch.int64, 0), "slot": ((), torch.int64, -1),
+        "length": ((), torch.int32, 0), "table": ((4,), torch.int32, -1)})
+
+
+def test_packed_buffers_share_one_arena_per_dtype():
+    bufs = _packed()
+    i64, layout64 = bufs.arenas[torch.int64]
+    i32, layout32 = bufs.arenas[torch.int32]
+    assert [n for n, _, _ in layout64] == ["ids", "slot"] and [n for n, _, _ in layout32] == [
+        "length", "table"]
+    assert bufs["slot"].data_ptr() == i64.data_ptr() + 8 * 8        # right after 8 ids
+    assert bufs["table"].data_ptr() == i32.data_ptr() + 8 * 4
+    assert bufs["table"].shape == (8, 4) and bufs["table"].is_contiguous()
+    assert bufs["slot"].tolist() == [-1] * 8 and bufs["table"].eq(-1).all()
+
+
+def test_host_staging_uploads_bucket_rows_with_pads():
+    bufs = _packed()
+    host = HostStaging(bufs)
+    bufs["table"].fill_(77)                       # rows past the bucket: must stay untouched
+    host.put("ids", torch.tensor([5, 6, 7]), bucket=4)
+    host.put("slot", torch.tensor([10, 11, 12]), bucket=4)
+    host.put("length", torch.tensor([3, 1, 2], dtype=torch.int32), bucket=4)
+    host.put("table", torch.tensor([[1, 2], [3, 4], [5, 6]]), bucket=4)
+    host.upload(4)
+    assert bufs["ids"][:4].tolist() == [5, 6, 7, 0]
+    assert bufs["slot"][:4].tolist() == [10, 11, 12, -1]
+    assert bufs["length"][:4].tolist() == [3, 1, 2, 0]
+    assert bufs["table"][:4].tolist() == [[1, 2, -1, -1], [3, 4, -1, -1], [5, 6, -1, -1],
+                                          [-1, -1, -1, -1]]
+    assert bufs["table"][4:].eq(77).all()        # the last buffer is copied up to the bucket
+    # narrower input without tail padding: the columns past it keep what the mirror held
+    host.put("table", torch.tensor([[9]]), bucket=1, pad_tail=False)
+    host.upload(1)
+    assert bufs["table"][0].tolist() == [9, 2, -1, -1]
+    with pytest.raises(ValueError):
+        host.put("table", torch.zeros(2, 5, dtype=torch.int32), bucket=4)   # too wide
+    with pytest.raises(ValueError):
+        host.put("ids", torch.zeros(5, dtype=torch.int64), bucket=4)        # too many rows
+    with pytest.raises(ValueError, match="packed"):
+        HostStaging(_buffers())
 
 
 def test_addresses_tracked():

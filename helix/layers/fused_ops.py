@@ -5,6 +5,7 @@ launch grid depends on shapes only), each with an exact torch fallback.
     add_rms_norm(x, residual, weight, eps)           -> (rms_norm(residual + x), residual + x)
     rope(x [T, h, dim], cos [P, dim/2], sin [P, dim/2], pos [T], interleave) -> [T, h, dim]
     silu_mul(gate_up [T, 2*I])                       -> silu(gate_up[:, :I]) * gate_up[:, I:]
+    select_tokens(src [T], ids [T], tokens [R])      -> tokens[src] where src >= 0, else ids
 
 The public functions launch the Triton kernel when the tensor is on CUDA and Triton is
 importable (HELIX_FUSED_OPS=0 in the environment turns the kernels off), and otherwise run the
@@ -41,9 +42,10 @@ try:
 except ImportError:                      # pragma: no cover - triton is the optional "kernels" extra
     HAS_TRITON = False
 
-__all__ = ["rms_norm", "add_rms_norm", "rope", "silu_mul",
+__all__ = ["rms_norm", "add_rms_norm", "rope", "silu_mul", "select_tokens",
            "rms_norm_torch", "add_rms_norm_torch", "rope_torch", "silu_mul_torch",
-           "rms_norm_triton", "add_rms_norm_triton", "rope_triton", "silu_mul_triton",
+           "select_tokens_torch", "rms_norm_triton", "add_rms_norm_triton", "rope_triton",
+           "silu_mul_triton", "select_tokens_triton",
            "use_triton", "HAS_TRITON"]
 
 ENABLED = os.environ.get("HELIX_FUSED_OPS", "1") not in ("0", "")
@@ -324,6 +326,33 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     return y.view(*shape[:-1], inter)
 
 
+def select_tokens_torch(src: torch.Tensor, ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.where(src >= 0, tokens[src.clamp(min=0)], ids)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _select_tokens_kernel(src_ptr, ids_ptr, tok_ptr, out_ptr, T, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < T
+        s = tl.load(src_ptr + i, mask=m, other=-1)
+        from_dev = s >= 0
+        t = tl.load(tok_ptr + tl.where(from_dev, s, 0), mask=m & from_dev, other=0)
+        x = tl.load(ids_ptr + i, mask=m & (s < 0), other=0)
+        tl.store(out_ptr + i, tl.where(from_dev, t, x), mask=m)
+
+
+def select_tokens_triton(src: torch.Tensor, ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    T = src.numel()
+    assert ids.shape == src.shape and src.is_contiguous() and ids.is_contiguous()
+    out = torch.empty_like(ids)
+    if T:
+        block = min(1024, _pow2(T))
+        run_kernel(_select_tokens_kernel, (triton.cdiv(T, block),), src, ids, tokens, out, T,
+                   BLOCK=block, num_warps=1)
+    return out
+
+
 # -- dispatch -------------------------------------------------------------------------------------
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -355,3 +384,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if use_triton(gate_up):
         return silu_mul_triton(gate_up)
     return silu_mul_torch(gate_up)
+
+
+def select_tokens(src: torch.Tensor, ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Input ids of a step whose tokens may still be on the device: out[i] = tokens[src[i]]
+    where src[i] >= 0 (a row of the previous step's sampled tokens), else ids[i]. src and ids
+    int64 [T], tokens int64 [R]; one kernel on CUDA."""
+    if use_triton(src):
+        return select_tokens_triton(src, ids, tokens)
+    return select_tokens_torch(src, ids, tokens)

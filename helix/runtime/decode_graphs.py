@@ -1,9 +1,14 @@
 """The whole decode step (every layer, the Helix all-to-all and all-reduces, the LM head) captured
 as one breakable CUDA graph per batch bucket, replayed with per-rank padded inputs.
 
-Static inputs (rows = the largest bucket): ids, pos, slots, kv_lens and block_tables. Each rank
-copies its own per-rank metadata into them (its slots, its local lengths, its pages); padded rows
-get slot -1 (no KV write) and length 0 (LSE = -inf, output ignored). Every rank replays the same
+Static inputs (rows = the largest bucket): ids, src, pos, slots, kv_lens and block_tables, packed
+in one int64 and one int32 arena: a step writes them into a pinned host mirror (two mirrors,
+alternating, so a step can be prepared while the previous one still runs) and uploads them with
+two asynchronous copies. Each rank writes its own per-rank metadata (its slots, its local lengths,
+its pages); padded rows get slot -1 (no KV write) and length 0 (LSE = -inf, output ignored).
+Token ids need no host round trip: a row whose token was sampled by the previous step (still
+on the device, overlapped scheduling) has src = its row in the engine's token buffer, and the
+graph gathers it; the graph ends with the greedy argmax written back into that buffer. Every rank replays the same
 bucket: the scheduler is replicated, so the batch size is the same on every rank by construction,
 and `agree` can additionally take the max over ranks (one small all-reduce) as a check.
 
@@ -16,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from graphs import BucketLadder, GraphRunner, StaticBuffers
-from graphs.buckets import dist_reduce_max
+from graphs import BucketLadder, GraphRunner, HostStaging, StaticBuffers
+from graphs.buckets import agreed_rows, dist_reduce_max
 from helix.kv.manager import LocalKVMeta
+from helix.layers.fused_ops import select_tokens
 
 
 class DecodeGraphs:
@@ -28,12 +34,11 @@ class DecodeGraphs:
         dev = engine.device
         ladder = (BucketLadder(buckets=buckets) if buckets
                   else BucketLadder(max_size=engine.runtime.max_batch))
-        bufs = StaticBuffers(ladder.max, dev)
-        bufs.add("ids", (), torch.int64, pad=0)
-        bufs.add("pos", (), torch.int64, pad=0)
-        bufs.add("slots", (), torch.int64, pad=-1)
-        bufs.add("kv_lens", (), torch.int32, pad=0)
-        bufs.add("block_tables", (max_pages,), torch.int32, pad=0)
+        # block_tables last: an upload copies only the bucket's rows of the widest buffer
+        bufs = StaticBuffers.packed(ladder.max, dev, {
+            "ids": ((), torch.int64, 0), "src": ((), torch.int64, -1),
+            "pos": ((), torch.int64, 0), "slots": ((), torch.int64, -1),
+            "kv_lens": ((), torch.int32, 0), "block_tables": ((max_pages,), torch.int32, 0)})
         # cu_q of a decode step is 0..rows; rows <= max_batch also in the eager fallback
         rows = max(ladder.max, engine.runtime.max_batch)
         self.arange = torch.arange(rows + 1, dtype=torch.int32, device=dev)
@@ -44,10 +49,8 @@ class DecodeGraphs:
             self.needed_breaks.add("moe")
         self.runner = GraphRunner(self._step, ladder, bufs, breaks=self.needed_breaks,
                                   enabled=dev.type == "cuda" and not engine.runtime.graph_eager)
-        # pinned host staging: one asynchronous copy per input, no host stall before the replay
-        pin = dev.type == "cuda"
-        self.staging = {name: torch.zeros((rows, *bufs.spec(name).row_shape), dtype=bufs[name].dtype,
-                                          pin_memory=pin) for name in bufs.names()}
+        self.mirrors = (HostStaging(bufs), HostStaging(bufs))   # alternate: see HostStaging
+        self._flip = 0
         self.agree = dist_reduce_max(device=dev) if check_agreement else None
         self.max_pages = max_pages
 
@@ -66,21 +69,34 @@ class DecodeGraphs:
                            kv_lens=bufs.view("kv_lens", bucket), cu_q=self.arange[:bucket + 1],
                            q_pos=bufs.view("pos", bucket), kvp_rank=kv.kvp_rank, kvp=kv.kvp,
                            interleave=kv.interleave, page_size=kv.page_size, is_decode=True)
+        ids = select_tokens(bufs.view("src", bucket), bufs.view("ids", bucket), e.tok_buf)
         # every row is its sequence's last token: last=None, no gather
-        return e.model(bufs.view("ids", bucket), meta.q_pos, meta, e.caches, e.backend, None, ctx)
+        logits = e.model(ids, meta.q_pos, meta, e.caches, e.backend, None, ctx)
+        torch.argmax(logits, -1, out=e.tok_buf[:bucket])     # greedy tokens, on the device
+        return logits
 
-    def run(self, ids: torch.Tensor, meta: LocalKVMeta) -> torch.Tensor:
-        """One decode step from this rank's host-side metadata -> logits [n, V] (a copy)."""
+    def run(self, ids: torch.Tensor, src: torch.Tensor, meta: LocalKVMeta) -> torch.Tensor:
+        """One decode step from this rank's host-side metadata -> logits [n, V] (a view of the
+        graph's output: valid until the next step). ids/src: host ids, and per row the row of
+        the engine's token buffer to take the id from instead (-1: use ids)."""
         n = ids.numel()
-        st = {k: v[:n] for k, v in self.staging.items()}
-        st["ids"].copy_(ids)
-        st["pos"].copy_(meta.q_pos)
-        st["slots"].copy_(meta.slots)
-        st["kv_lens"].copy_(meta.kv_lens)
-        st["block_tables"].zero_()
-        st["block_tables"][:, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        logits = self.runner.run(n, st, agree=self.agree, non_blocking=True)
-        return logits[:n].clone()
+        rows = agreed_rows(n, self.agree)        # the bucket every rank replays
+        bucket = self.ladder.choose(rows)
+        if bucket is None:                       # above the largest bucket: the eager fallback
+            inputs = dict(ids=ids, src=src, pos=meta.q_pos, slots=meta.slots,
+                          kv_lens=meta.kv_lens, block_tables=meta.block_tables)
+            return self.runner.run(rows, inputs)[:n]
+        m = self.mirrors[self._flip]
+        self._flip ^= 1
+        m.put("ids", ids, bucket)
+        m.put("src", src, bucket)
+        m.put("pos", meta.q_pos, bucket)
+        m.put("slots", meta.slots, bucket)
+        m.put("kv_lens", meta.kv_lens, bucket)
+        # columns past a row's pages are never read (kernels stop at kv_len): left stale
+        m.put("block_tables", meta.block_tables, bucket, pad_tail=False)
+        m.upload(bucket, non_blocking=True)
+        return self.runner.run(rows)[:n]
 
     def close(self) -> None:
         self.runner.close()

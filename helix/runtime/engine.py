@@ -11,14 +11,24 @@ import torch
 from helix.attention.backend import get_backend
 from helix.config import Layout, ModelConfig, RuntimeConfig
 from helix.kv.manager import KVManager
+from helix.layers.fused_ops import select_tokens
 from helix.kv.ownership import local_len
 from helix.runtime.decode_graphs import DecodeGraphs
 from helix.runtime.nvtx import nvtx_range
 from helix.loader import build_and_load
 from helix.parallel.comm import Comm
 from helix.runtime.request import Request
-from helix.runtime.sampling import SamplingParams, sample
+from helix.runtime.sampling import SamplingParams, sample_into
 from helix.runtime.scheduler import Scheduler
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device whose tokens are not read back yet."""
+    batch: list[Request]          # its rows, in order
+    host: torch.Tensor            # host buffer the tokens are copied into (pinned on cuda)
+    event: torch.cuda.Event | None  # recorded after that copy (None on cpu: already done)
+    num_tokens: int               # tokens fed to the model
 
 
 @dataclass
@@ -49,6 +59,17 @@ class Engine:
         self.backend = get_backend(runtime.attention_backend, runtime.device)
         self.generators: dict[int, torch.Generator] = {}
         self.kv_tokens_released = 0
+        # sampled tokens stay on the device (the next step gathers them) and are read back
+        # through two alternating host buffers: with overlap, step N + 1's copy must not land
+        # in the buffer step N's tokens are still being read from
+        rows = max(runtime.max_batch, max(runtime.graph_buckets, default=0))
+        self.tok_buf = torch.zeros(rows, dtype=torch.long, device=device)
+        pin = device.type == "cuda"
+        self.host_tokens = [torch.zeros(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._flip = 0
+        self.overlap = runtime.resolved_overlap
+        self.inflight: _Launched | None = None
+        self.last_logits: torch.Tensor | None = None
         self.graphs = None
         if runtime.cuda_graphs:
             max_pages = -(-local_len(self.max_context, 0, layout.kvp, layout.kv_interleave)
@@ -74,35 +95,79 @@ class Engine:
 
     @torch.inference_mode()
     def step(self, commands: list[tuple]) -> StepOutput:
+        """Queue this step on the device, then read back the tokens of the step before it
+        (overlap) or of this one (no overlap). With overlap the host prepares step N + 1 while
+        the device runs step N: a request's token is reported one call later, and a request
+        that stops on a sampled stop id runs one extra (discarded) row."""
         t0 = time.perf_counter()
         self.apply(commands)
         finished = {r.id: r.finish_reason for r in self._retire()}  # aborted before running
-        batch = self.scheduler.schedule()
-        if not batch:
-            return StepOutput({}, finished, 0, time.perf_counter() - t0)
+        batch = [r for r in self.scheduler.schedule() if not r.exhausted]
+        launched = self._launch(batch) if batch else None
+        tokens = self._resolve(self.inflight) if self.inflight is not None else {}
+        self.inflight = launched
+        if launched is not None and not self.overlap:
+            tokens.update(self._resolve(launched))
+            self.inflight = None
+        finished.update({r.id: r.finish_reason for r in self._retire()})
+        return StepOutput(tokens, finished, launched.num_tokens if launched else 0,
+                          time.perf_counter() - t0)
+
+    def _launch(self, batch: list[Request]) -> _Launched:
+        """Queue the model and the sampler for `batch`; no host sync."""
         for r in batch:
             if r.prefix and r.id not in self.kv.lengths:       # synthetic KV: no prefill
                 self.kv.assume_prefix(r.id, r.prefix)
         feeds = [r.next_input() for r in batch]
-        plan = [(r.id, start, len(toks)) for r, (start, toks) in zip(batch, feeds)]
-        ids = [t for _, toks in feeds for t in toks]
-        if self.graphs is not None and len(ids) == len(batch):   # decode only: replay a graph
+        plan = [(r.id, start, len(toks)) for r, (start, toks, _) in zip(batch, feeds)]
+        ids = [t for _, toks, _ in feeds for t in toks]
+        src = [s if len(toks) == 1 else -1 for _, toks, s in feeds for _ in toks]
+        n = len(batch)
+        if self.graphs is not None and len(ids) == n:   # decode only: replay a graph
             with nvtx_range("helix.prepare"):
                 meta = self.kv.prepare(plan, "cpu")
-            with nvtx_range(f"helix.decode_graph[{len(batch)}]"):
-                logits = self.graphs.run(torch.tensor(ids, dtype=torch.long), meta)
+            with nvtx_range(f"helix.decode_graph[{n}]"):
+                logits = self.graphs.run(torch.tensor(ids, dtype=torch.long),
+                                         torch.tensor(src, dtype=torch.long), meta)
+            greedy_done = True                          # the graph wrote the argmax
         else:
             with nvtx_range("helix.prepare"):
                 meta = self.kv.prepare(plan, self.device)
                 ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+                if any(s >= 0 for s in src):            # tokens still on the device
+                    src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+                    ids_t = select_tokens(src_t, ids_t, self.tok_buf)
             with nvtx_range(f"helix.forward_eager[{len(ids)} tokens]"):
                 last = meta.cu_q[1:].long() - 1
                 logits = self.model(ids_t, meta.q_pos, meta, self.caches, self.backend, last)
+            greedy_done = False
         with nvtx_range("helix.sample"):
-            tokens = sample(logits, [r.params for r in batch],
-                            [self.generators.get(r.id) for r in batch])
+            sample_into(logits, [r.params for r in batch],
+                        [self.generators.get(r.id) for r in batch], self.tok_buf, greedy_done)
+            host = self.host_tokens[self._flip]
+            self._flip ^= 1
+            host[:n].copy_(self.tok_buf[:n], non_blocking=True)
+            event = None
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+        for i, r in enumerate(batch):
+            r.pending += 1
+            r.pending_row = i
+        self.last_logits = logits
+        return _Launched(batch, host, event, len(ids))
+
+    def _resolve(self, step: _Launched) -> dict[int, int]:
+        """Wait for a queued step's tokens; append them and apply stop and length rules.
+        Rows of requests that ended meanwhile (a stop id one step earlier, an abort) are
+        dropped."""
+        if step.event is not None:
+            step.event.synchronize()
         out = {}
-        for r, tok in zip(batch, tokens):
+        for r, tok in zip(step.batch, step.host[:len(step.batch)].tolist()):
+            r.pending -= 1
+            if r.finished:
+                continue
             forced = r.params.forced_tokens
             if len(r.output) < len(forced):
                 tok = forced[len(r.output)]
@@ -110,11 +175,10 @@ class Engine:
             out[r.id] = tok
             if tok in self._stop_ids(r.params):
                 r.finish_reason = "stop"
-            elif len(r.output) >= r.params.max_new_tokens or r.num_tokens >= r.max_len:
+            elif (len(r.output) >= r.params.max_new_tokens
+                  or r.num_tokens - r.pending >= r.max_len):
                 r.finish_reason = "length"
-        finished.update({r.id: r.finish_reason for r in self._retire()})
-        self.last_logits = logits
-        return StepOutput(out, finished, len(ids), time.perf_counter() - t0)
+        return out
 
     def _retire(self) -> list[Request]:
         done = self.scheduler.retire()
@@ -126,6 +190,10 @@ class Engine:
 
     def close(self) -> None:
         """Free the graphs (before any process group is destroyed)."""
+        if self.inflight is not None:           # its tokens are never reported: just finish it
+            if self.inflight.event is not None:
+                self.inflight.event.synchronize()
+            self.inflight = None
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None

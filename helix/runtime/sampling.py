@@ -53,12 +53,22 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """logits [S, V] fp32 -> one token id per row."""
-    out = logits.argmax(-1)
+def sample_into(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None], out: torch.Tensor,
+                greedy_done: bool = False) -> None:
+    """logits [S, V] fp32 -> one token id per row, written into out[:S] (int64, logits' device)
+    with no host sync. greedy_done: out already holds the argmax (e.g. from a CUDA graph)."""
+    if not greedy_done:
+        torch.argmax(logits, -1, out=out[:logits.shape[0]])
     for i, p in enumerate(params):
         if not p.greedy:
             probs = filter_logits(logits[i], p).softmax(-1)
-            out[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+            out[i:i + 1].copy_(torch.multinomial(probs, 1, generator=generators[i]))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int]:
+    """logits [S, V] fp32 -> one token id per row (a host list)."""
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    sample_into(logits, params, generators, out)
     return out.tolist()
