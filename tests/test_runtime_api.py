@@ -72,7 +72,7 @@ def test_requests_of_different_lengths_leave_the_batch(llama_ckpt):
         # every finished request released its pages and its reservation
         assert llm.engine.kv.alloc.num_free == llm.engine.kv.alloc.num_pages
         assert not llm.engine.scheduler.reserved and not llm.engine.scheduler.running
-        assert not llm.engine.generators and not llm.engine.kv.pages
+        assert not llm.engine.seeds and not llm.engine.kv.pages
         # KV positions written: prompt + generated - 1 (the last token is never fed back)
         assert llm.kv_tokens_per_rank() == [len(A) + 2 + len(B) + 11 + len(C) + 5]
     # greedy: a shorter run is a prefix of a longer one

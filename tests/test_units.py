@@ -406,13 +406,41 @@ def test_sample_follows_the_distribution():
     n = 4000
     logits = torch.log(torch.tensor([0.1, 0.6, 0.3, 1e-9])).repeat(n, 1)
     p = SamplingParams(temperature=1.0)
-    g = torch.Generator().manual_seed(0)
-    counts = torch.bincount(torch.tensor(sample(logits, [p] * n, [g] * n)), minlength=4).float() / n
+    counters = list(range(n))                        # positions: fresh noise per row
+    counts = torch.bincount(torch.tensor(sample(logits, [p] * n, [7] * n, counters)),
+                            minlength=4).float() / n
     torch.testing.assert_close(counts, torch.tensor([0.1, 0.6, 0.3, 0.0]), atol=0.03, rtol=0)
-    # greedy rows take the argmax and ignore their generator
-    assert sample(logits[:2], [SamplingParams(), p], [None, g])[0] == 1
-    # seeded generators reproduce
-    a = sample(logits[:50], [p] * 50, [torch.Generator().manual_seed(5)] * 50)
-    b = sample(logits[:50], [p] * 50, [torch.Generator().manual_seed(5)] * 50)
-    assert a == b and SamplingParams().greedy and not p.greedy
-    assert math.isclose(sum(counts.tolist()), 1.0)
+    # greedy rows take the argmax whatever their seed
+    assert sample(logits[:2], [SamplingParams(), p], [1, 2], [0, 0])[0] == 1
+    # (seed, counter) reproduces; another seed draws differently
+    a = sample(logits[:50], [p] * 50, [5] * 50, counters[:50])
+    b = sample(logits[:50], [p] * 50, [5] * 50, counters[:50])
+    c = sample(logits[:50], [p] * 50, [6] * 50, counters[:50])
+    assert a == b and a != c and SamplingParams().greedy and not p.greedy
+    assert math.isclose(sum(counts.tolist()), 1.0, abs_tol=1e-6)
+
+
+def test_batched_filter_matches_the_per_row_reference():
+    from helix.runtime.sampler import filter_rows
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g) * 3
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+              SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=0.5, top_k=9,
+                                                                        top_p=0.6),
+              SamplingParams(temperature=2.0, top_k=1), SamplingParams(temperature=1.0, top_p=1e-9)]
+    got = filter_rows(logits, torch.tensor([p.temperature for p in params]),
+                      torch.tensor([p.top_k for p in params]),
+                      torch.tensor([p.top_p for p in params]))
+    for i, p in enumerate(params):
+        want = filter_logits(logits[i], p)
+        assert torch.equal(torch.isfinite(got[i]), torch.isfinite(want)), i
+        torch.testing.assert_close(got[i][torch.isfinite(want)], want[torch.isfinite(want)])
+
+
+def test_top_k_and_top_p_draws_stay_in_the_kept_set():
+    logits = torch.tensor([[3.0, 2.9, 2.8, -1.0, -2.0]]).repeat(500, 1)
+    params = [SamplingParams(temperature=5.0, top_k=2)] * 250 + \
+             [SamplingParams(temperature=5.0, top_p=0.5)] * 250
+    toks = sample(logits, params, [3] * 500, list(range(500)))
+    assert set(toks[:250]) == {0, 1}               # both kept tokens drawn, nothing else
+    assert set(toks[250:]) <= {0, 1, 2} and len(set(toks[250:])) > 1

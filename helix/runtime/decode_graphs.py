@@ -25,6 +25,7 @@ from graphs import BucketLadder, GraphRunner, HostStaging, StaticBuffers
 from graphs.buckets import agreed_rows, dist_reduce_max
 from helix.kv.manager import LocalKVMeta
 from helix.layers.fused_ops import select_tokens
+from helix.runtime.sampler import sample_rows
 
 
 class DecodeGraphs:
@@ -51,6 +52,16 @@ class DecodeGraphs:
                                   enabled=dev.type == "cuda" and not engine.runtime.graph_eager)
         self.mirrors = (HostStaging(bufs), HostStaging(bufs))   # alternate: see HostStaging
         self._flip = 0
+        # the sampler (temperature / top-k / top-p rows) as its own graph per bucket, replayed
+        # after the step's graph only when a row samples; it reads that graph's logits
+        sbufs = StaticBuffers.packed(ladder.max, dev, {
+            "temperature": ((), torch.float32, 0.0), "top_p": ((), torch.float32, 1.0),
+            "top_k": ((), torch.int64, 0), "seed": ((), torch.int64, 0),
+            "counter": ((), torch.int64, 0)})
+        self.sampler = GraphRunner(self._sample_step, ladder, sbufs,
+                                   enabled=dev.type == "cuda" and not engine.runtime.graph_eager)
+        self.sampler_mirrors = (HostStaging(sbufs), HostStaging(sbufs))
+        self._logits = None
         self.agree = dist_reduce_max(device=dev) if check_agreement else None
         self.max_pages = max_pages
 
@@ -61,6 +72,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first (collective: every rank at start-up)."""
         self.runner.capture_all()
+        self.sampler.capture_all()
 
     def _step(self, bucket: int, bufs: StaticBuffers, ctx):
         e = self.engine
@@ -75,18 +87,35 @@ class DecodeGraphs:
         torch.argmax(logits, -1, out=e.tok_buf[:bucket])     # greedy tokens, on the device
         return logits
 
-    def run(self, ids: torch.Tensor, src: torch.Tensor, meta: LocalKVMeta) -> torch.Tensor:
+    def _sample_step(self, bucket: int, bufs: StaticBuffers, ctx):
+        g = self.runner.graphs.get(bucket)
+        # captured: the step graph's static logits of this bucket; eager: the last step's
+        logits = g.output if self.runner.use_graphs and g is not None else self._logits
+        if logits is None:                     # the eager "capture" before any step: no-op
+            return None
+        sample_rows(logits, bufs.view("temperature", bucket), bufs.view("top_k", bucket),
+                    bufs.view("top_p", bucket), bufs.view("seed", bucket),
+                    bufs.view("counter", bucket), self.engine.tok_buf)
+
+    def run(self, ids: torch.Tensor, src: torch.Tensor, meta: LocalKVMeta,
+            sampling: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """One decode step from this rank's host-side metadata -> logits [n, V] (a view of the
-        graph's output: valid until the next step). ids/src: host ids, and per row the row of
-        the engine's token buffer to take the id from instead (-1: use ids)."""
+        graph's output: valid until the next step); the step's tokens land in the engine's
+        token buffer. ids/src: host ids, and per row the row of the token buffer to take the id
+        from instead (-1: use ids). sampling: sampling.row_params of the rows when any row
+        samples (None: all greedy, the graph's argmax is the token)."""
         n = ids.numel()
         rows = agreed_rows(n, self.agree)        # the bucket every rank replays
         bucket = self.ladder.choose(rows)
         if bucket is None:                       # above the largest bucket: the eager fallback
             inputs = dict(ids=ids, src=src, pos=meta.q_pos, slots=meta.slots,
                           kv_lens=meta.kv_lens, block_tables=meta.block_tables)
-            return self.runner.run(rows, inputs)[:n]
+            self._logits = self.runner.run(rows, inputs)
+            if sampling is not None:
+                self.sampler.run(rows, sampling)
+            return self._logits[:n]
         m = self.mirrors[self._flip]
+        sm = self.sampler_mirrors[self._flip]
         self._flip ^= 1
         m.put("ids", ids, bucket)
         m.put("src", src, bucket)
@@ -96,7 +125,14 @@ class DecodeGraphs:
         # columns past a row's pages are never read (kernels stop at kv_len): left stale
         m.put("block_tables", meta.block_tables, bucket, pad_tail=False)
         m.upload(bucket, non_blocking=True)
-        return self.runner.run(rows)[:n]
+        self._logits = self.runner.run(rows)
+        if sampling is not None:
+            for name, t in sampling.items():
+                sm.put(name, t, bucket)
+            sm.upload(bucket, non_blocking=True)
+            self.sampler.run(rows)
+        return self._logits[:n]
 
     def close(self) -> None:
+        self.sampler.close()
         self.runner.close()

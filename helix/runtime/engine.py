@@ -18,7 +18,7 @@ from helix.runtime.nvtx import nvtx_range
 from helix.loader import build_and_load
 from helix.parallel.comm import Comm
 from helix.runtime.request import Request
-from helix.runtime.sampling import SamplingParams, sample_into
+from helix.runtime.sampling import SamplingParams, row_params, sample_into
 from helix.runtime.scheduler import Scheduler
 
 
@@ -57,7 +57,7 @@ class Engine:
         self.scheduler = Scheduler(num_pages, runtime.page_size, layout.kvp, layout.kv_interleave,
                                    runtime.max_batch)
         self.backend = get_backend(runtime.attention_backend, runtime.device)
-        self.generators: dict[int, torch.Generator] = {}
+        self.seeds: dict[int, int] = {}       # request id -> sampling seed
         self.kv_tokens_released = 0
         # sampled tokens stay on the device (the next step gathers them) and are read back
         # through two alternating host buffers: with overlap, step N + 1's copy must not land
@@ -83,9 +83,8 @@ class Engine:
             if cmd[0] == "add":
                 _, req_id, prompt, params, max_len, prefix = cmd
                 req = Request(req_id, list(prompt), params, max_len, prefix)
-                if not params.greedy:
-                    seed = params.seed if params.seed is not None else self.runtime.seed * 1000003 + req_id
-                    self.generators[req_id] = torch.Generator(device=self.device).manual_seed(seed)
+                self.seeds[req_id] = (params.seed if params.seed is not None
+                                      else self.runtime.seed * 1000003 + req_id)
                 self.scheduler.add(req)
             elif cmd[0] == "abort":
                 self.scheduler.abort(cmd[1])
@@ -123,13 +122,17 @@ class Engine:
         ids = [t for _, toks, _ in feeds for t in toks]
         src = [s if len(toks) == 1 else -1 for _, toks, s in feeds for _ in toks]
         n = len(batch)
+        params = [r.params for r in batch]
+        seeds = [self.seeds[r.id] for r in batch]
+        counters = [r.num_tokens for r in batch]         # the position of the token sampled
         if self.graphs is not None and len(ids) == n:   # decode only: replay a graph
             with nvtx_range("helix.prepare"):
                 meta = self.kv.prepare(plan, "cpu")
+                rows = None if all(p.greedy for p in params) else row_params(params, seeds,
+                                                                            counters)
             with nvtx_range(f"helix.decode_graph[{n}]"):
                 logits = self.graphs.run(torch.tensor(ids, dtype=torch.long),
-                                         torch.tensor(src, dtype=torch.long), meta)
-            greedy_done = True                          # the graph wrote the argmax
+                                         torch.tensor(src, dtype=torch.long), meta, rows)
         else:
             with nvtx_range("helix.prepare"):
                 meta = self.kv.prepare(plan, self.device)
@@ -140,10 +143,9 @@ class Engine:
             with nvtx_range(f"helix.forward_eager[{len(ids)} tokens]"):
                 last = meta.cu_q[1:].long() - 1
                 logits = self.model(ids_t, meta.q_pos, meta, self.caches, self.backend, last)
-            greedy_done = False
-        with nvtx_range("helix.sample"):
-            sample_into(logits, [r.params for r in batch],
-                        [self.generators.get(r.id) for r in batch], self.tok_buf, greedy_done)
+            with nvtx_range("helix.sample"):
+                sample_into(logits, params, seeds, counters, self.tok_buf)
+        with nvtx_range("helix.readback"):
             host = self.host_tokens[self._flip]
             self._flip ^= 1
             host[:n].copy_(self.tok_buf[:n], non_blocking=True)
@@ -185,7 +187,7 @@ class Engine:
         for r in done:
             self.kv_tokens_released += self.kv.local_tokens(r.id)
             self.kv.free(r.id)
-            self.generators.pop(r.id, None)
+            self.seeds.pop(r.id, None)
         return done
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeded per request.
-Every rank holds the same full logits and the same generator state, so every rank draws the
-same token with no extra collective."""
+"""Sampling parameters and the sampler's entry point: greedy, temperature, top-k, top-p, seeded per
+request. Every rank holds the same full logits and draws with the same (seed, position)-keyed
+noise (helix/runtime/sampler.py), so every rank gets the same token with no extra collective."""
 
 from __future__ import annotations
 
@@ -53,22 +53,39 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
-def sample_into(logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None], out: torch.Tensor,
-                greedy_done: bool = False) -> None:
-    """logits [S, V] fp32 -> one token id per row, written into out[:S] (int64, logits' device)
-    with no host sync. greedy_done: out already holds the argmax (e.g. from a CUDA graph)."""
+def row_params(params: list[SamplingParams], seeds: list[int], counters: list[int]
+               ) -> dict[str, torch.Tensor]:
+    """The sampler's per-row inputs as host tensors: temperature and top_p (fp32), top_k,
+    seed and counter (int64)."""
+    return {"temperature": torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            "top_p": torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            "top_k": torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            "seed": torch.tensor(seeds, dtype=torch.int64),
+            "counter": torch.tensor(counters, dtype=torch.int64)}
+
+
+def sample_into(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                counters: list[int], out: torch.Tensor, greedy_done: bool = False) -> None:
+    """logits [S, V] -> one token id per row, written into out[:S] (int64, logits' device) with
+    no host sync. Greedy rows take the argmax; the others draw from the batched sampler
+    (helix/runtime/sampler.py) with noise keyed by (seed, counter): pass the position of the
+    token being sampled as its counter. greedy_done: out already holds the argmax."""
+    from helix.runtime.sampler import sample_rows
     if not greedy_done:
         torch.argmax(logits, -1, out=out[:logits.shape[0]])
-    for i, p in enumerate(params):
-        if not p.greedy:
-            probs = filter_logits(logits[i], p).softmax(-1)
-            out[i:i + 1].copy_(torch.multinomial(probs, 1, generator=generators[i]))
+    if all(p.greedy for p in params):
+        return
+    host = row_params(params, seeds, counters)
+    pin = logits.is_cuda
+    dev = {k: (v.pin_memory() if pin else v).to(logits.device, non_blocking=pin)
+           for k, v in host.items()}
+    sample_rows(logits, dev["temperature"], dev["top_k"], dev["top_p"], dev["seed"],
+                dev["counter"], out)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """logits [S, V] fp32 -> one token id per row (a host list)."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+           counters: list[int]) -> list[int]:
+    """logits [S, V] -> one token id per row (a host list)."""
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    sample_into(logits, params, generators, out)
+    sample_into(logits, params, seeds, counters, out)
     return out.tolist()
