@@ -10,6 +10,14 @@ run; floor = max(bytes / copy_bw, flops / matmul_rate), bytes = KV read once + Q
 and PV. GQA also times torch SDPA (enable_gqa) over the same KV, seen contiguously.
 
     python profiling/bench_attention.py --out profiling/results/attention_h200.json [--quick]
+
+GQA variants side by side in one run (one record per variant x split count, `variant` and
+`num_splits` fields; SDPA timed once per config): the split merge fused into the split kernel
+(one launch) or in a second kernel, and the split count forced or left to the heuristic:
+
+    python profiling/bench_attention.py --kernels gqa --batches 1,2,4,8 \\
+        --contexts 4096,16384,65536 --gqa-variants fused,two-launch --gqa-splits auto,8,16,32 \\
+        --out gqa_variants.json
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from helix.attention.triton_decode import gqa_decode  # noqa: E402
+from helix.attention.triton_decode import gqa_decode, gqa_num_splits, use_fused_merge  # noqa: E402
 from helix.attention.triton_mla import mla_decode  # noqa: E402
 from profiling.roofline import L2Flush, copy_bandwidth, graph_time_us, matmul_rate  # noqa: E402
 
@@ -33,6 +41,7 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64]
 CONTEXTS = [4096, 16384, 65536, 131072, 262144, 524288]
 BF16 = 2
 DEVICE = "cuda"
+GQA_VARIANTS = {"default": None, "fused": True, "two-launch": False}   # gqa_decode(fused_merge=)
 
 
 def kv_bytes_per_token(kernel: str) -> int:
@@ -77,42 +86,62 @@ def check(o, lse, ref_o, ref_lse, what):
     return max(err_o, err_l)
 
 
-def bench_config(kernel, B, ctx, page, pools, flush, args):
+def gqa_variants(args) -> list[tuple[str, int | None]]:
+    """(variant, forced split count or None for the heuristic) pairs to time per config."""
+    variants = args.gqa_variants.split(",")
+    for v in variants:
+        if v not in GQA_VARIANTS:
+            raise SystemExit(f"--gqa-variants: {v!r} is not one of {', '.join(GQA_VARIANTS)}")
+    splits = [None if x == "auto" else int(x) for x in args.gqa_splits.split(",")]
+    return [(v, n) for v in variants for n in splits]
+
+
+def bench_config(kernel, B, ctx, page, pools, flush, args) -> list[dict]:
+    """The records of one (batch, context): one per GQA variant x split count, one for MLA."""
     pages = B * ctx // page
     bt = torch.arange(pages, dtype=torch.int32, device=DEVICE).view(B, ctx // page)
     lens = torch.full((B,), ctx, dtype=torch.int32, device=DEVICE)
-    rec = dict(kernel=f"triton-{kernel}", batch=B, context=ctx, sdpa_us=None)
     if kernel == "gqa":
         hq, hkv, d = GQA["hq"], GQA["hkv"], GQA["d"]
         k_pool, v_pool = pools
         q = torch.randn(B, hq, d, device=DEVICE, dtype=torch.bfloat16)
         scale = d ** -0.5
-        fn = lambda: gqa_decode(q, k_pool, v_pool, bt, lens, scale)  # noqa: E731
-        o, lse = fn()
         k_seq = k_pool[:pages].view(B, ctx, hkv, d)          # identity block table: contiguous
         v_seq = v_pool[:pages].view(B, ctx, hkv, d)
-        errs = [check(o[b], lse[b], *reference(q[b].view(hkv, hq // hkv, d), k_seq[b], v_seq[b],
-                                                scale), f"gqa B{B} ctx{ctx} row {b}")
-                for b in {0, B - 1}]
-        rec["shape"] = "llama-3.1-70b rank: 64q/8kv d128 bf16"
-        if not args.no_sdpa:
-            rec["sdpa_us"] = sdpa_time(q, k_seq, v_seq, scale, flush)
-    else:
-        h, dl, dr = MLA["h"], MLA["dl"], MLA["dr"]
-        (kv_pool,) = pools
-        ql = torch.randn(B, h, dl, device=DEVICE, dtype=torch.bfloat16)
-        qr = torch.randn(B, h, dr, device=DEVICE, dtype=torch.bfloat16)
-        scale = 192 ** -0.5                                   # DeepSeek qk head dim 128 + 64
-        fn = lambda: mla_decode(ql, qr, kv_pool, bt, lens, scale)  # noqa: E731
-        o, lse = fn()
-        seq = kv_pool[:pages].view(B, ctx, 1, dl + dr)
-        errs = [check(o[b], lse[b], *reference(torch.cat((ql[b], qr[b]), -1)[None], seq[b],
-                                                seq[b, :, :, :dl], scale),
-                      f"mla B{B} ctx{ctx} row {b}") for b in {0, B - 1}]
-        rec["shape"] = "deepseek-v3 rank: 128h Dl512 Dr64 bf16"
-    rec["max_err"] = max(errs)
-    rec["time_us"] = graph_time_us(fn, args.iters, flush)
-    return rec
+        refs = {b: reference(q[b].view(hkv, hq // hkv, d), k_seq[b], v_seq[b], scale)
+                for b in {0, B - 1}}
+        sdpa_us = None if args.no_sdpa else sdpa_time(q, k_seq, v_seq, scale, flush)
+        records = []
+        for variant, forced in gqa_variants(args):
+            splits = forced or gqa_num_splits(B, hkv, bt.shape[1] * page, q.device,
+                                              args.gqa_min_tokens)
+            fused = GQA_VARIANTS[variant]
+            fn = lambda n=splits, f=fused: gqa_decode(q, k_pool, v_pool, bt, lens,  # noqa: E731
+                                                      scale, num_splits=n, fused_merge=f)
+            fused = use_fused_merge(d, hq // hkv, splits) if fused is None else fused
+            o, lse = fn()
+            errs = [check(o[b], lse[b], *refs[b], f"gqa {variant} B{B} ctx{ctx} splits "
+                          f"{splits} row {b}") for b in refs]
+            records.append(dict(kernel="triton-gqa", batch=B, context=ctx, sdpa_us=sdpa_us,
+                                shape="llama-3.1-70b rank: 64q/8kv d128 bf16", variant=variant,
+                                num_splits=splits, splits_forced=forced is not None,
+                                fused_merge=bool(fused and splits > 1), max_err=max(errs),
+                                time_us=graph_time_us(fn, args.iters, flush)))
+        return records
+    h, dl, dr = MLA["h"], MLA["dl"], MLA["dr"]
+    (kv_pool,) = pools
+    ql = torch.randn(B, h, dl, device=DEVICE, dtype=torch.bfloat16)
+    qr = torch.randn(B, h, dr, device=DEVICE, dtype=torch.bfloat16)
+    scale = 192 ** -0.5                                   # DeepSeek qk head dim 128 + 64
+    fn = lambda: mla_decode(ql, qr, kv_pool, bt, lens, scale)  # noqa: E731
+    o, lse = fn()
+    seq = kv_pool[:pages].view(B, ctx, 1, dl + dr)
+    errs = [check(o[b], lse[b], *reference(torch.cat((ql[b], qr[b]), -1)[None], seq[b],
+                                            seq[b, :, :, :dl], scale),
+                  f"mla B{B} ctx{ctx} row {b}") for b in {0, B - 1}]
+    return [dict(kernel="triton-mla", batch=B, context=ctx, sdpa_us=None,
+                 shape="deepseek-v3 rank: 128h Dl512 Dr64 bf16", max_err=max(errs),
+                 time_us=graph_time_us(fn, args.iters, flush))]
 
 
 def sdpa_time(q, k_seq, v_seq, scale, flush, repeat_cap_gb=16.0):
@@ -147,6 +176,13 @@ def main():
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-sdpa", action="store_true")
+    p.add_argument("--gqa-variants", default="default",
+                   help="comma list of default (gqa_decode's own choice), fused (split merge in "
+                        "the split kernel: one launch), two-launch (merge in a second kernel)")
+    p.add_argument("--gqa-splits", default="auto",
+                   help="comma list of split counts to force, or auto (choose_num_splits)")
+    p.add_argument("--gqa-min-tokens", type=int, default=None,
+                   help="choose_num_splits' shortest split for auto (default: the library's)")
     args = p.parse_args()
     batches = [int(x) for x in args.batches.split(",")] if args.batches else (
         [1, 8] if args.quick else BATCHES)
@@ -167,20 +203,25 @@ def main():
         pools = [random_pool((pages, args.page_size, *inner))
                  for _ in range(2 if kernel == "gqa" else 1)]
         for B, ctx in configs:
-            rec = bench_config(kernel, B, ctx, args.page_size, pools, flush, args)
             nbytes, flops = cost(kernel, B, ctx)
             floor = max(nbytes / copy_bw, flops / mm) * 1e6
-            rec.update(floor_us=floor, roofline_fraction=floor / rec["time_us"],
-                       achieved_GBps=nbytes / rec["time_us"] / 1e3, copy_GBps=copy_bw / 1e9,
-                       matmul_TFLOPs=mm / 1e12, bytes=nbytes, flops=flops,
-                       page_size=args.page_size, device=torch.cuda.get_device_name())
-            records.append(rec)
-            sdpa = f"{rec['sdpa_us']:.1f}" if rec["sdpa_us"] else "-"
-            print(f"{kernel} B{B:<3} ctx {ctx:>7}: {rec['time_us']:9.1f} us  floor "
-                  f"{floor:9.1f} us  {100 * rec['roofline_fraction']:5.1f}% roofline  "
-                  f"{rec['achieved_GBps']:6.0f} GB/s  sdpa {sdpa} us", flush=True)
-            with open(args.out, "w") as f:                    # after every config: a kill keeps
-                json.dump(records, f, indent=1)               # what was measured
+            for rec in bench_config(kernel, B, ctx, args.page_size, pools, flush, args):
+                rec.update(floor_us=floor, roofline_fraction=floor / rec["time_us"],
+                           achieved_GBps=nbytes / rec["time_us"] / 1e3,
+                           copy_GBps=copy_bw / 1e9, matmul_TFLOPs=mm / 1e12, bytes=nbytes,
+                           flops=flops, page_size=args.page_size,
+                           device=torch.cuda.get_device_name())
+                records.append(rec)
+                sdpa = f"{rec['sdpa_us']:.1f}" if rec["sdpa_us"] else "-"
+                vs = (f"  {rec['sdpa_us'] / rec['time_us']:.3f}x sdpa speed"
+                      if rec["sdpa_us"] else "")
+                what = (f" {rec['variant']:<10} s{rec['num_splits']:<3}"
+                        if "variant" in rec else "")
+                print(f"{kernel} B{B:<3} ctx {ctx:>7}{what}: {rec['time_us']:9.1f} us  floor "
+                      f"{floor:9.1f} us  {100 * rec['roofline_fraction']:5.1f}% roofline  "
+                      f"{rec['achieved_GBps']:6.0f} GB/s  sdpa {sdpa} us{vs}", flush=True)
+                with open(args.out, "w") as f:                # after every record: a kill
+                    json.dump(records, f, indent=1)           # keeps what was measured
         del pools
         torch.cuda.empty_cache()
 

@@ -42,40 +42,40 @@ from helix.attention.triton_mla import mla_decode, mla_plan  # noqa: E402
 # name -> overrides of helix.attention.triton_mla.MLA_TUNABLES (the rest: mla_launch_config's
 # defaults, today those of "split-bn64-rowsum", the best of the first H200 run; every candidate
 # names DEFER_L so it keeps the meaning it was measured with). Compile-time resources on sm_90,
-# triton 3.6
-# (registers / stack bytes / shared bytes / wgmma per tile):
-CANDIDATES = [   # most informative first: --budget-s skips from the end
-    # the kernel before this change: warps [8, 1] on QK^T -> both warpgroups compute the same
-    # S with m64n16k16 (72 wgmma per 32-token tile); lazy rescale, row sums. 255 / 0 / 147472
-    ("old-bn32-dupqk", dict(BLOCK_N=32, SPLIT_QK=False, RESCALE_LOG2=8.0, DEFER_L=False)),
-    # default: QK^T split across the warpgroups (36 m64n32k16 + 4 m64n256k16 per 64 tokens),
-    # eager rescale, denominator kept as [64, 64] partial sums (no per-tile cross-warpgroup
-    # row sum). 229 / 0 / 229376
-    ("split-bn64", dict(DEFER_L=True)),
-    # - with the per-tile row sum instead. 221 / 0 / 229376
-    ("split-bn64-rowsum", dict(DEFER_L=False)),
-    # + lazy rescale (skips the [64, 512] multiply on most tiles): 255 / 96 (spills loop
-    # invariants, ~20 LDL per tile) / 229376
-    ("split-bn64-lazy", dict(RESCALE_LOG2=8.0, DEFER_L=True)),
-    # 32-token tiles, 4 KV buffers (the page id is prefetched, so k stages = k buffers): loads
-    # issued 3 tiles ahead, but QK^T m64n16 per warpgroup. 214 / 0 / 225280
-    ("split-bn32-s4", dict(BLOCK_N=32, num_stages=4, DEFER_L=True)),
-    # split count: the fewest splits whose last wave of programs is >= 90 % full (B=8: 8
-    # splits = 128 programs in one wave, not 32 = 512 in four): fewer partials and prologues
-    ("split-bn64-fill", dict(split_policy="fill", DEFER_L=True)),
-    # bf16 split partials: half the partial-write + merge traffic. 255 / 0 / 229376
-    ("split-bn64-bf16part", dict(partial_dtype=torch.bfloat16, DEFER_L=True)),
-    # 4 warpgroups: O in 64 x 128 quarters (128 registers), QK^T m64n16 per warpgroup.
-    # 128 / 0 / 229376
-    ("split-bn64-w16", dict(num_warps=16, DEFER_L=True)),
-    # the likely-best combination of the independent choices above. 255 / 0 / 229376
+# triton 3.6 (registers / stack bytes / shared bytes / wgmma per tile):
+CANDIDATES = [   # most informative first: --budget-s skips from the end. Each names USE_TMA
+    # and split_policy itself: the kernel's defaults (mla_launch_config) moved to TMA + fill
+    # today's default: QK^T split across the warpgroups (36 m64n32k16 + 4 m64n256k16 per 64
+    # tokens), eager rescale, per-tile row sum. 221 / 0 / 229376 (the baseline of this run)
+    ("split-bn64-rowsum", dict(DEFER_L=False, USE_TMA=False, split_policy="2waves")),
+    # USE_TMA: full tiles through in-kernel tensor descriptors (TMA + mbarrier, no per-thread
+    # address math or cp.async), the partial last tile through masked loads (a second loop).
+    # 255 / 8 (4 B spilled) / 230400, 2 x (36 + 4) wgmma (two loop bodies)
+    ("tma-bn64", dict(USE_TMA=True, DEFER_L=False, split_policy="2waves")),
+    # - with the fewest splits that fill the last wave (B=8: 8 splits, one wave)
+    ("tma-bn64-fill", dict(USE_TMA=True, split_policy="fill", DEFER_L=False)),
+    # PIPE_QK: the QK^T of tile i + 1 issued before the softmax of tile i (latent product
+    # kept in flight), 32-token tiles (the tile is loaded twice, as K and as V: 2 x (36 + 32)
+    # KB buffers). 246 / 0 / 217088; but ptxas serializes its wgmma (C7514: the carried S is
+    # copied at the back edge while in flight), see triton_mla.py
+    ("pipe-bn32", dict(PIPE_QK=True, BLOCK_N=32, DEFER_L=False, USE_TMA=False,
+                        split_policy="2waves")),
+    # the previous default (split-bn64-rowsum's denominator deferred). 229 / 0 / 229376
+    ("split-bn64", dict(DEFER_L=True, USE_TMA=False, split_policy="2waves")),
+    ("split-bn64-fill", dict(split_policy="fill", DEFER_L=True, USE_TMA=False)),
+    # the kernel before the QK^T split: warps [8, 1] on QK^T -> both warpgroups compute the
+    # same S with m64n16k16 (72 wgmma per 32-token tile); lazy rescale. 255 / 0 / 147472
+    ("old-bn32-dupqk", dict(BLOCK_N=32, SPLIT_QK=False, RESCALE_LOG2=8.0, DEFER_L=False,
+                            USE_TMA=False, split_policy="2waves")),
+    # 32-token tiles, 4 KV buffers. 214 / 0 / 225280
+    ("split-bn32-s4", dict(BLOCK_N=32, num_stages=4, DEFER_L=True, USE_TMA=False,
+                           split_policy="2waves")),
+    # fill + bf16 split partials. 255 / 0 / 229376
     ("split-bn64-fill-bf16part", dict(split_policy="fill", partial_dtype=torch.bfloat16,
-                                      DEFER_L=True)),
-    # 32-token tiles, lazy rescale fits without spills here. 255 / 0 / 225280
-    ("split-bn32-s4-lazy", dict(BLOCK_N=32, num_stages=4, RESCALE_LOG2=8.0, DEFER_L=True)),
-    # 3 / 2 KV buffers. 214 / 0 / 188416, 151552
-    ("split-bn32-s3", dict(BLOCK_N=32, num_stages=3, DEFER_L=True)),
-    ("split-bn32-s2", dict(BLOCK_N=32, DEFER_L=True)),
+                                      DEFER_L=True, USE_TMA=False)),
+    # dropped after the first H200 run (tune_mla_h200.json, geomean roofline): split-bn64-lazy
+    # 27.1 %, split-bn64-bf16part 28.8 %, split-bn64-w16 28.0 %, split-bn32-s4-lazy 25.9 %,
+    # split-bn32-s3 27.2 %, split-bn32-s2 22.2 % (split-bn64-rowsum: 32.7 %)
 ]
 
 GPU_DIMS = dict(h=128, dl=512, dr=64, page=64, dtype=torch.bfloat16)

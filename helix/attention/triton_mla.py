@@ -38,6 +38,20 @@ profiling/tune_mla.py times the variants, all switchable through `mla_decode(con
   RESCALE_LOG2 = 0 rescales every tile, branch-free.
 - DEFER_L: the softmax denominator kept as [BLOCK_H, BLOCK_N] partial sums (no per-tile
   cross-warpgroup row reduction), reduced once at the end.
+- USE_TMA: full tiles through in-kernel tensor descriptors (TMA + mbarrier instead of
+  per-thread cp.async address math), the partial last tile of a split through masked loads in
+  a second loop (TMA cannot mask rows, and stale slots may hold non-finite values). Needs
+  unpadded widths and a page-contiguous pool (`tma_ok`), else the launcher turns it off.
+- PIPE_QK: software-pipelined S: iteration t issues the QK^T of tile t + 1, then the softmax
+  and PV of tile t on the S it carries (the latent QK^T stays in flight through the softmax;
+  the rope QK^T's wait(0) retires the previous one). Triton cannot keep one load's buffer for
+  the next iteration, so each tile is loaded twice (as K, as V): at BLOCK_N = 32 that fits
+  (2 x (36 + 32) KB), at 64 it does not. On triton 3.6 ptxas serializes all its wgmma (C7514:
+  the carried S is copied at the loop back edge while its wgmma is in flight), which an
+  unrolled-by-two loop would avoid.
+- The compiled default (triton 3.6): the next tile's cp.async are issued at the END of the
+  loop body (after the PV wgmma) and waited with num = 0 at the top of the next iteration, so
+  a load is hidden only behind one PV, not behind the softmax.
 - exp2 with log2(e) folded into the scale; P converted to the KV dtype for the PV product.
 - num_splits is a runtime argument: one binary for every split count.
 """
@@ -54,6 +68,51 @@ from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, fill_n
 
 
 @triton.jit
+def _scores(ql, qr, c, kr, tmask, t0, end, scale_log2,
+            SPLIT_QK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """S [BH, N] = (Q_latent C^T + Q_rope Kr^T) * scale_log2, -inf where ~tmask."""
+    if SPLIT_QK:
+        s_lat = tl.dot(ql, tl.trans(c), input_precision=DOT_PRECISION)
+        s_rope = tl.dot(qr, tl.trans(kr), input_precision=DOT_PRECISION)
+        s = s_lat * scale_log2 + s_rope * scale_log2      # (a plain + would fuse the dots)
+        if t0 < end:      # always true: hides S from the PV dot's layout choice (see top)
+            s = tl.where(tmask[None, :], s, float("-inf"))
+    else:
+        s = tl.dot(ql, tl.trans(c), input_precision=DOT_PRECISION)
+        s = tl.dot(qr, tl.trans(kr), acc=s, input_precision=DOT_PRECISION)
+        s = tl.where(tmask[None, :], s * scale_log2, float("-inf"))         # [BH, N]
+    return s
+
+
+@triton.jit
+def _softmax_pv(s, c, m_i, l_i, acc, RESCALE_LOG2: tl.constexpr, DEFER_L: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """One tile of the online softmax (base 2): the running max / denominator updated with
+    S [BH, N], the accumulator rescaled and += P C."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if RESCALE_LOG2 > 0:
+        # Lazy: keep a stale running max until some row's grows by > 2^RESCALE_LOG2 (the
+        # first block always rescales: m_i = -inf); p stays <= 2^RESCALE_LOG2.
+        grow = tl.max(m_new - m_i, axis=0) > RESCALE_LOG2
+        m_use = tl.where(grow, m_new, m_i)
+        alpha = tl.exp2(m_i - m_use)
+        if grow:
+            acc = acc * alpha[:, None]
+        m_i = m_use
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    p = tl.exp2(s - m_i[:, None])
+    if DEFER_L:
+        l_i = l_i * alpha[:, None] + p
+    else:
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(c.dtype), c, acc=acc, input_precision=DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _mla_split_kernel(
     ql_ptr, qr_ptr, kv_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2,
     stride_qlb, stride_qlh,                # q_latent [B, H, Dl]
@@ -62,11 +121,12 @@ def _mla_split_kernel(
     stride_btb,                            # block_tables [B, max_pages] int32
     stride_ob, stride_oh, stride_os,       # o: [B, H, S, Dl] partials, or [B, H, Dl] (S = 1)
     stride_lb, stride_lh,                  # lse: [B, H, S] partials, or [B, H]
-    HEADS, num_splits,
+    HEADS, num_splits, kv_rows,            # kv_rows = P * page (USE_TMA's descriptors)
     D_LATENT: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT_QK: tl.constexpr, RESCALE_LOG2: tl.constexpr, DEFER_L: tl.constexpr,
+    PIPE_QK: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     hb = tl.program_id(0)
     split = tl.program_id(1)
@@ -95,49 +155,94 @@ def _mla_split_kernel(
     else:
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DL], dtype=tl.float32)
-    if PAGE_SIZE % BLOCK_N == 0:      # a block lies in one page: its id is fetched a tile ahead
-        page = next_page_id(bt_row, start, end, PAGE_SIZE)
-    for t0 in range(start, end, BLOCK_N):
-        if PAGE_SIZE % BLOCK_N == 0:
-            rows, tmask = page_rows(page, t0, end, stride_kvp, stride_kvt, BLOCK_N, PAGE_SIZE)
-            page = next_page_id(bt_row, t0 + BLOCK_N, end, PAGE_SIZE)
-        else:
+    if PIPE_QK:
+        # Software-pipelined S (PAGE_SIZE % BLOCK_N == 0): iteration t0 issues the QK^T of
+        # tile t0 + BLOCK_N, then runs the softmax and PV of tile t0 on the S carried from the
+        # previous iteration. The rope product is waited on at once (that wait(0) also retires
+        # the previous latent QK^T and PV: Triton then keeps the latent QK^T in flight through
+        # the softmax). The tile is loaded twice, as K (576 wide) for the next S and as V
+        # (latent) for this PV: Triton cannot keep one load's buffer for a later iteration.
+        # The loop starts one (empty) tile early instead of peeling a prologue QK^T, whose
+        # buffers would stay allocated through the loop; m starts at -FLT_MAX, not -inf, so
+        # that empty tile leaves m, l and O as they are (alpha = 1, p = 0).
+        m_i = tl.full([BLOCK_H], -3.4028234663852886e38, dtype=tl.float32)
+        s_lat = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        s_rope = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        page = next_page_id(bt_row, start, end, PAGE_SIZE)        # K of the first tile
+        page_v = page                                             # (V of the empty tile)
+        for t0 in range(start - BLOCK_N, end, BLOCK_N):
+            rows, tmask = page_rows(page, t0 + BLOCK_N, end, stride_kvp, stride_kvt,
+                                    BLOCK_N, PAGE_SIZE)
+            kr = tl.load(kv_ptr + rows[:, None] + D_LATENT + cr[None, :],
+                         mask=tmask[:, None] & rmask[None, :], other=0.0)
+            c = tl.load(kv_ptr + rows[:, None] + cl[None, :],
+                        mask=tmask[:, None] & lmask[None, :], other=0.0)
+            s_rope_next = tl.dot(qr, tl.trans(kr), input_precision=DOT_PRECISION) * scale_log2
+            s_lat_next = tl.dot(ql, tl.trans(c), input_precision=DOT_PRECISION)
+            # page ids one tile ahead, one load each (a chain of carried ids through two
+            # iterations would stop Triton's pipeliner)
+            page_v_next = next_page_id(bt_row, t0 + BLOCK_N, end, PAGE_SIZE)
+            page_next = next_page_id(bt_row, t0 + 2 * BLOCK_N, end, PAGE_SIZE)
+            rows, tmask = page_rows(page_v, t0, end, stride_kvp, stride_kvt, BLOCK_N,
+                                    PAGE_SIZE)
+            tmask = tmask & (t0 + tl.arange(0, BLOCK_N) >= start)
+            s = tl.where(tmask[None, :], s_lat * scale_log2 + s_rope, float("-inf"))
+            v = tl.load(kv_ptr + rows[:, None] + cl[None, :],
+                        mask=tmask[:, None] & lmask[None, :], other=0.0)
+            m_i, l_i, acc = _softmax_pv(s, v, m_i, l_i, acc, RESCALE_LOG2, DEFER_L,
+                                        DOT_PRECISION)
+            s_lat, s_rope = s_lat_next, s_rope_next
+            page, page_v = page_next, page_v_next
+    elif USE_TMA:
+        # Full tiles through tensor descriptors (TMA: a page-aligned tile is BLOCK_N
+        # contiguous rows of the pool viewed as [P * page, Dl + Dr]; needs BLOCK_DL == Dl,
+        # BLOCK_DR == Dr, PAGE_SIZE % BLOCK_N == 0, the launcher checks), the partial last tile
+        # (TMA cannot mask rows: stale slots may hold non-finite values) through masked loads.
+        desc_c = tl.make_tensor_descriptor(kv_ptr, shape=[kv_rows, D_LATENT + D_ROPE],
+                                           strides=[stride_kvt, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DL])
+        desc_r = tl.make_tensor_descriptor(kv_ptr + D_LATENT, shape=[kv_rows, D_ROPE],
+                                           strides=[stride_kvt, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DR])
+        full_end = start + (end - start) // BLOCK_N * BLOCK_N
+        page = next_page_id(bt_row, start, full_end, PAGE_SIZE)
+        for t0 in range(start, full_end, BLOCK_N):
+            row0 = (page * PAGE_SIZE + t0 % PAGE_SIZE).to(tl.int32)
+            page = next_page_id(bt_row, t0 + BLOCK_N, full_end, PAGE_SIZE)
+            c = desc_c.load([row0, 0])
+            kr = desc_r.load([row0, 0])
+            tmask = (t0 + tl.arange(0, BLOCK_N)) < end
+            s = _scores(ql, qr, c, kr, tmask, t0, end, scale_log2, SPLIT_QK, DOT_PRECISION)
+            m_i, l_i, acc = _softmax_pv(s, c, m_i, l_i, acc, RESCALE_LOG2, DEFER_L,
+                                        DOT_PRECISION)
+        for t0 in range(full_end, end, BLOCK_N):     # at most one (partial) tile
             rows, tmask = token_rows(bt_row, t0, end, stride_kvp, stride_kvt, BLOCK_N,
                                      PAGE_SIZE)
-        c = tl.load(kv_ptr + rows[:, None] + cl[None, :],
-                    mask=tmask[:, None] & lmask[None, :], other=0.0)             # [N, DL]
-        kr = tl.load(kv_ptr + rows[:, None] + D_LATENT + cr[None, :],
-                     mask=tmask[:, None] & rmask[None, :], other=0.0)            # [N, DR]
-        if SPLIT_QK:
-            s_lat = tl.dot(ql, tl.trans(c), input_precision=DOT_PRECISION)
-            s_rope = tl.dot(qr, tl.trans(kr), input_precision=DOT_PRECISION)
-            s = s_lat * scale_log2 + s_rope * scale_log2      # (a plain + would fuse the dots)
-            if t0 < end:      # always true: hides S from the PV dot's layout choice (see top)
-                s = tl.where(tmask[None, :], s, float("-inf"))
-        else:
-            s = tl.dot(ql, tl.trans(c), input_precision=DOT_PRECISION)
-            s = tl.dot(qr, tl.trans(kr), acc=s, input_precision=DOT_PRECISION)
-            s = tl.where(tmask[None, :], s * scale_log2, float("-inf"))         # [BH, N]
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if RESCALE_LOG2 > 0:
-            # Lazy: keep a stale running max until some row's grows by > 2^RESCALE_LOG2 (the
-            # first block always rescales: m_i = -inf); p stays <= 2^RESCALE_LOG2.
-            grow = tl.max(m_new - m_i, axis=0) > RESCALE_LOG2
-            m_use = tl.where(grow, m_new, m_i)
-            alpha = tl.exp2(m_i - m_use)
-            if grow:
-                acc = acc * alpha[:, None]
-            m_i = m_use
-        else:
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        p = tl.exp2(s - m_i[:, None])
-        if DEFER_L:
-            l_i = l_i * alpha[:, None] + p
-        else:
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(kv_dtype), c, acc=acc, input_precision=DOT_PRECISION)
+            c = tl.load(kv_ptr + rows[:, None] + cl[None, :],
+                        mask=tmask[:, None] & lmask[None, :], other=0.0)
+            kr = tl.load(kv_ptr + rows[:, None] + D_LATENT + cr[None, :],
+                         mask=tmask[:, None] & rmask[None, :], other=0.0)
+            s = _scores(ql, qr, c, kr, tmask, t0, end, scale_log2, SPLIT_QK, DOT_PRECISION)
+            m_i, l_i, acc = _softmax_pv(s, c, m_i, l_i, acc, RESCALE_LOG2, DEFER_L,
+                                        DOT_PRECISION)
+    else:
+        if PAGE_SIZE % BLOCK_N == 0:  # a block lies in one page: its id is fetched a tile ahead
+            page = next_page_id(bt_row, start, end, PAGE_SIZE)
+        for t0 in range(start, end, BLOCK_N):
+            if PAGE_SIZE % BLOCK_N == 0:
+                rows, tmask = page_rows(page, t0, end, stride_kvp, stride_kvt, BLOCK_N,
+                                        PAGE_SIZE)
+                page = next_page_id(bt_row, t0 + BLOCK_N, end, PAGE_SIZE)
+            else:
+                rows, tmask = token_rows(bt_row, t0, end, stride_kvp, stride_kvt, BLOCK_N,
+                                         PAGE_SIZE)
+            c = tl.load(kv_ptr + rows[:, None] + cl[None, :],
+                        mask=tmask[:, None] & lmask[None, :], other=0.0)             # [N, DL]
+            kr = tl.load(kv_ptr + rows[:, None] + D_LATENT + cr[None, :],
+                         mask=tmask[:, None] & rmask[None, :], other=0.0)            # [N, DR]
+            s = _scores(ql, qr, c, kr, tmask, t0, end, scale_log2, SPLIT_QK, DOT_PRECISION)
+            m_i, l_i, acc = _softmax_pv(s, c, m_i, l_i, acc, RESCALE_LOG2, DEFER_L,
+                                        DOT_PRECISION)
     if DEFER_L:
         l_i = tl.sum(l_i, axis=1)
 
@@ -153,7 +258,7 @@ def _mla_split_kernel(
 # and launcher choices (lower case). mla_launch_config gives defaults; mla_decode(config=...)
 # overrides any of them (profiling/tune_mla.py compares candidates on the GPU).
 MLA_TUNABLES = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "SPLIT_QK", "RESCALE_LOG2",
-                "DEFER_L", "split_policy", "partial_dtype")
+                "DEFER_L", "PIPE_QK", "USE_TMA", "split_policy", "partial_dtype")
 SPLIT_POLICIES = ("2waves", "1wave", "fill")
 
 
@@ -179,8 +284,12 @@ def mla_launch_config(heads: int, d_latent: int, d_rope: int, dtype: torch.dtype
     big = block_h * block_dl >= 64 * 256
     return dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=8 if big else 4, num_stages=2,
                 # DEFER_L off: the best of 12 configs measured on an H200 (tune_mla_h200.json)
-                SPLIT_QK=True, RESCALE_LOG2=0.0, DEFER_L=False,
-                split_policy="2waves", partial_dtype=None,
+                SPLIT_QK=True, RESCALE_LOG2=0.0, DEFER_L=False, PIPE_QK=False,
+                # TMA + "fill": the best of 9 configs on an H200 (tune_mla_h200_v2.json, geomean
+                # 38.0 % of the floor against 33.7 % for cp.async + "2waves"); the launcher
+                # falls back to cp.async where the pool or dims do not suit TMA (tma_ok)
+                # (16-bit KV only: with fp32 tiles the TMA kernel spills, 4.4 KB of stack)
+                USE_TMA=dtype != torch.float32, split_policy="fill", partial_dtype=None,
                 BLOCK_DL=block_dl, BLOCK_DR=block_dr)
 
 
@@ -206,6 +315,28 @@ def mla_plan(batch: int, heads: int, d_latent: int, d_rope: int, dtype: torch.dt
             num_splits = choose_num_splits(*args, waves=2.0 if policy == "2waves" else 1.0,
                                            round_up=policy == "2waves")
     return cfg, num_splits, partial_dtype
+
+
+def tma_ok(kv_cache: torch.Tensor, block_n: int, block_dl: int, block_dr: int, d_latent: int,
+           d_rope: int) -> bool:
+    """Whether USE_TMA's descriptors can address this pool: pages contiguous (the pool is a
+    [P * page, Dl + Dr] matrix), 16-byte aligned base, row stride and rope offset, unpadded
+    latent / rope widths (a box cannot mask columns) and tiles inside one page."""
+    P, page, width = kv_cache.shape
+    elt = kv_cache.element_size()
+    return (block_dl == d_latent and block_dr == d_rope and page % block_n == 0
+            and kv_cache.stride(0) == page * kv_cache.stride(1) and kv_cache.stride(2) == 1
+            and kv_cache.data_ptr() % 16 == 0 and (kv_cache.stride(1) * elt) % 16 == 0
+            and (d_latent * elt) % 16 == 0 and P * page < 2**31)
+
+
+def ensure_tma_allocator() -> None:
+    """In-kernel tensor descriptors need a global scratch allocator (128 B per descriptor and
+    program); installed once, unless the process already set one."""
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, align, stream: torch.empty(
+            size, dtype=torch.int8, device=torch.cuda.current_device()))
 
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
@@ -247,12 +378,21 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
         so = (o_ws.stride(0), o_ws.stride(1), o_ws.stride(2))
         sl = (lse_ws.stride(0), lse_ws.stride(1))
     precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+    if cfg["PIPE_QK"] and page_size % cfg["BLOCK_N"]:
+        cfg["PIPE_QK"] = False                  # the pipelined loop needs a page id per tile
+    if cfg["PIPE_QK"]:
+        cfg["USE_TMA"] = False                  # the kernel's loops are exclusive: PIPE_QK wins
+    if cfg["USE_TMA"] and not tma_ok(kv_cache, cfg["BLOCK_N"], cfg["BLOCK_DL"], cfg["BLOCK_DR"],
+                                     Dl, Dr):
+        cfg["USE_TMA"] = False
+    if cfg["USE_TMA"] and kv_cache.is_cuda:
+        ensure_tma_allocator()
     run_kernel(
         _mla_split_kernel, (head_blocks, num_splits, B),
         q_latent, q_rope, kv_cache, block_tables, kv_lens, o_ws, lse_ws, scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), *so, *sl,
-        H, num_splits, Dl, Dr, PAGE_SIZE=page_size, DOT_PRECISION=precision, **cfg)
+        H, num_splits, kv_cache.shape[0] * page_size, Dl, Dr, PAGE_SIZE=page_size, DOT_PRECISION=precision, **cfg)
     if num_splits > 1:
         reduce_splits(o_ws, lse_ws, o, lse)
     return o, lse
