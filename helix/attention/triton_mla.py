@@ -52,6 +52,10 @@ profiling/tune_mla.py times the variants, all switchable through `mla_decode(con
 - The compiled default (triton 3.6): the next tile's cp.async are issued at the END of the
   loop body (after the PV wgmma) and waited with num = 0 at the top of the next iteration, so
   a load is hidden only behind one PV, not behind the softmax.
+- Triton's automatic warp specialisation (`tl.range(..., warp_specialize=True)` on the TMA
+  loop) compiles to the same sm_90 binary under triton 3.6 and 3.9 (255 / 254 registers, the
+  same 80 wgmma, no setmaxnreg): it does not apply to this loop on Hopper, so a producer /
+  consumer split (FlashMLA's design) is out of reach from Triton here.
 - exp2 with log2(e) folded into the scale; P converted to the KV dtype for the PV product.
 - num_splits is a runtime argument: one binary for every split count.
 """
