@@ -122,30 +122,55 @@ def check(sweep: Sweep) -> None:
             lay.validate(cfg)
 
 
-def run_point(sweep: Sweep, model: str, layout: Layout, batch: int, context: int) -> dict:
-    """Decode latency of `batch` requests holding `context` tokens each."""
+def _points(sweep: Sweep) -> list[tuple[int, int]]:
+    return [(b, c) for b in sweep.batches for c in sweep.contexts
+            if not sweep.max_batch_tokens or b * c <= sweep.max_batch_tokens]
+
+
+def open_llm(sweep: Sweep, model: str, layout: Layout):
+    """One engine for every point of (model, layout): sized for the largest batch and context
+    (its KV pool for the largest batch x context point), graphs captured once per batch bucket."""
     from helix.runtime.llm import LLM
+    points = _points(sweep)
+    steps = sweep.warmup_steps + sweep.decode_steps
+    max_batch = max(b for b, _ in points)
+    max_context = max(c for _, c in points) + steps + 2
+    page = sweep.runtime["page_size"]
+    # pages per rank for the largest batch x context point (KVP rank 0 owns the most)
+    need = max(b * (-(-(c + steps + 2) // layout.kvp) // page + 2) for b, c in points)
+    rt = RuntimeConfig(max_batch=max_batch, max_context=max_context, num_pages=need,
+                       graph_buckets=tuple(sorted({b for b, _ in points})), **sweep.runtime)
+    return LLM(model, layout, rt)
+
+
+def run_point(sweep: Sweep, llm, model: str, layout: Layout, batch: int, context: int) -> dict:
+    """Decode latency of `batch` requests holding `context` tokens each, on an open engine."""
     from helix.runtime.sampling import SamplingParams
     steps = sweep.warmup_steps + sweep.decode_steps
-    rt = RuntimeConfig(max_batch=batch, max_context=context + steps + 2, **sweep.runtime)
+    rt = llm.runtime
     g = torch.Generator().manual_seed(0)
-    with LLM(model, layout, rt) as llm:
-        params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
-        synthetic = sweep.prefill == "synthetic"
-        for _ in range(batch):
-            prompt = torch.randint(0, llm.cfg.vocab_size, (1 if synthetic else context,), generator=g)
-            llm.add_request(prompt.tolist(), params, synthetic_prefix=context - 1 if synthetic else 0)
-        t0 = time.perf_counter()
-        llm.step()                                  # prefill (synthetic: a first decode step)
-        prefill_s = time.perf_counter() - t0
-        times = [llm.step().seconds for _ in range(steps)][sweep.warmup_steps:]
-        kv = llm.kv_tokens_per_rank()
+    kv_before = llm.kv_tokens_per_rank()
+    params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
+    synthetic = sweep.prefill == "synthetic"
+    ids = []
+    for _ in range(batch):
+        prompt = torch.randint(0, llm.cfg.vocab_size, (1 if synthetic else context,), generator=g)
+        ids.append(llm.add_request(prompt.tolist(), params,
+                                   synthetic_prefix=context - 1 if synthetic else 0))
+    t0 = time.perf_counter()
+    llm.step()                                  # prefill (synthetic: a first decode step)
+    prefill_s = time.perf_counter() - t0
+    times = [llm.step().seconds for _ in range(steps)][sweep.warmup_steps:]
+    while llm.has_unfinished():                 # overlap: the last tokens are read back late
+        llm.step()
+    kv = [a - b for a, b in zip(llm.kv_tokens_per_rank(), kv_before)]
     times.sort()
     median = statistics.median(times)
     return {"sweep": sweep.name, "model": model, "layout": layout.as_dict(), "batch": batch,
             "context": context, "device": rt.device, "dtype": rt.dtype, "layers": rt.layers,
             "cuda_graphs": rt.cuda_graphs, "attention_backend": rt.attention_backend,
-            "prefill": sweep.prefill, "first_step_ms": 1e3 * prefill_s, "step_ms_median": 1e3 * median,
+            "overlap": rt.resolved_overlap, "prefill": sweep.prefill,
+            "first_step_ms": 1e3 * prefill_s, "step_ms_median": 1e3 * median,
             "step_ms_p90": 1e3 * times[int(0.9 * (len(times) - 1))],
             "tokens_per_s": batch / median, "kv_tokens_per_rank": kv}
 
@@ -153,13 +178,13 @@ def run_point(sweep: Sweep, model: str, layout: Layout, batch: int, context: int
 def run_sweep(sweep: Sweep, on_record=None) -> list[dict]:
     check(sweep)
     records = []
+    if not _points(sweep):
+        return records
     for model in sweep.models:
         for layout in sweep.layouts:
-            for batch in sweep.batches:
-                for context in sweep.contexts:
-                    if sweep.max_batch_tokens and batch * context > sweep.max_batch_tokens:
-                        continue
-                    rec = run_point(sweep, model, layout, batch, context)
+            with open_llm(sweep, model, layout) as llm:
+                for batch, context in _points(sweep):
+                    rec = run_point(sweep, llm, model, layout, batch, context)
                     records.append(rec)
                     if on_record:
                         on_record(rec)

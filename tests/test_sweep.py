@@ -3,6 +3,7 @@ bad sweep files (from the API and from the CLI, before any process starts)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -10,6 +11,8 @@ import pytest
 
 from helix.errors import ConfigError
 from helix.sweep import load_sweep, run_sweep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GOOD = """
 name: t
@@ -71,3 +74,13 @@ def test_points_over_the_token_budget_are_skipped(tmp_path):
                                         "warmup_steps: 0\n"))
     points = [(r["batch"], r["context"]) for r in run_sweep(sweep)]
     assert points == [(1, 9), (1, 20), (2, 9)]
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(ROOT, "configs", "sweeps"))))
+def test_committed_sweeps_load_and_their_layouts_hold(name):
+    """Every sweep file in configs/sweeps/ parses, and each of its layouts is valid for each of
+    its models (what `helix sweep` checks before starting any process)."""
+    from helix.sweep import check
+    sweep = load_sweep(os.path.join(ROOT, "configs", "sweeps", name))
+    check(sweep)
+    assert sweep.models and sweep.layouts
