@@ -24,6 +24,7 @@ Every key is checked before anything runs; a mistake is one line naming the key 
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -188,4 +189,8 @@ def run_sweep(sweep: Sweep, on_record=None) -> list[dict]:
                     records.append(rec)
                     if on_record:
                         on_record(rec)
+            del llm                 # the next layout's KV pool must not meet this one's
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return records
