@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from helix.attention.triton_decode import gqa_decode, gqa_num_splits, use_fused_merge  # noqa: E402
-from helix.attention.triton_mla import mla_decode  # noqa: E402
+from helix.attention.triton_mla import mla_decode, mla_plan  # noqa: E402
 from profiling.roofline import L2Flush, copy_bandwidth, graph_time_us, matmul_rate  # noqa: E402
 
 GQA = dict(hq=64, hkv=8, d=128)
@@ -133,15 +133,23 @@ def bench_config(kernel, B, ctx, page, pools, flush, args) -> list[dict]:
     ql = torch.randn(B, h, dl, device=DEVICE, dtype=torch.bfloat16)
     qr = torch.randn(B, h, dr, device=DEVICE, dtype=torch.bfloat16)
     scale = 192 ** -0.5                                   # DeepSeek qk head dim 128 + 64
-    fn = lambda: mla_decode(ql, qr, kv_pool, bt, lens, scale)  # noqa: E731
-    o, lse = fn()
     seq = kv_pool[:pages].view(B, ctx, 1, dl + dr)
-    errs = [check(o[b], lse[b], *reference(torch.cat((ql[b], qr[b]), -1)[None], seq[b],
-                                            seq[b, :, :, :dl], scale),
-                  f"mla B{B} ctx{ctx} row {b}") for b in {0, B - 1}]
-    return [dict(kernel="triton-mla", batch=B, context=ctx, sdpa_us=None,
-                 shape="deepseek-v3 rank: 128h Dl512 Dr64 bf16", max_err=max(errs),
-                 time_us=graph_time_us(fn, args.iters, flush))]
+    refs = {b: reference(torch.cat((ql[b], qr[b]), -1)[None], seq[b], seq[b, :, :, :dl], scale)
+            for b in {0, B - 1}}
+    records = []
+    for forced in [None if x == "auto" else int(x) for x in args.mla_splits.split(",")]:
+        splits = forced or mla_plan(B, h, dl, dr, kv_pool.dtype, bt.shape[1] * page,
+                                    ql.device)[1]
+        fn = lambda n=splits: mla_decode(ql, qr, kv_pool, bt, lens, scale,  # noqa: E731
+                                         num_splits=n)
+        o, lse = fn()
+        errs = [check(o[b], lse[b], *refs[b], f"mla B{B} ctx{ctx} splits {splits} row {b}")
+                for b in refs]
+        records.append(dict(kernel="triton-mla", batch=B, context=ctx, sdpa_us=None,
+                            shape="deepseek-v3 rank: 128h Dl512 Dr64 bf16", max_err=max(errs),
+                            num_splits=splits, splits_forced=forced is not None,
+                            time_us=graph_time_us(fn, args.iters, flush)))
+    return records
 
 
 def sdpa_time(q, k_seq, v_seq, scale, flush, repeat_cap_gb=16.0):
@@ -181,6 +189,8 @@ def main():
                         "the split kernel: one launch), two-launch (merge in a second kernel)")
     p.add_argument("--gqa-splits", default="auto",
                    help="comma list of split counts to force, or auto (choose_num_splits)")
+    p.add_argument("--mla-splits", default="auto",
+                   help="comma list of MLA split counts to force, or auto (mla_plan's choice)")
     p.add_argument("--gqa-min-tokens", type=int, default=None,
                    help="choose_num_splits' shortest split for auto (default: the library's)")
     args = p.parse_args()
@@ -215,8 +225,8 @@ def main():
                 sdpa = f"{rec['sdpa_us']:.1f}" if rec["sdpa_us"] else "-"
                 vs = (f"  {rec['sdpa_us'] / rec['time_us']:.3f}x sdpa speed"
                       if rec["sdpa_us"] else "")
-                what = (f" {rec['variant']:<10} s{rec['num_splits']:<3}"
-                        if "variant" in rec else "")
+                what = (f" {rec.get('variant', ''):<10} s{rec['num_splits']:<3}"
+                        if "num_splits" in rec else "")
                 print(f"{kernel} B{B:<3} ctx {ctx:>7}{what}: {rec['time_us']:9.1f} us  floor "
                       f"{floor:9.1f} us  {100 * rec['roofline_fraction']:5.1f}% roofline  "
                       f"{rec['achieved_GBps']:6.0f} GB/s  sdpa {sdpa} us{vs}", flush=True)

@@ -413,6 +413,37 @@ def test_bench_attention_gqa_variants(monkeypatch, tmp_path):
     assert all(fields <= set(r) for r in recs)
 
 
+def test_bench_attention_mla_splits(monkeypatch, tmp_path):
+    """--mla-splits times forced split counts beside mla_plan's own choice (CPU smoke)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from profiling import bench_attention as bench
+    real = triton_mla.mla_decode
+
+    def mla_fp32(ql, qr, kv, *args, **kw):
+        o, lse = real(ql.float(), qr.float(), kv.float(), *args, **kw)
+        return o.to(ql.dtype), lse
+
+    monkeypatch.setattr(bench, "DEVICE", DEV)
+    monkeypatch.setattr(bench, "MLA", dict(h=4, dl=16, dr=16))
+    monkeypatch.setattr(bench, "mla_decode", mla_fp32)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(bench, "matmul_rate", lambda: 1e14)
+    monkeypatch.setattr(bench, "L2Flush", lambda: None)
+    monkeypatch.setattr(bench, "graph_time_us", lambda fn, iters, flush: (fn(), 10.0)[1])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    out = tmp_path / "mla.json"
+    monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--kernels", "mla", "--batches", "1",
+                                      "--contexts", "128", "--page-size", "16", "--mem-cap-gb",
+                                      "1", "--mla-splits", "auto,2,4", "--out", str(out)])
+    bench.main()
+    recs = json.loads(out.read_text())
+    auto = triton_mla.mla_plan(1, 4, 16, 16, torch.bfloat16, 128, torch.device(DEV))[1]
+    assert [(r["num_splits"], r["splits_forced"]) for r in recs] == [(auto, False), (2, True),
+                                                                      (4, True)]
+    assert all(r["kernel"] == "triton-mla" and r["max_err"] < 0.05 for r in recs)
+
+
 # -- MLA decode ------------------------------------------------------------------------------
 
 MLA_CASES = [  # (B, H, Dl, Dr, page, lens, splits, block_h)

@@ -258,6 +258,8 @@ def _mla_split_kernel(
     tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=hmask)
 
 
+MLA_MIN_TOKENS = 64          # shortest split of the "fill" policy (one 64-token tile)
+
 # The tunables of one MLA launch: kernel meta-parameters (upper case, num_warps, num_stages)
 # and launcher choices (lower case). mla_launch_config gives defaults; mla_decode(config=...)
 # overrides any of them (profiling/tune_mla.py compares candidates on the GPU).
@@ -314,7 +316,10 @@ def mla_plan(batch: int, heads: int, d_latent: int, d_rope: int, dtype: torch.dt
     if num_splits is None:   # fill the GPU: compute-bound, and one program per SM (smem)
         args = (batch, triton.cdiv(heads, cfg["BLOCK_H"]), max_context, sm_count_of(device))
         if policy == "fill":
-            num_splits = fill_num_splits(*args)
+            # a split may be as short as one tile: a tile is ~3 us of tensor-core work for 64
+            # heads, so short contexts gain from spreading it (mla_splits_h200.json: batch 1 x
+            # 1K 26.1 -> 18.7 us, 4K 28.5 -> 24.8 us; >= 16K chooses as before)
+            num_splits = fill_num_splits(*args, min_tokens=MLA_MIN_TOKENS)
         else:
             num_splits = choose_num_splits(*args, waves=2.0 if policy == "2waves" else 1.0,
                                            round_up=policy == "2waves")
