@@ -100,10 +100,20 @@ class KVManager:
             row = self._table(seq_id)
             table[i, :row.numel()] = row
         return LocalKVMeta(
-            slots=_cat(slots).to(device),
-            block_tables=table.to(device),
-            kv_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-            cu_q=torch.tensor(cu, dtype=torch.int32, device=device),
-            q_pos=_cat(q_pos).to(device),
+            slots=upload(_cat(slots), device),
+            block_tables=upload(table, device),
+            kv_lens=upload(torch.tensor(lens, dtype=torch.int32), device),
+            cu_q=upload(torch.tensor(cu, dtype=torch.int32), device),
+            q_pos=upload(_cat(q_pos), device),
             kvp_rank=self.kvp_rank, kvp=self.kvp, interleave=self.interleave,
             page_size=self.page_size, is_decode=all(n == 1 for _, _, n in batch))
+
+
+def upload(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device`; to CUDA through pinned memory and an asynchronous copy, so the
+    host does not wait for the stream (the caching host allocator keeps the pinned block until
+    the copy has run)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -10,7 +10,7 @@ import torch
 
 from helix.attention.backend import get_backend
 from helix.config import Layout, ModelConfig, RuntimeConfig
-from helix.kv.manager import KVManager
+from helix.kv.manager import KVManager, upload
 from helix.layers.fused_ops import select_tokens
 from helix.kv.ownership import local_len
 from helix.runtime.decode_graphs import DecodeGraphs
@@ -136,9 +136,9 @@ class Engine:
         else:
             with nvtx_range("helix.prepare"):
                 meta = self.kv.prepare(plan, self.device)
-                ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+                ids_t = upload(torch.tensor(ids, dtype=torch.long), self.device)
                 if any(s >= 0 for s in src):            # tokens still on the device
-                    src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+                    src_t = upload(torch.tensor(src, dtype=torch.long), self.device)
                     ids_t = select_tokens(src_t, ids_t, self.tok_buf)
             with nvtx_range(f"helix.forward_eager[{len(ids)} tokens]"):
                 last = meta.cu_q[1:].long() - 1
