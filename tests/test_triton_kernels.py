@@ -366,6 +366,17 @@ def test_gqa_fused_merge_compiles_for_sm90(tmp_path):
         triton_decode._gqa_split_kernel.fn)                      # the LAST arriver merges
 
 
+def _stub_bench_timing(monkeypatch, bench):
+    """bench_attention's ceilings, timer, L2 flush and device queries stubbed for a CPU run."""
+    monkeypatch.setattr(bench, "DEVICE", DEV)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(bench, "matmul_rate", lambda: 1e14)
+    monkeypatch.setattr(bench, "L2Flush", lambda: None)
+    monkeypatch.setattr(bench, "graph_time_us", lambda fn, iters, flush: (fn(), 10.0)[1])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+
 def test_bench_attention_gqa_variants(monkeypatch, tmp_path):
     """profiling/bench_attention.py times GQA variants x split counts side by side (CPU smoke:
     tiny heads, the kernels in the interpreter on fp32 copies, timing stubbed), keeping every
@@ -378,16 +389,10 @@ def test_bench_attention_gqa_variants(monkeypatch, tmp_path):
         o, lse = real(q.float(), k.float(), v.float(), *args, **kw)
         return o.to(q.dtype), lse
 
-    monkeypatch.setattr(bench, "DEVICE", DEV)
     monkeypatch.setattr(bench, "GQA", dict(hq=8, hkv=2, d=16))
     monkeypatch.setattr(bench, "gqa_decode", gqa_fp32)
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 1e12)
-    monkeypatch.setattr(bench, "matmul_rate", lambda: 1e14)
-    monkeypatch.setattr(bench, "L2Flush", lambda: None)
-    monkeypatch.setattr(bench, "graph_time_us", lambda fn, iters, flush: (fn(), 10.0)[1])
+    _stub_bench_timing(monkeypatch, bench)
     monkeypatch.setattr(bench, "sdpa_time", lambda *a, **k: 9.0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test")
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     base = ["bench_attention.py", "--kernels", "gqa", "--batches", "1,2", "--contexts", "128",
             "--page-size", "16", "--mem-cap-gb", "1"]
     out = tmp_path / "variants.json"
@@ -423,15 +428,9 @@ def test_bench_attention_mla_splits(monkeypatch, tmp_path):
         o, lse = real(ql.float(), qr.float(), kv.float(), *args, **kw)
         return o.to(ql.dtype), lse
 
-    monkeypatch.setattr(bench, "DEVICE", DEV)
     monkeypatch.setattr(bench, "MLA", dict(h=4, dl=16, dr=16))
     monkeypatch.setattr(bench, "mla_decode", mla_fp32)
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 1e12)
-    monkeypatch.setattr(bench, "matmul_rate", lambda: 1e14)
-    monkeypatch.setattr(bench, "L2Flush", lambda: None)
-    monkeypatch.setattr(bench, "graph_time_us", lambda fn, iters, flush: (fn(), 10.0)[1])
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test")
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    _stub_bench_timing(monkeypatch, bench)
     out = tmp_path / "mla.json"
     monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--kernels", "mla", "--batches", "1",
                                       "--contexts", "128", "--page-size", "16", "--mem-cap-gb",

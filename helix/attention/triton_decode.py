@@ -6,14 +6,13 @@ cores, online softmax in the exp2 domain, P [BLOCK_G, BLOCK_N] x V [BLOCK_N, d].
 normalized partial O and its LSE per split (or, with one split, the final O and LSE directly).
 
 With several splits the partials are merged exactly (LSE weights), in one of two ways:
-- fused (the default): in the same launch. Each split program, after writing its partial,
+- two launches (the default): stage 2 (triton_splits.reduce_splits) merges them in a second
+  kernel, one program per (batch, query head).
+- fused (fused_merge=True): in the same launch. Each split program, after writing its partial,
   counts itself on an arrival counter of its (batch, kv_head); the program that arrives last
   merges the splits of its GROUP query heads and writes the final O and LSE (see the memory
-  ordering note in the kernel). One launch: no second kernel's launch gap and prologue.
-- two launches: stage 2 (triton_splits.reduce_splits) merges them in a second kernel, one
-  program per (batch, query head): more parallel for large GROUP x splits (the fused merge is
-  one program's serial read of GROUP x splits partial rows), which is where the default
-  falls back to it (FUSED_MERGE_MAX_ELEMS).
+  ordering note in the kernel). Measured no faster on an H200, and slower at many splits (one
+  program's serial read of GROUP x splits partial rows): see use_fused_merge.
 
 All metadata (block tables, local lengths) is read on the device; splits and block sizes are
 constexpr picked from static sizes, so a launch is CUDA-graph capturable and never syncs.
@@ -200,7 +199,6 @@ def gqa_launch_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
 # with 16 of 256 (torch SDPA 14.9 us); other batches and contexts get the same split count as
 # with 256 or run within noise of it.
 GQA_MIN_TOKENS = 128
-FUSED_MERGE_MAX_ELEMS = 65536   # fused merge only while GROUP x splits x d <= this (256 KB fp32)
 MERGE_TILE_ELEMS = 2048         # fp32 accumulator of the fused merge (16 registers a thread)
 
 

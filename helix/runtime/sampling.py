@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from helix.errors import RequestError
+from helix.runtime.sampler import sample_rows
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,6 @@ def sample_into(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
     no host sync. Greedy rows take the argmax; the others draw from the batched sampler
     (helix/runtime/sampler.py) with noise keyed by (seed, counter): pass the position of the
     token being sampled as its counter. greedy_done: out already holds the argmax."""
-    from helix.runtime.sampler import sample_rows
     if not greedy_done:
         torch.argmax(logits, -1, out=out[:logits.shape[0]])
     if all(p.greedy for p in params):
