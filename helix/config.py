@@ -248,6 +248,6 @@ class RuntimeConfig:
     def resolved_num_pages(self, model: ModelConfig, layout: Layout) -> int:
         if self.num_pages:
             return self.num_pages
-        ctx = self.resolved_max_context(model)
-        per_rank = -(-ctx // layout.kvp) + layout.kv_interleave  # worst-case local share
-        return self.max_batch * (-(-per_rank // self.page_size) + 1)
+        from helix.kv.ownership import KVSharding
+        sharding = KVSharding(layout.kvp, layout.kv_interleave, self.page_size)
+        return self.max_batch * sharding.max_pages(self.resolved_max_context(model))

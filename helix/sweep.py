@@ -34,6 +34,7 @@ import yaml
 
 from helix.config import Layout, RuntimeConfig
 from helix.errors import ConfigError
+from helix.kv.ownership import KVSharding
 
 _KEYS = {"name", "model", "models", "layers", "device", "dtype", "layouts", "batches", "contexts",
          "decode_steps", "warmup_steps", "cuda_graphs", "attention_backend", "page_size", "seed",
@@ -128,6 +129,13 @@ def _points(sweep: Sweep) -> list[tuple[int, int]]:
             if not sweep.max_batch_tokens or b * c <= sweep.max_batch_tokens]
 
 
+def _pool_pages(sweep: Sweep, layout: Layout) -> int:
+    """KV pages per rank that hold every request of the largest batch x context point."""
+    steps = sweep.warmup_steps + sweep.decode_steps
+    sharding = KVSharding(layout.kvp, layout.kv_interleave, sweep.runtime.get("page_size", 16))
+    return max(b * sharding.max_pages(c + steps + 2) for b, c in _points(sweep))
+
+
 def open_llm(sweep: Sweep, model: str, layout: Layout):
     """One engine for every point of (model, layout): sized for the largest batch and context
     (its KV pool for the largest batch x context point), graphs captured once per batch bucket."""
@@ -136,10 +144,8 @@ def open_llm(sweep: Sweep, model: str, layout: Layout):
     steps = sweep.warmup_steps + sweep.decode_steps
     max_batch = max(b for b, _ in points)
     max_context = max(c for _, c in points) + steps + 2
-    page = sweep.runtime["page_size"]
-    # pages per rank for the largest batch x context point (KVP rank 0 owns the most)
-    need = max(b * (-(-(c + steps + 2) // layout.kvp) // page + 2) for b, c in points)
-    rt = RuntimeConfig(max_batch=max_batch, max_context=max_context, num_pages=need,
+    rt = RuntimeConfig(max_batch=max_batch, max_context=max_context,
+                       num_pages=_pool_pages(sweep, layout),
                        graph_buckets=tuple(sorted({b for b, _ in points})), **sweep.runtime)
     return LLM(model, layout, rt)
 

@@ -444,3 +444,30 @@ def test_top_k_and_top_p_draws_stay_in_the_kept_set():
     toks = sample(logits, params, [3] * 500, list(range(500)))
     assert set(toks[:250]) == {0, 1}               # both kept tokens drawn, nothing else
     assert set(toks[250:]) <= {0, 1, 2} and len(set(toks[250:])) > 1
+
+
+def test_kv_sharding_pages_follow_the_interleave():
+    """kvp 4, I 256, page 16, 512 positions: rank 0 and 1 own 256 each (16 pages), ranks 2-3
+    none. A rule that ignored the interleave (512 / 4 = 128 -> 8 pages) under-reserves."""
+    from helix.kv import KVSharding
+    s = KVSharding(kvp=4, interleave=256, page_size=16)
+    assert s.pages_per_rank(512) == [16, 16, 0, 0]
+    assert s.max_pages(512) == 16
+    for kvp, I, page in ((1, 1, 16), (3, 4, 8), (4, 16, 16), (2, 1, 5)):
+        s = KVSharding(kvp, I, page)
+        for n in (0, 1, 7, 63, 64, 65, 1000):
+            held = [sum(1 for p in range(n) if kv_owner(p, kvp, I) == r) for r in range(kvp)]
+            assert s.pages_per_rank(n) == [-(-h // page) for h in held]
+            assert s.max_pages(n) == max(s.pages_per_rank(n))
+
+
+def test_sweep_reserves_the_pages_the_scheduler_needs():
+    """The sweep's KV pool holds every point's requests at once (the kvp 4, I 256 case)."""
+    from helix.kv import KVSharding
+    from helix.sweep import Sweep, _pool_pages
+    lay = Layout(kvp=4, tpa=1, kv_interleave=256)
+    sw = Sweep(name="t", models=("tiny-llama",), layouts=(lay,), batches=(2,), contexts=(512,),
+               runtime={"page_size": 16}, decode_steps=2, warmup_steps=1)
+    steps = sw.decode_steps + sw.warmup_steps
+    need = KVSharding(4, 256, 16).max_pages(512 + steps + 2)
+    assert _pool_pages(sw, lay) >= 2 * need

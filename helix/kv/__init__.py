@@ -1,6 +1,6 @@
 from helix.kv.allocator import PageAllocator
 from helix.kv.manager import KVManager, LocalKVMeta
-from helix.kv.ownership import kv_owner, local_index, local_len, local_to_global
+from helix.kv.ownership import KVSharding, kv_owner, local_index, local_len, local_to_global
 
-__all__ = ["PageAllocator", "KVManager", "LocalKVMeta", "kv_owner", "local_index", "local_len",
+__all__ = ["PageAllocator", "KVManager", "KVSharding", "LocalKVMeta", "kv_owner", "local_index", "local_len",
            "local_to_global"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from helix.kv.allocator import PageAllocator
-from helix.kv.ownership import kv_owner, local_index, local_len
+from helix.kv.ownership import KVSharding, kv_owner, local_index
 
 
 @dataclass
@@ -37,15 +37,16 @@ class KVManager:
         self.alloc = PageAllocator(num_pages)
         self.page_size = page_size
         self.kvp_rank, self.kvp, self.interleave = kvp_rank, kvp, interleave
+        self.sharding = KVSharding(kvp, interleave, page_size)
         self.pages: dict[int, list[int]] = {}   # seq id -> local pages
         self.lengths: dict[int, int] = {}       # seq id -> global length written
         self._tables: dict[int, torch.Tensor] = {}  # seq id -> its pages as int32, rebuilt on growth
 
     def local_tokens(self, seq_id: int) -> int:
-        return local_len(self.lengths.get(seq_id, 0), self.kvp_rank, self.kvp, self.interleave)
+        return self.sharding.local_len(self.lengths.get(seq_id, 0), self.kvp_rank)
 
     def _grow(self, seq_id: int, new_len: int) -> None:
-        need = -(-local_len(new_len, self.kvp_rank, self.kvp, self.interleave) // self.page_size)
+        need = self.sharding.pages(new_len, self.kvp_rank)
         pages = self.pages.setdefault(seq_id, [])
         if need > len(pages):
             pages.extend(self.alloc.allocate(need - len(pages)))

@@ -1,7 +1,14 @@
-"""The KV ownership rule. Position p lives on KVP rank (p // I) % kvp, I = kv_interleave;
-its local index there is (p // (kvp*I)) * I + p % I. Works on ints and on integer tensors."""
+"""The KV ownership rule, and the one place its page arithmetic lives.
+
+Position p lives on KVP rank (p // I) % kvp, I = kv_interleave; its local index there is
+(p // (kvp*I)) * I + p % I. The free functions work on ints and on integer tensors; `KVSharding`
+answers the per-rank questions every other module asks (positions and pages a length needs on a
+rank, the worst rank, all ranks).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 def kv_owner(p, kvp: int, interleave: int):
@@ -22,3 +29,28 @@ def local_len(length: int, kvp_rank: int, kvp: int, interleave: int) -> int:
     cycle = kvp * interleave
     full, rem = divmod(length, cycle)
     return full * interleave + min(max(rem - kvp_rank * interleave, 0), interleave)
+
+
+@dataclass(frozen=True)
+class KVSharding:
+    """How a sequence's KV spreads over the KVP ranks and their pages."""
+
+    kvp: int                # KVP degree
+    interleave: int         # kv_interleave I
+    page_size: int          # KV positions per page, per rank
+
+    def local_len(self, length: int, rank: int) -> int:
+        """Positions of [0, length) held by KVP rank `rank`."""
+        return local_len(length, rank, self.kvp, self.interleave)
+
+    def pages(self, length: int, rank: int) -> int:
+        """Pages KVP rank `rank` holds for a sequence of `length` positions."""
+        return -(-self.local_len(length, rank) // self.page_size)
+
+    def max_pages(self, length: int) -> int:
+        """Pages of the rank that holds the most (KVP rank 0 owns at least as many positions as
+        any other): what admission and block-table widths size for."""
+        return self.pages(length, 0)
+
+    def pages_per_rank(self, length: int) -> list[int]:
+        return [self.pages(length, r) for r in range(self.kvp)]

@@ -12,7 +12,6 @@ from helix.attention.backend import get_backend
 from helix.config import Layout, ModelConfig, RuntimeConfig
 from helix.kv.manager import KVManager, upload
 from helix.layers.fused_ops import select_tokens
-from helix.kv.ownership import local_len
 from helix.runtime.decode_graphs import DecodeGraphs
 from helix.runtime.nvtx import nvtx_range
 from helix.loader import build_and_load
@@ -72,8 +71,7 @@ class Engine:
         self.last_logits: torch.Tensor | None = None
         self.graphs = None
         if runtime.cuda_graphs:
-            max_pages = -(-local_len(self.max_context, 0, layout.kvp, layout.kv_interleave)
-                          // runtime.page_size) + 1
+            max_pages = self.scheduler.sharding.max_pages(self.max_context)
             self.graphs = DecodeGraphs(self, runtime.graph_buckets, runtime.graph_breaks, max_pages)
             self.graphs.capture()
 

@@ -10,21 +10,22 @@ from __future__ import annotations
 
 from collections import deque
 
-from helix.kv.ownership import local_len
+from helix.kv.ownership import KVSharding
 from helix.runtime.request import Request
 
 
 class Scheduler:
     def __init__(self, num_pages: int, page_size: int, kvp: int, interleave: int, max_batch: int):
         self.num_pages, self.page_size = num_pages, page_size
-        self.kvp, self.interleave, self.max_batch = kvp, interleave, max_batch
+        self.sharding = KVSharding(kvp, interleave, page_size)
+        self.max_batch = max_batch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved: dict[int, int] = {}
         self.dropped: list[Request] = []      # aborted while waiting
 
     def pages_for(self, length: int) -> int:
-        return -(-local_len(length, 0, self.kvp, self.interleave) // self.page_size)
+        return self.sharding.max_pages(length)
 
     def free_pages(self) -> int:
         return self.num_pages - sum(self.reserved.values())
