@@ -32,7 +32,7 @@ def _ids(text: str) -> list[int]:
 
 
 def _add_runtime_args(p: argparse.ArgumentParser, device_default: str | None) -> None:
-    from helix.config import RuntimeConfig
+    from helix.config import ATTENTION_BACKENDS, RuntimeConfig
     d = RuntimeConfig()
     g = p.add_argument_group("layout")
     g.add_argument("--kvp", type=int, default=1, help="KV-parallel degree (sequence split)")
@@ -49,8 +49,9 @@ def _add_runtime_args(p: argparse.ArgumentParser, device_default: str | None) ->
     g.add_argument("--max-context", type=int, default=d.max_context, help="prompt + generation cap")
     g.add_argument("--max-batch", type=int, default=d.max_batch, help="most running requests")
     g.add_argument("--num-pages", type=int, default=d.num_pages, help="KV pages per rank (0: auto)")
-    g.add_argument("--attention-backend", choices=["torch", "triton", "flash-attn"],
-                   default=d.attention_backend, help="attention kernels")
+    g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS),
+                   default=d.attention_backend,
+                   help="attention kernels (auto: triton on cuda, the torch reference on cpu)")
     g.add_argument("--seed", type=int, default=d.seed, help="preset weights / default sampling seed")
     g.add_argument("--layers", type=int, default=0, help="run only the first n layers (0: all)")
     g = p.add_argument_group("CUDA graphs")

@@ -22,6 +22,8 @@ SUPPORTED_ARCHS = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -47,7 +49,7 @@ class RopeConfig:
     mscale_all_dim: float = 0.0            # yarn: denominator mscale; also the softmax-scale correction
     attention_factor: float | None = None  # yarn: explicit cos/sin factor (overrides mscale)
     truncate: bool = True                  # yarn: round the correction range to whole dims
-    interleave: bool = False               # rotate pairs (2i, 2i+1) (DeepSeek) instead of halves
+    adjacent_pairs: bool = False           # rotate pairs (2i, 2i+1) (DeepSeek) instead of halves
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,8 @@ class ModelConfig:
     max_position: int = 4096               # longest context the model supports
     tie_embeddings: bool = False           # LM head shares the embedding matrix
     qkv_bias: bool = False                 # bias on q/k/v projections (Qwen2)
-    o_bias: bool = False                   # bias on the output projection (Llama attention_bias)
+    attention_bias: bool = False           # HF attention_bias: o_proj's bias (Llama; its q/k/v biases
+                                           # are qkv_bias), and MLA's q_a / kv_a / o_proj biases
     mlp_bias: bool = False                 # bias on the dense FFN projections
     qk_norm: bool = False                  # per-head RMSNorm on q and k (Qwen3)
     rope: RopeConfig = field(default_factory=RopeConfig)
@@ -160,10 +163,6 @@ class Layout:
     def is_tp_baseline(self) -> bool:
         return self.kvp == 1
 
-    def describe(self) -> str:
-        return (f"kvp={self.kvp} tpa={self.tpa} tpf={self.tpf} ep={self.ep} "
-                f"kv_interleave={self.kv_interleave}")
-
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -206,7 +205,7 @@ class RuntimeConfig:
     max_context: int = 0           # longest prompt + generation per request (0: model max, <= 8192)
     max_batch: int = 64            # most requests running at once
     num_pages: int = 0             # KV pages per rank (0: enough for max_batch full contexts / kvp)
-    attention_backend: str = "torch"  # torch | triton | flash-attn
+    attention_backend: str = "auto"   # auto (triton on cuda, torch on cpu) | torch | triton | flash-attn
     seed: int = 0                  # random weights of presets; default sampling seed
     timeout_s: float = 300.0       # collective timeout: a dead rank ends the run with an error
     layers: int = 0                # run only the first n decoder layers (0: all; benchmarking)
@@ -230,13 +229,21 @@ class RuntimeConfig:
             raise ConfigError(f"unknown graph break(s) {', '.join(sorted(unknown))}: use attention, moe")
         if any(b < 1 for b in self.graph_buckets):
             raise ConfigError("graph buckets must be positive batch sizes")
-        if self.attention_backend not in ("torch", "triton", "flash-attn"):
-            raise ConfigError(f"attention backend must be torch, triton or flash-attn, "
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                               f"got {self.attention_backend!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    @property
+    def resolved_backend(self) -> str:
+        """The attention backend `auto` stands for: Triton's kernels on CUDA, the torch
+        reference elsewhere (Triton on CPU runs only through its interpreter)."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.device == "cuda" else "torch"
 
     @property
     def resolved_overlap(self) -> bool:

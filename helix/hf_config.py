@@ -3,105 +3,183 @@ into a ModelConfig."""
 
 from __future__ import annotations
 
+import math
+
 from helix.config import SUPPORTED_ARCHS, ModelConfig, RopeConfig
 from helix.errors import CheckpointError
 
 
-def _rope(cfg: dict, arch: str) -> RopeConfig:
-    params = dict(cfg.get("rope_parameters") or {})
-    params.update(cfg.get("rope_scaling") or {})
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+def _rope(f: _Fields, arch: str) -> RopeConfig:
+    params = dict(f.dict("rope_parameters"))
+    params.update(f.dict("rope_scaling"))
+    p = _Fields(params, f"{f.where} rope_scaling")
+    theta = p.float("rope_theta", f.float("rope_theta", 10000.0))
+    rope_type = p.str("rope_type", p.str("type", "default")) or "default"
     if rope_type not in ("default", "llama3", "yarn", "linear"):
         raise CheckpointError(f"unsupported rope type {rope_type!r}: Helix supports default, llama3, "
                               f"yarn and linear")
-    interleave = arch == "deepseek_v2" or (arch == "deepseek_v3" and cfg.get("rope_interleave", True))
-    orig = params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 8192)
-    factor = params.get("factor")
-    if factor is None:
-        factor = cfg.get("max_position_embeddings", orig) / orig if rope_type == "yarn" else 1.0
+    adjacent = arch == "deepseek_v2" or (arch == "deepseek_v3" and f.bool("rope_interleave", True))
+    max_pos = f.int("max_position_embeddings", 8192)
+    orig = p.int("original_max_position_embeddings", max_pos)
+    factor = p.float("factor", max_pos / orig if rope_type == "yarn" else 1.0)
+    attention_factor = params.get("attention_factor")
     return RopeConfig(
-        theta=float(theta), rope_type=rope_type, factor=float(factor),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position=int(orig),
-        beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
-        mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
-        attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)),
-        interleave=bool(interleave))
+        theta=theta, rope_type=rope_type, factor=factor,
+        low_freq_factor=p.float("low_freq_factor", 1.0),
+        high_freq_factor=p.float("high_freq_factor", 4.0),
+        original_max_position=orig,
+        beta_fast=p.float("beta_fast", 32.0), beta_slow=p.float("beta_slow", 1.0),
+        mscale=p.float("mscale", 0.0, positive=False),
+        mscale_all_dim=p.float("mscale_all_dim", 0.0, positive=False),
+        attention_factor=None if attention_factor is None else p.float("attention_factor", 1.0),
+        truncate=p.bool("truncate", True), adjacent_pairs=bool(adjacent))
 
 
-def _eos(cfg: dict) -> tuple[int, ...]:
-    eos = cfg.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+class _Fields:
+    """Typed reads of config.json fields: a missing required field or a value of the wrong type
+    or range is one CheckpointError naming the field, the value and what it must be."""
+
+    def __init__(self, cfg: dict, where: str = "config.json"):
+        self.cfg, self.where = cfg, where
+
+    def _bad(self, key: str, value, want: str):
+        return CheckpointError(f"{self.where}: {key} = {value!r} is invalid: it must be {want}; "
+                               f"fix the checkpoint's config")
+
+    def has(self, key: str) -> bool:
+        return self.cfg.get(key) is not None
+
+    def int(self, key: str, default=None, minimum: int = 1):
+        v = self.cfg.get(key)
+        if v is None:
+            if default is None:
+                raise CheckpointError(f"{self.where} lacks {key!r}: the checkpoint's config is "
+                                      f"incomplete")
+            return default
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self._bad(key, v, f"an integer >= {minimum}")
+        if v < minimum:
+            raise self._bad(key, v, f"an integer >= {minimum}")
+        return v
+
+    def float(self, key: str, default: float, positive: bool = True) -> float:
+        v = self.cfg.get(key)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
+                positive and v <= 0):
+            raise self._bad(key, v, "a finite positive number" if positive else "a finite number")
+        return float(v)
+
+    def bool(self, key: str, default: bool = False) -> bool:
+        v = self.cfg.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise self._bad(key, v, "true or false")
+        return v
+
+    def str(self, key: str, default: str) -> str:
+        v = self.cfg.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, str):
+            raise self._bad(key, v, "a string")
+        return v
+
+    def dict(self, key: str) -> dict:
+        v = self.cfg.get(key)
+        if v is None:
+            return {}
+        if not isinstance(v, dict):
+            raise self._bad(key, v, "a mapping (JSON object)")
+        return v
+
+    def token_ids(self, key: str) -> tuple[int, ...]:
+        v = self.cfg.get(key)
+        if v is None:
+            return ()
+        ids = v if isinstance(v, list) else [v]
+        if not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise self._bad(key, v, "a token id or a list of token ids (integers >= 0)")
+        return tuple(ids)
 
 
-def _need(cfg: dict, key: str):
-    if key not in cfg or cfg[key] is None:
-        raise CheckpointError(f"config.json lacks {key!r}: the checkpoint's config is incomplete")
-    return cfg[key]
-
-
-def model_config_from_hf(cfg: dict) -> ModelConfig:
+def model_config_from_hf(cfg) -> ModelConfig:
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"config.json must hold a JSON object, got {type(cfg).__name__}: "
+                              f"fix the checkpoint's config")
+    f = _Fields(cfg)
     archs = cfg.get("architectures") or []
+    if not isinstance(archs, list):
+        archs = [archs]
     name = archs[0] if archs else cfg.get("model_type", "?")
     if name not in SUPPORTED_ARCHS:
         raise CheckpointError(f"unsupported architecture {name!r}: Helix supports "
                               f"{', '.join(sorted(SUPPORTED_ARCHS))}")
     arch = SUPPORTED_ARCHS[name]
-    heads = int(_need(cfg, "num_attention_heads"))
-    hidden = int(_need(cfg, "hidden_size"))
-    layers = int(_need(cfg, "num_hidden_layers"))
+    heads = f.int("num_attention_heads")
+    hidden = f.int("hidden_size")
+    layers = f.int("num_hidden_layers")
+    bos = f.token_ids("bos_token_id")
     common = dict(
-        arch=arch, vocab_size=int(_need(cfg, "vocab_size")), hidden_size=hidden, num_layers=layers,
-        num_heads=heads, intermediate_size=int(_need(cfg, "intermediate_size")),
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position=int(cfg.get("max_position_embeddings", 4096)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope=_rope(cfg, arch), bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_eos(cfg))
-    act = cfg.get("hidden_act", "silu")
+        arch=arch, vocab_size=f.int("vocab_size"), hidden_size=hidden, num_layers=layers,
+        num_heads=heads, intermediate_size=f.int("intermediate_size"),
+        rms_eps=f.float("rms_norm_eps", 1e-6), max_position=f.int("max_position_embeddings", 4096),
+        tie_embeddings=f.bool("tie_word_embeddings"), rope=_rope(f, arch),
+        bos_token_id=bos[0] if bos else None, eos_token_ids=f.token_ids("eos_token_id"))
+    act = f.str("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"unsupported activation {act!r}: Helix supports silu")
 
     if arch in ("llama", "qwen2", "qwen3", "qwen3_moe"):
-        kv = int(cfg.get("num_key_value_heads") or heads)
-        extra = dict(num_kv_heads=kv, head_dim=int(cfg.get("head_dim") or hidden // heads),
-                     qk_norm=arch in ("qwen3", "qwen3_moe"),
-                     qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-                     o_bias=arch == "llama" and bool(cfg.get("attention_bias", False)),
-                     mlp_bias=bool(cfg.get("mlp_bias", False)))
+        kv = f.int("num_key_value_heads", heads)
+        head_dim = f.int("head_dim", hidden // heads if hidden % heads == 0 else None)
+        if not f.has("head_dim") and hidden % heads:
+            raise CheckpointError(f"config.json: hidden_size {hidden} is not divisible by "
+                                  f"num_attention_heads {heads} and head_dim is not given")
+        if heads % kv:
+            raise CheckpointError(f"config.json: num_attention_heads {heads} is not a multiple of "
+                                  f"num_key_value_heads {kv}: fix the checkpoint's config")
+        extra = dict(num_kv_heads=kv, head_dim=head_dim, qk_norm=arch in ("qwen3", "qwen3_moe"),
+                     qkv_bias=arch == "qwen2" or f.bool("attention_bias"),
+                     attention_bias=arch == "llama" and f.bool("attention_bias"),
+                     mlp_bias=f.bool("mlp_bias"))
         if arch == "qwen3_moe":
-            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-            step = int(cfg.get("decoder_sparse_step", 1))
-            dense_only = set(cfg.get("mlp_only_layers") or [])
+            experts = f.int("num_experts", f.int("num_local_experts", 0, 0), 0)
+            step = f.int("decoder_sparse_step", 1)
+            dense_only = cfg.get("mlp_only_layers") or []
+            if not isinstance(dense_only, list):
+                raise CheckpointError("config.json: mlp_only_layers must be a list of layer indices")
             extra.update(
-                num_experts=experts, experts_per_token=int(_need(cfg, "num_experts_per_tok")),
-                moe_intermediate_size=int(_need(cfg, "moe_intermediate_size")),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                num_experts=experts, experts_per_token=f.int("num_experts_per_tok"),
+                moe_intermediate_size=f.int("moe_intermediate_size"),
+                norm_topk_prob=f.bool("norm_topk_prob"),
                 moe_layers=tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers)))
         return ModelConfig(**common, **extra)
 
     # DeepSeek V2 / V3: MLA + MoE
-    experts = int(cfg.get("n_routed_experts") or 0)
-    first_dense = int(cfg.get("first_k_dense_replace", 0))
-    freq = int(cfg.get("moe_layer_freq", 1))
+    experts = f.int("n_routed_experts", 0, 0)
+    first_dense = f.int("first_k_dense_replace", 0, 0)
+    freq = f.int("moe_layer_freq", 1)
     v3 = arch == "deepseek_v3"
-    topk_method = "noaux_tc" if v3 else cfg.get("topk_method", "greedy")
+    topk_method = "noaux_tc" if v3 else f.str("topk_method", "greedy")
     if topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
         raise CheckpointError(f"unsupported topk_method {topk_method!r}")
     extra = dict(
-        num_kv_heads=1, head_dim=0, o_bias=bool(cfg.get("attention_bias", False)),
-        num_experts=experts, experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
-        num_shared_experts=int(cfg.get("n_shared_experts") or 0),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) and v3,
+        num_kv_heads=1, head_dim=0, attention_bias=f.bool("attention_bias"),
+        num_experts=experts, experts_per_token=f.int("num_experts_per_tok", 0, 0),
+        moe_intermediate_size=f.int("moe_intermediate_size", 0, 0),
+        num_shared_experts=f.int("n_shared_experts", 0, 0),
+        norm_topk_prob=f.bool("norm_topk_prob") and v3,
         scoring="sigmoid" if v3 else "softmax", topk_method=topk_method,
-        n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        n_group=f.int("n_group", 1), topk_group=f.int("topk_group", 1),
+        routed_scaling_factor=f.float("routed_scaling_factor", 1.0),
         moe_layers=tuple(experts > 0 and i >= first_dense and i % freq == 0 for i in range(layers)),
-        q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=int(_need(cfg, "kv_lora_rank")),
-        qk_nope_head_dim=int(_need(cfg, "qk_nope_head_dim")),
-        qk_rope_head_dim=int(_need(cfg, "qk_rope_head_dim")), v_head_dim=int(_need(cfg, "v_head_dim")))
+        q_lora_rank=f.int("q_lora_rank", 0, 0) or None, kv_lora_rank=f.int("kv_lora_rank"),
+        qk_nope_head_dim=f.int("qk_nope_head_dim"), qk_rope_head_dim=f.int("qk_rope_head_dim"),
+        v_head_dim=f.int("v_head_dim"))
+    if experts and not (extra["experts_per_token"] and extra["moe_intermediate_size"]):
+        raise CheckpointError("config.json: a MoE model needs num_experts_per_tok and "
+                              "moe_intermediate_size >= 1")
     return ModelConfig(**common, **extra)

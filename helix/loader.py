@@ -11,12 +11,12 @@ import zlib
 from collections.abc import Iterator
 
 import torch
-import yaml
 
 from helix.config import ModelConfig
 from helix.errors import CheckpointError, ConfigError
 from helix.layers.moe import PROJS, LocalExperts
 from helix.models import build_model
+from helix.yamlio import load_yaml
 
 PRESET_DIR = os.environ.get("HELIX_PRESETS") or os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
@@ -56,16 +56,15 @@ def _read_model_config(model: str) -> tuple[ModelConfig, str | None]:
     if path is None:
         raise CheckpointError(f"model {model!r} not found: give a checkpoint directory or one of the "
                               f"presets {', '.join(list_presets())}")
-    try:
-        with open(path) as f:
-            spec = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    spec = load_yaml(path)
     if not isinstance(spec, dict) or not isinstance(spec.get("hf_config"), dict):
         raise ConfigError(f"{path}: a model preset needs an 'hf_config' mapping (config.json fields)")
     cfg = ModelConfig.from_hf(spec["hf_config"])
-    if spec.get("layers"):
-        cfg = cfg.with_layers(int(spec["layers"]))
+    layers = spec.get("layers")
+    if layers:
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ConfigError(f"{path}: layers must be a positive integer, got {layers!r}")
+        cfg = cfg.with_layers(layers)
     return cfg, None
 
 

@@ -98,7 +98,7 @@ def load_sweep(path: str) -> Sweep:
     device = spec.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     runtime = dict(device=device, dtype=spec.get("dtype") or ("bfloat16" if device == "cuda" else "float32"),
                    layers=spec.get("layers", 0), cuda_graphs=spec.get("cuda_graphs", True),
-                   attention_backend=spec.get("attention_backend", "torch"),
+                   attention_backend=spec.get("attention_backend", "auto"),
                    page_size=spec.get("page_size", 16), seed=spec.get("seed", 0))
     RuntimeConfig(**runtime)                        # validates device, dtype, backend, sizes
     prefill = spec.get("prefill", "synthetic")
@@ -175,7 +175,7 @@ def run_point(sweep: Sweep, llm, model: str, layout: Layout, batch: int, context
     median = statistics.median(times)
     return {"sweep": sweep.name, "model": model, "layout": layout.as_dict(), "batch": batch,
             "context": context, "device": rt.device, "dtype": rt.dtype, "layers": rt.layers,
-            "cuda_graphs": rt.cuda_graphs, "attention_backend": rt.attention_backend,
+            "cuda_graphs": rt.cuda_graphs, "attention_backend": rt.resolved_backend,
             "overlap": rt.resolved_overlap, "prefill": sweep.prefill,
             "first_step_ms": 1e3 * prefill_s, "step_ms_median": 1e3 * median,
             "step_ms_p90": 1e3 * times[int(0.9 * (len(times) - 1))],

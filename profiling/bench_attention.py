@@ -11,13 +11,11 @@ and PV. GQA also times torch SDPA (enable_gqa) over the same KV, seen contiguous
 
     python profiling/bench_attention.py --out profiling/results/attention_h200.json [--quick]
 
-GQA variants side by side in one run (one record per variant x split count, `variant` and
-`num_splits` fields; SDPA timed once per config): the split merge fused into the split kernel
-(one launch) or in a second kernel, and the split count forced or left to the heuristic:
+GQA split counts side by side in one run (one record per split count, `num_splits` field; SDPA
+timed once per config), forced or left to the heuristic:
 
     python profiling/bench_attention.py --kernels gqa --batches 1,2,4,8 \\
-        --contexts 4096,16384,65536 --gqa-variants fused,two-launch --gqa-splits auto,8,16,32 \\
-        --out gqa_variants.json
+        --contexts 4096,16384,65536 --gqa-splits auto,8,16,32 --out gqa_splits.json
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from helix.attention.triton_decode import gqa_decode, gqa_num_splits, use_fused_merge  # noqa: E402
+from helix.attention.triton_decode import gqa_decode, gqa_num_splits  # noqa: E402
 from helix.attention.triton_mla import mla_decode, mla_plan  # noqa: E402
 from profiling.roofline import L2Flush, copy_bandwidth, graph_time_us, matmul_rate  # noqa: E402
 
@@ -41,7 +39,6 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64]
 CONTEXTS = [4096, 16384, 65536, 131072, 262144, 524288]
 BF16 = 2
 DEVICE = "cuda"
-GQA_VARIANTS = {"default": None, "fused": True, "two-launch": False}   # gqa_decode(fused_merge=)
 
 
 def kv_bytes_per_token(kernel: str) -> int:
@@ -86,14 +83,9 @@ def check(o, lse, ref_o, ref_lse, what):
     return max(err_o, err_l)
 
 
-def gqa_variants(args) -> list[tuple[str, int | None]]:
-    """(variant, forced split count or None for the heuristic) pairs to time per config."""
-    variants = args.gqa_variants.split(",")
-    for v in variants:
-        if v not in GQA_VARIANTS:
-            raise SystemExit(f"--gqa-variants: {v!r} is not one of {', '.join(GQA_VARIANTS)}")
-    splits = [None if x == "auto" else int(x) for x in args.gqa_splits.split(",")]
-    return [(v, n) for v in variants for n in splits]
+def gqa_splits(args) -> list[int | None]:
+    """Split counts to time per config (None: the heuristic's choice)."""
+    return [None if x == "auto" else int(x) for x in args.gqa_splits.split(",")]
 
 
 def bench_config(kernel, B, ctx, page, pools, flush, args) -> list[dict]:
@@ -112,20 +104,18 @@ def bench_config(kernel, B, ctx, page, pools, flush, args) -> list[dict]:
                 for b in {0, B - 1}}
         sdpa_us = None if args.no_sdpa else sdpa_time(q, k_seq, v_seq, scale, flush)
         records = []
-        for variant, forced in gqa_variants(args):
+        for forced in gqa_splits(args):
             splits = forced or gqa_num_splits(B, hkv, bt.shape[1] * page, q.device,
                                               args.gqa_min_tokens)
-            fused = GQA_VARIANTS[variant]
-            fn = lambda n=splits, f=fused: gqa_decode(q, k_pool, v_pool, bt, lens,  # noqa: E731
-                                                      scale, num_splits=n, fused_merge=f)
-            fused = use_fused_merge(d, hq // hkv, splits) if fused is None else fused
+            fn = lambda n=splits: gqa_decode(q, k_pool, v_pool, bt, lens,  # noqa: E731
+                                             scale, num_splits=n)
             o, lse = fn()
-            errs = [check(o[b], lse[b], *refs[b], f"gqa {variant} B{B} ctx{ctx} splits "
-                          f"{splits} row {b}") for b in refs]
+            errs = [check(o[b], lse[b], *refs[b], f"gqa B{B} ctx{ctx} splits {splits} row {b}")
+                    for b in refs]
             records.append(dict(kernel="triton-gqa", batch=B, context=ctx, sdpa_us=sdpa_us,
-                                shape="llama-3.1-70b rank: 64q/8kv d128 bf16", variant=variant,
+                                shape="llama-3.1-70b rank: 64q/8kv d128 bf16",
                                 num_splits=splits, splits_forced=forced is not None,
-                                fused_merge=bool(fused and splits > 1), max_err=max(errs),
+                                max_err=max(errs),
                                 time_us=graph_time_us(fn, args.iters, flush)))
         return records
     h, dl, dr = MLA["h"], MLA["dl"], MLA["dr"]
@@ -184,9 +174,6 @@ def main():
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-sdpa", action="store_true")
-    p.add_argument("--gqa-variants", default="default",
-                   help="comma list of default (gqa_decode's own choice), fused (split merge in "
-                        "the split kernel: one launch), two-launch (merge in a second kernel)")
     p.add_argument("--gqa-splits", default="auto",
                    help="comma list of split counts to force, or auto (choose_num_splits)")
     p.add_argument("--mla-splits", default="auto",
@@ -225,8 +212,7 @@ def main():
                 sdpa = f"{rec['sdpa_us']:.1f}" if rec["sdpa_us"] else "-"
                 vs = (f"  {rec['sdpa_us'] / rec['time_us']:.3f}x sdpa speed"
                       if rec["sdpa_us"] else "")
-                what = (f" {rec.get('variant', ''):<10} s{rec['num_splits']:<3}"
-                        if "num_splits" in rec else "")
+                what = f" s{rec['num_splits']:<3}" if "num_splits" in rec else ""
                 print(f"{kernel} B{B:<3} ctx {ctx:>7}{what}: {rec['time_us']:9.1f} us  floor "
                       f"{floor:9.1f} us  {100 * rec['roofline_fraction']:5.1f}% roofline  "
                       f"{rec['achieved_GBps']:6.0f} GB/s  sdpa {sdpa} us{vs}", flush=True)

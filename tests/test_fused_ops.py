@@ -257,12 +257,12 @@ def test_rope_module_tables():
     """RotaryEmbedding (llama3 and YaRN tables) through the kernel equals the original formula."""
     for cfg in (RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0),
                 RopeConfig(rope_type="yarn", factor=40.0, original_max_position=64, mscale=1.0,
-                           mscale_all_dim=1.0, interleave=True)):
+                           mscale_all_dim=1.0, adjacent_pairs=True)):
         rope = RotaryEmbedding(cfg, 64, 4096).to(DEV)
         x = _rand(3, 5, 64, dtype=torch.bfloat16, seed=33)
         pos = torch.tensor([4095, 0, 1234], device=DEV)
-        want = original_rope(x, rope.cos, rope.sin, pos, cfg.interleave)
-        assert torch.equal(fo.rope_triton(x, rope.cos, rope.sin, pos, cfg.interleave), want)
+        want = original_rope(x, rope.cos, rope.sin, pos, cfg.adjacent_pairs)
+        assert torch.equal(fo.rope_triton(x, rope.cos, rope.sin, pos, cfg.adjacent_pairs), want)
         with mock.patch.object(fo, "use_triton", lambda t: True):
             assert torch.equal(rope(x, pos), want)
 

@@ -131,241 +131,6 @@ def test_gqa_decode_random_shapes(seed):
     _lse_close(lse, rl)
 
 
-# -- GQA decode: the split merge fused into the split kernel (one launch) -------------------
-
-FUSED_CASES = [  # (B, Hq, Hkv, d, page, lens, splits, block_n)
-    (3, 8, 8, 32, 16, [1, 16, 17], 2, None),                 # group 1 (MHA), page boundary +- 1
-    (4, 16, 4, 16, 8, [0, 33, 7, 64], 4, None),              # group 4, an empty shard
-    (2, 8, 1, 64, 16, [31, 0], 3, None),                     # group 8 (MQA), odd length
-    (2, 16, 2, 24, 32, [95, 64], 8, 16),                     # d not a power of two
-    (2, 32, 4, 32, 4, [13, 129], 16, 16),                    # 16 splits, many of them empty
-    (5, 16, 2, 32, 64, [64, 65, 127, 128, 1], 5, 16),        # odd split count, page multiples
-    (1, 8, 2, 16, 16, [0], 4, None),                         # everything empty
-]
-
-
-def _counters_zero(device) -> bool:
-    return bool(torch.all(triton_splits.arrival_counters(device, 0) == 0))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + (
-    [torch.bfloat16] if ON_GPU else []), ids=str)
-@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"B{c[0]}-hq{c[1]}-hkv{c[2]}-d{c[3]}"
-                         f"-p{c[4]}-s{c[6]}")
-def test_gqa_fused_merge(case, dtype):
-    """One launch (the last split program of each (batch, kv head) merges) == the torch
-    reference and == the two-launch path; the arrival counters are all zero after the launch,
-    and a second launch (same counters) gives the same bits."""
-    B, hq, hkv, d, page, lens, splits, block_n = case
-    gen = torch.Generator().manual_seed(B * 100 + sum(lens) + splits)
-    P = max(48, B * (max(lens) // page + 2))
-    meta = _decode_meta(lens, page, P, gen)
-    k = torch.randn(P, page, hkv, d, generator=gen).to(DEV, dtype)
-    v = torch.randn(P, page, hkv, d, generator=gen).to(DEV, dtype)
-    q = torch.randn(B, hq, d, generator=gen).to(DEV, dtype)
-
-    def run(fused):
-        return triton_decode.gqa_decode(q, k, v, meta.block_tables, meta.kv_lens, d ** -0.5,
-                                        num_splits=splits, block_n=block_n, fused_merge=fused)
-
-    o, lse = run(True)
-    assert _counters_zero(q.device)
-    o2, lse2 = run(True)
-    assert _counters_zero(q.device)
-    assert torch.equal(o, o2) and torch.equal(lse, lse2)
-    ro, rl = TorchAttention().attend_gqa(q, k, v, meta, d ** -0.5)
-    assert o.dtype == dtype and o.shape == (B, hq, d) and not torch.isnan(o).any()
-    _close(o, ro, dtype)
-    _lse_close(lse, rl)
-    empty = meta.kv_lens == 0
-    assert torch.all(lse[empty] == float("-inf")) and torch.all(o[empty] == 0)
-    to, tl_ = run(False)                 # the same partials, merged by the second kernel
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(o.float(), to.float(), atol=tol, rtol=tol)
-    _lse_close(lse, tl_)
-    torch.testing.assert_close(lse[torch.isfinite(lse)], tl_[torch.isfinite(tl_)], atol=1e-6,
-                               rtol=1e-6)
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_gqa_fused_merge_random_shapes(seed):
-    """Random batch, group (1 / 4 / 8), head dim, page size, lengths (0, page multiples and
-    odd included) and split counts (2 .. 16, more splits than tiles included): fused ==
-    reference == two-launch, counters back to zero after each launch."""
-    gen = torch.Generator().manual_seed(300 + seed)
-    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=gen))]  # noqa: E731
-    B, hkv, group, d, page = pick([1, 2, 5]), pick([1, 2, 3]), pick([1, 4, 8]), \
-        pick([16, 40, 64]), pick([4, 16, 64])
-    lens = [pick([0, page, page + 1, 2 * page - 1, int(torch.randint(1, 200, (1,), generator=gen))])
-            for _ in range(B)]
-    dtype = (torch.float32, torch.float16)[seed % 2]
-    splits = pick([2, 3, 4, 8, 16])
-    meta = _decode_meta(lens, page, B * (200 // page + 3), gen)
-    P = meta.block_tables.max().item() + 1
-    k = torch.randn(P, page, hkv, d, generator=gen).to(DEV, dtype)
-    v = torch.randn(P, page, hkv, d, generator=gen).to(DEV, dtype)
-    q = torch.randn(B, hkv * group, d, generator=gen).to(DEV, dtype)
-    outs = [triton_decode.gqa_decode(q, k, v, meta.block_tables, meta.kv_lens, 0.2,
-                                     num_splits=splits, block_n=16, fused_merge=fused)
-            for fused in (True, False)]
-    assert _counters_zero(q.device)
-    ro, rl = TorchAttention().attend_gqa(q, k, v, meta, 0.2)
-    for o, lse in outs:
-        _close(o, ro, dtype)
-        _lse_close(lse, rl)
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(outs[0][0].float(), outs[1][0].float(), atol=tol, rtol=tol)
-
-
-def test_gqa_fused_merge_counters_shared_across_shapes():
-    """Launches of different shapes one after another share the device's counters: each leaves
-    them all zero, so the next one (and a repeat of the first) starts from zero."""
-    gen = torch.Generator().manual_seed(21)
-    inputs = []
-    for B, hkv, lens in ((2, 2, [40, 7]), (4, 3, [0, 70, 33, 16])):
-        meta = _decode_meta(lens, 16, 40, gen)
-        k = torch.randn(40, 16, hkv, 16, generator=gen).to(DEV)
-        v = torch.randn(40, 16, hkv, 16, generator=gen).to(DEV)
-        q = torch.randn(B, 2 * hkv, 16, generator=gen).to(DEV)
-        inputs.append((q, k, v, meta))
-    outs = []
-    for (q, k, v, meta), splits in zip((inputs[0], inputs[1], inputs[0]), (4, 8, 4)):
-        o, lse = triton_decode.gqa_decode(q, k, v, meta.block_tables, meta.kv_lens, 0.3,
-                                          num_splits=splits, fused_merge=True)
-        assert _counters_zero(q.device)
-        ro, rl = TorchAttention().attend_gqa(q, k, v, meta, 0.3)
-        _close(o, ro, torch.float32)
-        _lse_close(lse, rl)
-        outs.append((o, lse))
-    assert torch.equal(outs[0][0], outs[2][0]) and torch.equal(outs[0][1], outs[2][1])
-
-
-def test_arrival_counters_grow_and_refuse_capture(monkeypatch):
-    monkeypatch.setattr(triton_splits, "_COUNTERS", {})
-    monkeypatch.setattr(triton_splits, "_RETIRED", [])
-    a = triton_splits.arrival_counters("cpu", 10)
-    assert a.dtype == torch.int32 and a.numel() >= 10 and torch.all(a == 0)
-    assert triton_splits.arrival_counters("cpu", 5) is a             # reused: no allocation
-    b = triton_splits.arrival_counters("cpu", a.numel() + 1)         # grown, eagerly
-    assert b.numel() > a.numel() and torch.all(b == 0)
-    assert triton_splits._RETIRED == [a]                              # never freed
-    monkeypatch.setattr(triton_splits, "_capturing", lambda device: True)
-    assert triton_splits.arrival_counters("cpu", b.numel()) is b     # fits: fine in a capture
-    with pytest.raises(RuntimeError, match="eager call"):
-        triton_splits.arrival_counters("cpu", b.numel() + 1)
-
-
-def test_gqa_fused_merge_refuses_to_allocate_counters_during_capture(monkeypatch):
-    """Under (simulated) graph capture a fused launch that would need a new counter buffer
-    raises, naming the fix; the two-launch path needs no counters and still runs."""
-    monkeypatch.setattr(triton_splits, "_COUNTERS", {})
-    monkeypatch.setattr(triton_splits, "_capturing", lambda device: True)
-    gen = torch.Generator().manual_seed(2)
-    meta = _decode_meta([20, 9], 8, 16, gen)
-    k = torch.randn(16, 8, 1, 16, generator=gen).to(DEV)
-    q = torch.randn(2, 4, 16, generator=gen).to(DEV)
-    with pytest.raises(RuntimeError, match="eager call"):
-        triton_decode.gqa_decode(q, k, k, meta.block_tables, meta.kv_lens, 0.3, num_splits=2,
-                                 fused_merge=True)
-    o, lse = triton_decode.gqa_decode(q, k, k, meta.block_tables, meta.kv_lens, 0.3,
-                                      num_splits=2, fused_merge=False)
-    ro, rl = TorchAttention().attend_gqa(q, k, k, meta, 0.3)
-    _close(o, ro, torch.float32)
-
-
-def test_gqa_merge_choice(monkeypatch):
-    """Default (measured faster on an H200): the split kernel then reduce_splits; fused_merge=
-    True: one launch; one split: one launch writing O / LSE directly."""
-    use = triton_decode.use_fused_merge
-    assert not use(128, 8, 2) and not use(128, 8, 16) and not use(128, 8, 1)
-    launches = []
-
-    def record(kernel, grid, *args, **meta):
-        launches.append((kernel.fn.__name__, grid, meta.get("FUSED_MERGE")))
-
-    monkeypatch.setattr(triton_decode, "run_kernel", record)
-    monkeypatch.setattr(triton_splits, "run_kernel", record)
-    m = dict(device="meta")
-    q = torch.empty(2, 64, 128, dtype=torch.float16, **m)
-    kv = torch.empty(64, 64, 8, 128, dtype=torch.float16, **m)
-    bt, lens = torch.empty(2, 64, dtype=torch.int32, **m), torch.empty(2, dtype=torch.int32, **m)
-    for splits, fused, want in ((16, None, [("_gqa_split_kernel", (8, 16, 2), False),
-                                            ("_reduce_splits_kernel", (128, 1), None)]),
-                                (16, True, [("_gqa_split_kernel", (8, 16, 2), True)]),
-                                (16, False, [("_gqa_split_kernel", (8, 16, 2), False),
-                                             ("_reduce_splits_kernel", (128, 1), None)]),
-                                (1, None, [("_gqa_split_kernel", (8, 1, 2), False)]),
-                                (1, True, [("_gqa_split_kernel", (8, 1, 2), False)])):
-        launches.clear()
-        triton_decode.gqa_decode(q, kv, kv, bt, lens, 0.1, num_splits=splits, fused_merge=fused)
-        assert launches == want, (splits, fused, launches)
-
-
-_SM90_FUSED_SCRIPT = textwrap.dedent("""
-    import json, torch
-    from profiling.kernel_resources import compile_sm90, recorded_launches
-    from helix.attention import triton_decode
-    m, bf, recs = dict(device="meta"), torch.bfloat16, []
-    for fused, splits in ((True, 2), (True, 16), (True, 64), (False, 16)):
-        with recorded_launches() as launches:        # Llama-70B rank: 64 q / 8 kv heads, d 128
-            q = torch.empty(4, 64, 128, dtype=bf, **m)
-            kv = torch.empty(1024, 64, 8, 128, dtype=bf, **m)
-            triton_decode.gqa_decode(q, kv, kv, torch.empty(4, 64, dtype=torch.int32, **m),
-                                     torch.empty(4, dtype=torch.int32, **m), 0.088,
-                                     num_splits=splits, fused_merge=fused)
-        for kernel, args, meta in launches:
-            recs.append(dict(fused=fused, splits=splits, **compile_sm90(kernel, args, meta)))
-    print(json.dumps(recs))
-""")
-
-
-def test_gqa_fused_merge_compiles_for_sm90(tmp_path):
-    """The fused kernel (Llama-70B rank, 2 / 16 / 64 splits) and the two-launch pair compile
-    for sm_90 with no spills, and the split kernel keeps <= 128 registers: 4 programs an SM,
-    so a launch of choose_num_splits' (< 4 x SMs programs) runs in one wave."""
-    import triton
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
-        pytest.skip("this triton wheel ships no ptxas / cuobjdump")
-    from profiling.kernel_resources import SM90_SMEM_LIMIT
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join(sys.path))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", _SM90_FUSED_SCRIPT], capture_output=True,
-                         text=True, timeout=600, env=env, cwd=root)
-    assert res.returncode == 0, res.stderr[-3000:]
-    recs = json.loads(res.stdout.strip().splitlines()[-1])
-    kernels = [(r["fused"], r["splits"], r["kernel"]) for r in recs]
-    assert kernels == [(True, 2, "_gqa_split_kernel"), (True, 16, "_gqa_split_kernel"),
-                       (True, 64, "_gqa_split_kernel"), (False, 16, "_gqa_split_kernel"),
-                       (False, 16, "_reduce_splits_kernel")], kernels
-    for r in recs:
-        assert r["stack_bytes"] == 0 and r["local_loads"] == 0, r       # no spills at all
-        assert r["shared_bytes"] <= SM90_SMEM_LIMIT, r
-        if r["kernel"] == "_gqa_split_kernel":
-            assert r["registers"] <= 128 and r["constexprs"]["FUSED_MERGE"] == r["fused"], r
-    # The memory ordering the interpreter cannot exercise (it runs programs one at a time),
-    # checked in the PTX of the three fused kernels: a CTA barrier between the partial stores
-    # and the one release/acquire atomic at GPU scope, and every global load after it (the
-    # merge's reads of other programs' partials) .cg, i.e. from L2, never a stale L1 line.
-    ptxs = [p.read_text() for p in (tmp_path / "cache").rglob("_gqa_split_kernel.ptx")]
-    fused = [p for p in ptxs if "atom." in p]
-    assert len(ptxs) == 4 and len(fused) == 3, (len(ptxs), len(fused))
-    for ptx in fused:
-        lines = [ln.strip() for ln in ptx.splitlines()]
-        atoms = [i for i, ln in enumerate(lines) if "atom." in ln]
-        assert len(atoms) == 1 and "atom.global.gpu.acq_rel.add" in lines[atoms[0]], atoms
-        before = lines[:atoms[0]]
-        last_store = max(i for i, ln in enumerate(before) if "st.global" in ln)
-        last_bar = max(i for i, ln in enumerate(before) if ln.startswith("bar.sync"))
-        assert last_store < last_bar, "no CTA barrier between the partial stores and the atomic"
-        loads = [ln for ln in lines[atoms[0]:] if "ld.global" in ln]
-        assert loads and all("ld.global.cg" in ln for ln in loads), loads
-    assert "if arrived == NUM_SPLITS - 1:" in inspect.getsource(
-        triton_decode._gqa_split_kernel.fn)                      # the LAST arriver merges
-
-
 def _stub_bench_timing(monkeypatch, bench):
     """bench_attention's ceilings, timer, L2 flush and device queries stubbed for a CPU run."""
     monkeypatch.setattr(bench, "DEVICE", DEV)
@@ -377,8 +142,8 @@ def _stub_bench_timing(monkeypatch, bench):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
 
-def test_bench_attention_gqa_variants(monkeypatch, tmp_path):
-    """profiling/bench_attention.py times GQA variants x split counts side by side (CPU smoke:
+def test_bench_attention_gqa_splits(monkeypatch, tmp_path):
+    """profiling/bench_attention.py times GQA split counts side by side (CPU smoke:
     tiny heads, the kernels in the interpreter on fp32 copies, timing stubbed), keeping every
     record field of the default run."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -396,16 +161,14 @@ def test_bench_attention_gqa_variants(monkeypatch, tmp_path):
     base = ["bench_attention.py", "--kernels", "gqa", "--batches", "1,2", "--contexts", "128",
             "--page-size", "16", "--mem-cap-gb", "1"]
     out = tmp_path / "variants.json"
-    monkeypatch.setattr(sys, "argv", base + ["--out", str(out), "--gqa-variants",
-                                             "fused,two-launch", "--gqa-splits", "auto,4",
+    monkeypatch.setattr(sys, "argv", base + ["--out", str(out), "--gqa-splits", "auto,4",
                                              "--gqa-min-tokens", "32"])
     bench.main()
     recs = json.loads(out.read_text())
-    got = [(r["batch"], r["variant"], r["num_splits"], r["fused_merge"]) for r in recs]
+    got = [(r["batch"], r["num_splits"], r["splits_forced"]) for r in recs]
     auto = [triton_splits.choose_num_splits(b, 2, 128, triton_splits.sm_count_of(
         torch.device(DEV)), min_tokens=32) for b in (1, 2)]
-    assert got == [(b, v, n, v == "fused" and n > 1) for b, a in zip((1, 2), auto)
-                   for v in ("fused", "two-launch") for n in (a, 4)], got
+    assert got == [(b, n, f) for b, a in zip((1, 2), auto) for n, f in ((a, False), (4, True))], got
     fields = {"kernel", "batch", "context", "sdpa_us", "shape", "max_err", "time_us", "floor_us",
               "roofline_fraction", "achieved_GBps", "copy_GBps", "matmul_TFLOPs", "bytes",
               "flops", "page_size", "device"}
@@ -414,7 +177,7 @@ def test_bench_attention_gqa_variants(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", base + ["--out", str(default)])
     bench.main()
     recs = json.loads(default.read_text())
-    assert [(r["batch"], r["variant"]) for r in recs] == [(1, "default"), (2, "default")]
+    assert [(r["batch"], r["splits_forced"]) for r in recs] == [(1, False), (2, False)]
     assert all(fields <= set(r) for r in recs)
 
 
@@ -945,35 +708,3 @@ def test_kernels_compile_for_sm90(tmp_path):
     bodies = 2 if triton_mla.mla_launch_config(128, 512, 64, torch.bfloat16)["USE_TMA"] else 1
     qk = sum(n for shape, n in mla[0]["hgmma_shapes"].items() if not shape.startswith("64x256"))
     assert qk == 36 * bodies and "64x256x16" in mla[0]["hgmma_shapes"], mla
-
-
-def test_mla_tune_candidates_compile_for_sm90(tmp_path):
-    """Every config profiling/tune_mla.py times on the GPU compiles for sm_90, fits a block's
-    shared memory, and splits QK^T across the warpgroups (36 QK^T wgmma per loop body) unless it
-    is the pre-split reference."""
-    import triton
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
-        pytest.skip("this triton wheel ships no ptxas / cuobjdump")
-    from profiling.kernel_resources import SM90_SMEM_LIMIT
-    from profiling.tune_mla import CANDIDATES
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join(sys.path))
-    out = tmp_path / "candidates.json"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, os.path.join(root, "profiling", "kernel_resources.py"),
-                          "--mla-candidates", "--json", str(out)], capture_output=True,
-                         text=True, timeout=900, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    records = {r["case"].split(":", 1)[1]: r for r in json.loads(out.read_text())}
-    assert set(records) == {name for name, _ in CANDIDATES}
-    for name, r in records.items():
-        assert r["shared_bytes"] <= SM90_SMEM_LIMIT and r["stack_bytes"] <= 128, r
-        qk = sum(n for shape, n in r["hgmma_shapes"].items()
-                 if not shape.startswith(("64x256", "64x128")))
-        # the pre-split reference computes QK^T twice; TMA variants compile two loop bodies
-        # (full tiles through descriptors, the partial last tile through masked loads)
-        twice = name == "old-bn32-dupqk" or dict(CANDIDATES)[name].get("USE_TMA")
-        assert qk == (72 if twice else 36), (name, r["hgmma_shapes"])
-

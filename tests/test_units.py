@@ -277,7 +277,7 @@ def test_mla_softmax_scale_matches_transformers():
                                   v_head_dim=16, rope_parameters=rope, max_position_embeddings=163840)
         cfg = model_config_from_hf({**config.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]})
         assert cfg.softmax_scale == pytest.approx(DeepseekV3Attention(config, 0).scaling, rel=1e-9)
-        assert cfg.rope.interleave
+        assert cfg.rope.adjacent_pairs
 
 
 # -- config parsing -------------------------------------------------------------------------------
@@ -356,7 +356,7 @@ def test_layout_validation_accepts(layout, model):
     (dict(dtype="float64"), "unknown dtype 'float64'"),
     (dict(page_size=0), "page_size and max_batch must be >= 1"),
     (dict(max_context=-1), "must be >= 0"),
-    (dict(attention_backend="xformers"), "attention backend must be torch, triton or flash-attn"),
+    (dict(attention_backend="xformers"), "attention backend must be one of auto, torch, triton, flash-attn"),
     (dict(graph_breaks=("mlp",)), "unknown graph break\\(s\\) mlp: use attention, moe"),
     (dict(graph_buckets=(1, 0)), "graph buckets must be positive"),
 ])

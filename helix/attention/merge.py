@@ -11,14 +11,15 @@ from __future__ import annotations
 import torch
 
 
-def _lse_cols(dtype: torch.dtype) -> int:
+def lse_cols(dtype: torch.dtype) -> int:
+    """Columns of `dtype` that hold one fp32 LSE in the packed exchange buffer."""
     return max(1, 4 // torch.empty((), dtype=dtype).element_size())
 
 
 def pack_partials(o: torch.Tensor, lse: torch.Tensor, n: int) -> torch.Tensor:
     """o [T, H, d], lse [T, H] fp32 -> send [n, T, H/n, d + c]: head chunk j goes to rank j."""
     T, H, d = o.shape
-    c = _lse_cols(o.dtype)
+    c = lse_cols(o.dtype)
     buf = torch.empty((T, H, d + c), dtype=o.dtype, device=o.device)
     buf[..., :d] = o
     lse = lse.float().contiguous()

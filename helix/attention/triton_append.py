@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from helix.attention.triton_splits import run_kernel
+from helix.triton_util import run_kernel
 
 
 @triton.jit

@@ -16,13 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from helix.attention.triton_splits import run_kernel
+from helix.attention.merge import lse_cols
+from helix.triton_util import run_kernel
 
 _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
-
-
-def _lse_cols(dtype: torch.dtype) -> int:
-    return max(1, 4 // torch.empty((), dtype=dtype).element_size())
 
 
 @triton.jit
@@ -52,7 +49,7 @@ def pack_partials(o: torch.Tensor, lse: torch.Tensor, n: int) -> torch.Tensor:
     """o [T, H, d], lse [T, H] fp32 -> send [n, T, H/n, d + c]: head chunk j goes to rank j."""
     T, H, d = o.shape
     assert H % n == 0, "heads must divide by the KVP degree"
-    c = _lse_cols(o.dtype)
+    c = lse_cols(o.dtype)
     word = _WORDS[o.element_size()]
     out = torch.empty((n, T, H // n, d + c), dtype=o.dtype, device=o.device)
     if T == 0 or H == 0:
@@ -117,7 +114,7 @@ def merge_received(recv: torch.Tensor, d: int) -> torch.Tensor:
     """recv [n, T, h, d + c] -> exact merged o [T, h, d] in recv's dtype."""
     n, T, h, w = recv.shape
     c = w - d
-    assert c == _lse_cols(recv.dtype), "recv's last dim must be d + LSE columns"
+    assert c == lse_cols(recv.dtype), "recv's last dim must be d + LSE columns"
     recv = recv.contiguous()
     o = torch.empty((T, h, d), dtype=recv.dtype, device=recv.device)
     if T == 0 or h == 0:

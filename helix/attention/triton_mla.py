@@ -67,8 +67,9 @@ import triton
 import triton.language as tl
 
 from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, fill_num_splits,
-                                           next_page_id, page_rows, reduce_splits, run_kernel,
+                                           next_page_id, page_rows, reduce_splits,
                                            sm_count_of, split_range, token_rows)
+from helix.triton_util import run_kernel
 
 
 @triton.jit

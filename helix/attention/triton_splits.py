@@ -7,11 +7,6 @@
 - `token_rows`: the paged-KV row offsets (int64) of a block of tokens.
 - `split_range`: the token range [start, end) of one split.
 - `reduce_splits`: stage 2, the exact LSE merge of the per-split partials into O and LSE.
-- `arrival_counters`: the persistent, all-zero int32 buffer of per-(batch, head) arrival
-  counters that a one-launch split kernel uses to let its last split program merge (GQA's
-  fused merge, triton_decode.py).
-- `run_kernel`: the one place every Helix Triton launch goes through (profiling/
-  kernel_resources.py swaps it to compile the production launches for sm_90 without a GPU).
 """
 
 from __future__ import annotations
@@ -21,6 +16,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from helix.triton_util import run_kernel
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)   # used inside kernels: must be a constexpr global
@@ -67,68 +64,6 @@ def fill_num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int,
             best, best_fill = n, fill
         n *= 2
     return best
-
-
-# -- arrival counters for a merge fused into the split kernel --------------------------------
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []      # outgrown buffers, kept alive (see arrival_counters)
-MIN_COUNTERS = 4096
-
-
-def arrival_counters(device: torch.device | str, n: int) -> torch.Tensor:
-    """A persistent int32 buffer of >= n counters on `device`, all zero between launches.
-
-    The one-launch split kernels (triton_decode's fused merge) count the split programs that
-    have written their partial, per (batch, head), in this buffer; the program that arrives
-    last merges and resets its counter to 0, so the buffer is all zero again after every
-    launch. No memset per call, nothing allocated per call: CUDA-graph safe.
-
-    - Zeroed once, allocated outside any CUDA graph capture. A launch that needs more counters
-      than the buffer has grows it (eagerly; the device is synchronised once so the zero fill is
-      complete before any stream uses it). Growing during a capture raises: run one eager call
-      of the largest shape first (Helix's graph runner warms every bucket up eagerly before it
-      captures, largest first, so this does not happen there).
-    - An outgrown buffer is never freed: graphs captured earlier still point at it, and its
-      memory must not be handed to anything else (it stays all zero, being reset by every
-      launch that uses it).
-    - One buffer per device, shared by every launch on it: launches that may run CONCURRENTLY
-      (on different streams) must not use it, since their counters would mix. Helix runs all
-      attention on one stream, so launches are ordered.
-    """
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    buf = _COUNTERS.get(device)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if _capturing(device):
-        have = 0 if buf is None else buf.numel()
-        raise RuntimeError(
-            f"the split kernels' arrival-counter buffer on {device} holds {have} counters and "
-            f"this launch needs {n}; it cannot be allocated during CUDA graph capture: run one "
-            "eager call of this (or a larger) shape before capturing")
-    size = max(MIN_COUNTERS, triton.next_power_of_2(max(1, n)))
-    new = torch.zeros(size, dtype=torch.int32, device=device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    if buf is not None:
-        _RETIRED.append(buf)
-    _COUNTERS[device] = new
-    return new
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether the current stream of `device` is capturing a CUDA graph."""
-    if device.type != "cuda":
-        return False
-    with torch.cuda.device(device):
-        return torch.cuda.is_current_stream_capturing()
-
-
-def run_kernel(kernel, grid, *args, **meta):
-    """kernel[grid](*args, **meta)."""
-    return kernel[grid](*args, **meta)
 
 
 @functools.lru_cache(maxsize=None)

@@ -53,7 +53,7 @@ class GQAAttention(nn.Module):
         # after the exchange this rank holds heads [g0, g0 + H/N)
         g0 = q0 + mesh.kvp_rank * (H // lay.world_size)
         self.o_proj = RowShardLinear(H * d, D, g0 * d, (g0 + H // lay.world_size) * d, comm,
-                                     "world", cfg.o_bias, dtype)
+                                     "world", cfg.attention_bias, dtype)
         self.exchange = KVPExchange(comm)
         self.rope = rope
         self.scale = cfg.softmax_scale

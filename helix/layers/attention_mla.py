@@ -33,14 +33,14 @@ class MLAAttention(nn.Module):
         self.hq = H // lay.tpa
         q0 = mesh.tpa_rank * self.hq
         if cfg.q_lora_rank:
-            self.q_a_proj = ReplicatedLinear(D, cfg.q_lora_rank, cfg.o_bias, dtype)
+            self.q_a_proj = ReplicatedLinear(D, cfg.q_lora_rank, cfg.attention_bias, dtype)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_eps, dtype)
             self.q_b_proj = ColumnShardLinear(cfg.q_lora_rank, H * qk, q0 * qk, (q0 + self.hq) * qk,
                                               False, dtype)
         else:
             self.q_proj = ColumnShardLinear(D, H * qk, q0 * qk, (q0 + self.hq) * qk, False, dtype)
         self.q_lora = bool(cfg.q_lora_rank)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(D, self.lora + self.rdim, cfg.o_bias, dtype)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(D, self.lora + self.rdim, cfg.attention_bias, dtype)
         self.kv_a_layernorm = RMSNorm(self.lora, cfg.rms_eps, dtype)
         # kv_b_proj rows of the local query heads: per head [W_UK (nope rows) | W_UV (v rows)]
         per = self.nope + self.vdim
@@ -54,7 +54,7 @@ class MLAAttention(nn.Module):
         self.m0 = mesh.kvp_rank * self.hm                     # their offset inside the local heads
         g0 = q0 + self.m0
         self.o_proj = RowShardLinear(H * self.vdim, D, g0 * self.vdim, (g0 + self.hm) * self.vdim,
-                                     comm, "world", cfg.o_bias, dtype)
+                                     comm, "world", cfg.attention_bias, dtype)
         self.exchange = KVPExchange(comm)
         self.rope = rope
         self.scale = cfg.softmax_scale

@@ -35,12 +35,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:                      # pragma: no cover - triton is the optional "kernels" extra
-    HAS_TRITON = False
+from helix.triton_util import HAS_TRITON, pow2, run_kernel, tl, triton
 
 __all__ = ["rms_norm", "add_rms_norm", "rope", "silu_mul", "select_tokens",
            "rms_norm_torch", "add_rms_norm_torch", "rope_torch", "silu_mul_torch",
@@ -56,15 +51,6 @@ NORM_TILE = 4096            # elements of one norm program's [BLOCK_R, BLOCK_D] 
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the public functions launch the Triton kernel for a tensor on x's device."""
     return HAS_TRITON and ENABLED and x.is_cuda
-
-
-def run_kernel(kernel, grid, *args, **meta):
-    """kernel[grid](*args, **meta): the one launch point (profiling tools patch it)."""
-    return kernel[grid](*args, **meta)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 # -- torch fallbacks: the layers' original formulas ----------------------------------------------
@@ -247,9 +233,9 @@ def _rows(x: torch.Tensor):
 def norm_launch_config(R: int, D: int, max_block_d: int = MAX_BLOCK_D) -> dict:
     """Static tile sizes: a row (or max_block_d chunks of it) per program column, several rows
     per program while the tile stays <= NORM_TILE elements."""
-    block_d = min(_pow2(D), _pow2(max_block_d))
+    block_d = min(pow2(D), pow2(max_block_d))
     chunks = -(-D // block_d)
-    block_r = max(1, min(_pow2(R), NORM_TILE // block_d))
+    block_r = max(1, min(pow2(R), NORM_TILE // block_d))
     warps = min(16, max(1, block_r * block_d // 512))
     return dict(BLOCK_R=block_r, BLOCK_D=block_d, CHUNKS=chunks, num_warps=warps)
 
@@ -291,8 +277,8 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
 
 
 def rope_launch_config(H: int, half: int) -> dict:
-    block_f = _pow2(half)
-    block_h = max(1, min(_pow2(H), 1024 // block_f))
+    block_f = pow2(half)
+    block_h = max(1, min(pow2(H), 1024 // block_f))
     return dict(BLOCK_H=block_h, BLOCK_F=block_f, num_warps=4 if block_h * block_f >= 512 else 2)
 
 
@@ -320,7 +306,7 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     assert two_i == 2 * inter, shape
     y = torch.empty((T, inter), dtype=x.dtype, device=x.device)
     if y.numel() > 0:
-        block = min(1024, _pow2(inter))
+        block = min(1024, pow2(inter))
         run_kernel(_silu_mul_kernel, (T, triton.cdiv(inter, block)), x, y, inter,
                    x.stride(0), x.stride(1), BLOCK=block, num_warps=4 if block >= 512 else 1)
     return y.view(*shape[:-1], inter)
@@ -347,7 +333,7 @@ def select_tokens_triton(src: torch.Tensor, ids: torch.Tensor, tokens: torch.Ten
     assert ids.shape == src.shape and src.is_contiguous() and ids.is_contiguous()
     out = torch.empty_like(ids)
     if T:
-        block = min(1024, _pow2(T))
+        block = min(1024, pow2(T))
         run_kernel(_select_tokens_kernel, (triton.cdiv(T, block),), src, ids, tokens, out, T,
                    BLOCK=block, num_warps=1)
     return out

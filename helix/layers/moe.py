@@ -46,23 +46,14 @@ class LocalExperts(nn.Module):
         self.loaders = {"gate_proj": sliced_loader((width, dim), 0, a, b),
                         "up_proj": sliced_loader((width, dim), 0, a, b),
                         "down_proj": sliced_loader((dim, width), 1, a, b)}
-        self.loaded: set[tuple[int, str]] = set()
 
     @property
     def graph_safe(self) -> bool:
         return HAS_TRITON and self.gate_proj.is_cuda
 
-    def owns(self, expert: int) -> bool:
-        return self.first <= expert < self.first + self.n_local
-
     def load_expert(self, expert: int, proj: str, full: torch.Tensor, name: str) -> None:
         stack = getattr(self, proj)
         self.loaders[proj](stack[expert - self.first], full, name)
-        self.loaded.add((expert, proj))
-
-    def missing(self) -> list[tuple[int, str]]:
-        return [(self.first + e, p) for e in range(self.n_local) for p in PROJS
-                if (self.first + e, p) not in self.loaded]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], weights/ids [T, k] -> partial [T, D] from this rank's experts."""

@@ -71,10 +71,10 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv[None, :]
         self.register_buffer("cos", freqs.cos() * attn, persistent=False)   # [P, dim/2]
         self.register_buffer("sin", freqs.sin() * attn, persistent=False)
-        self.interleave = rope.interleave
+        self.adjacent_pairs = rope.adjacent_pairs
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [T, h, dim] (any strides) -> [T, h, dim] in x.dtype, computed in fp32. interleave:
+        """x [T, h, dim] (any strides) -> [T, h, dim] in x.dtype, computed in fp32. adjacent_pairs:
         pairs (2i, 2i+1), output in [evens | odds] order; else halves (rotate_half). One Triton
         kernel on CUDA (helix.layers.fused_ops.rope)."""
-        return apply_rope(x, self.cos, self.sin, pos, self.interleave)
+        return apply_rope(x, self.cos, self.sin, pos, self.adjacent_pairs)

@@ -1,6 +1,6 @@
 """One communication interface for every layer: all_to_all, all_reduce, all_gather, broadcast.
 
-Layers call `comm.<op>(tensor, axis)` with a named axis ("world", "kvp", "tpf"); the backend maps
+Layers call `comm.<op>(tensor, axis)` with a named axis ("world", "kvp"); the backend maps
 the axis to a process group. `LocalComm` is the single-rank identity; `TorchComm` runs
 torch.distributed (gloo on CPU, NCCL on GPU) with a timeout on every group.
 """
@@ -14,9 +14,6 @@ import torch.distributed as dist
 
 from helix.parallel.mesh import Mesh
 
-AXES = ("world", "kvp", "tpf")
-
-
 class Comm:
     """Interface. `axis` names a group of the mesh; sizes come from the layout."""
 
@@ -24,7 +21,7 @@ class Comm:
 
     def size(self, axis: str) -> int:
         lay = self.mesh.layout
-        return {"world": lay.world_size, "kvp": lay.kvp, "tpf": lay.tpf}[axis]
+        return {"world": lay.world_size, "kvp": lay.kvp}[axis]
 
     def all_reduce(self, x: torch.Tensor, axis: str = "world") -> torch.Tensor:
         raise NotImplementedError
@@ -87,13 +84,11 @@ class TorchComm(Comm):
         lay = mesh.layout
         self.groups = {"world": None}
         # new_group must be called by every rank for every group, in the same order
-        for axis, ranks_of in (("kvp", mesh.kvp_group_ranks), ("tpf", mesh.tpf_group_ranks)):
-            n_groups = lay.tpa if axis == "kvp" else lay.ep
-            for g in range(n_groups):
-                ranks = ranks_of(g)
-                pg = dist.new_group(ranks, timeout=timeout)
-                if mesh.rank in ranks:
-                    self.groups[axis] = pg
+        for g in range(lay.tpa):
+            ranks = mesh.kvp_group_ranks(g)
+            pg = dist.new_group(ranks, timeout=timeout)
+            if mesh.rank in ranks:
+                self.groups["kvp"] = pg
         # control plane on gloo, so object broadcasts never touch the GPU stream
         self.ctrl = (dist.new_group(backend="gloo", timeout=timeout)
                      if dist.get_backend() != "gloo" else None)

@@ -38,7 +38,3 @@ class Mesh:
     def kvp_group_ranks(self, tpa_rank: int) -> list[int]:
         """Ranks sharing one head slice, one per KVP rank (the all-to-all group)."""
         return [k * self.layout.tpa + tpa_rank for k in range(self.layout.kvp)]
-
-    def tpf_group_ranks(self, ep_rank: int) -> list[int]:
-        """Ranks sharing one expert set, each holding a TP_F slice of it."""
-        return [ep_rank * self.layout.tpf + t for t in range(self.layout.tpf)]

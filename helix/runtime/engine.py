@@ -55,7 +55,7 @@ class Engine:
                             layout.kv_interleave)
         self.scheduler = Scheduler(num_pages, runtime.page_size, layout.kvp, layout.kv_interleave,
                                    runtime.max_batch)
-        self.backend = get_backend(runtime.attention_backend, runtime.device)
+        self.backend = get_backend(runtime.resolved_backend, runtime.device)
         self.seeds: dict[int, int] = {}       # request id -> sampling seed
         self.kv_tokens_released = 0
         # sampled tokens stay on the device (the next step gathers them) and are read back

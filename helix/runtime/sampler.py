@@ -21,12 +21,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:                      # pragma: no cover - triton is the optional "kernels" extra
-    HAS_TRITON = False
+from helix.triton_util import HAS_TRITON, tl, triton
 
 M32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
