@@ -93,37 +93,24 @@ class _EagerCall:
             dst.copy_(src)
 
 
-def _new_cuda_graph(inspectable: bool) -> tuple[torch.cuda.CUDAGraph, bool]:
-    """A CUDAGraph; (graph, kept) where kept means keep_graph=True (raw_cuda_graph works and
-    instantiate() must be called). Without keep_graph support, debug mode keeps it dumpable."""
-    if not inspectable:
-        return torch.cuda.CUDAGraph(), False
-    try:
-        return torch.cuda.CUDAGraph(keep_graph=True), True
-    except TypeError:  # torch without keep_graph
-        g = torch.cuda.CUDAGraph()
-        g.enable_debug_mode()
-        return g, False
-
-
 class _SegmentCapture:
     """Captures consecutive segments on the current stream into CUDA graphs sharing one pool."""
 
-    def __init__(self, pool, capture_error_mode: str, inspectable: bool):
-        self.pool, self.mode, self.inspectable = pool, capture_error_mode, inspectable
+    def __init__(self, pool, capture_error_mode: str):
+        self.pool, self.mode = pool, capture_error_mode
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.empty: list[bool] = []  # no node captured: skipped at replay
-        self._active: tuple[torch.cuda.CUDAGraph, bool] | None = None
+        self._active: torch.cuda.CUDAGraph | None = None
 
     def begin_segment(self) -> None:
-        g, kept = _new_cuda_graph(self.inspectable)
+        g = torch.cuda.CUDAGraph()
         g.capture_begin(pool=self.pool, capture_error_mode=self.mode)
-        self._active = (g, kept)
+        self._active = g
 
     def end_segment(self) -> None:
         """End capture; replay the segment once so the break (or caller) after it sees real
         values rather than the uninitialised memory capture leaves behind."""
-        (g, kept), self._active = self._active, None
+        g, self._active = self._active, None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             g.capture_end()
@@ -133,8 +120,6 @@ class _SegmentCapture:
                 empty = True  # a break right after another, or at the start or end
             else:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        if kept:
-            g.instantiate()
         if not empty:
             g.replay()
         self.graphs.append(g)
@@ -144,7 +129,7 @@ class _SegmentCapture:
         """End a capture that failed, so the stream leaves capture mode; keep the first error.
         Segments already captured are freed."""
         if self._active is not None:
-            (g, _), self._active = self._active, None
+            g, self._active = self._active, None
             try:
                 g.capture_end()
             except Exception:
@@ -222,7 +207,6 @@ class BreakableGraph:
 
     device: CUDA captures graphs; anything else runs eagerly (same API, same plan).
     pool, stream: share these across graphs (one pool for all buckets; the capture side stream).
-    inspectable: keep the raw cudaGraph_t of every segment for graphs.inspect.
     eager: run eagerly even on CUDA (the CPU behaviour), e.g. to debug a suspected graph issue.
     The output of `capture`/`replay` is the function's result, at fixed addresses on CUDA:
     the next replay overwrites it, so consume or clone it first.
@@ -231,13 +215,13 @@ class BreakableGraph:
     def __init__(self, fn: Callable[[GraphContext], Any], *, breaks: Iterable[str] = (),
                  device: torch.device | str = "cpu", pool=None,
                  stream: torch.cuda.Stream | None = None, capture_error_mode: str = "global",
-                 inspectable: bool = False, eager: bool = False):
+                 eager: bool = False):
         self.fn = fn
         self.breaks = frozenset(breaks)
         self.device = torch.device(device)
         self.use_graphs = self.device.type == "cuda" and not eager
         self.pool, self.stream = pool, stream
-        self.capture_error_mode, self.inspectable = capture_error_mode, inspectable
+        self.capture_error_mode = capture_error_mode
         self.plan: tuple[Step, ...] | None = None   # set by capture
         self.last_trace: tuple[Step, ...] = ()        # steps the last replay executed
         self.output: Any = None
@@ -277,7 +261,7 @@ class BreakableGraph:
                 self.fn(ctx)
                 ctx.finish()
             self.stream.synchronize()
-            seg = _SegmentCapture(self.pool, self.capture_error_mode, self.inspectable)
+            seg = _SegmentCapture(self.pool, self.capture_error_mode)
             ctx = GraphContext(self.breaks, seg)
             seg.begin_segment()
             try:

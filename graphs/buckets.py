@@ -1,19 +1,14 @@
-"""Bucket ladder: the batch sizes graphs are captured for, and how ranks agree on one.
+"""Bucket ladder: the sizes (batch rows, or prefill tokens per rank) graphs are captured for.
 
-A graph is captured per bucket; a step with n rows replays the smallest bucket >= n, its
-inputs padded to that bucket. Every rank must replay the same bucket, because the collectives
-inside the graph must match in count, order and shape: `agree` takes the max need across ranks.
+A graph is captured per bucket; a step with n rows replays the smallest bucket >= n, its inputs
+padded to that bucket. Every rank must replay the same bucket, because the collectives inside
+the graph must match in count, order and shape: the caller derives n identically on every rank.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Sequence
-
-import torch
-
-ReduceMax = Callable[[int], int]
-"""Maps this rank's int to the max of that int over all ranks (the same on every rank)."""
+from collections.abc import Iterable, Sequence
 
 
 def default_buckets(max_size: int, step: int = 8) -> tuple[int, ...]:
@@ -82,44 +77,3 @@ class BucketLadder:
             raise ValueError(f"row count must be >= 0, got {n}")
         i = bisect_left(self.buckets, n)
         return self.buckets[i] if i < len(self.buckets) else None
-
-    def agree(self, local_n: int, all_reduce_max: ReduceMax | None) -> int | None:
-        """The bucket every rank replays: choose(max over ranks of local_n).
-
-        `all_reduce_max` is e.g. `dist_reduce_max(group, device)`; None means one rank.
-        Returns None on every rank alike when the largest need exceeds the ladder.
-        """
-        return self.choose(agreed_rows(local_n, all_reduce_max))
-
-
-def agreed_rows(local_n: int, all_reduce_max: ReduceMax | None) -> int:
-    """max over ranks of local_n (local_n itself for one rank); checks the reduction's result."""
-    if all_reduce_max is None:
-        return local_n
-    agreed = int(all_reduce_max(int(local_n)))
-    if agreed < local_n:
-        raise RuntimeError(f"all_reduce_max returned {agreed} < local value {local_n}: "
-                           "it must return the max over ranks")
-    return agreed
-
-
-def dist_reduce_max(group=None, device: torch.device | str | None = None) -> ReduceMax:
-    """A ReduceMax over a torch.distributed group (None = the default group).
-
-    `device` must suit the backend: a CUDA device for NCCL, "cpu" for gloo (default: the
-    current CUDA device when the backend is NCCL, else CPU). One int64 all_reduce(MAX) and one
-    host sync per call: the bucket choice needs the value on the host anyway.
-    """
-    import torch.distributed as dist
-
-    if device is None:
-        nccl = dist.get_backend(group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    device = torch.device(device)
-
-    def reduce_max(n: int) -> int:
-        t = torch.tensor([n], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return int(t.item())
-
-    return reduce_max

@@ -204,7 +204,12 @@ class RuntimeConfig:
     page_size: int = 16            # KV positions per page (per rank)
     max_context: int = 0           # longest prompt + generation per request (0: model max, <= 8192)
     max_batch: int = 64            # most requests running at once
-    num_pages: int = 0             # KV pages per rank (0: enough for max_batch full contexts / kvp)
+    num_pages: int = 0             # KV pages per rank (0: sized from free memory, capped by what
+                                   # max_batch full contexts need)
+    memory_utilization: float = 0.0   # share of the device's memory (cpu: of the RAM available)
+                                   # the process may fill, KV pool included (0: 0.9 cuda, 0.5 cpu)
+    max_prefill_tokens: int = 0    # prompt tokens one step prefills, in chunks across requests
+                                   # (0: 8192 on cuda, 1024 on cpu)
     attention_backend: str = "auto"   # auto (triton on cuda, torch on cpu) | torch | triton | flash-attn
     seed: int = 0                  # random weights of presets; default sampling seed
     timeout_s: float = 300.0       # collective timeout: a dead rank ends the run with an error
@@ -220,14 +225,24 @@ class RuntimeConfig:
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         parse_dtype(self.dtype)
-        if self.page_size < 1 or self.max_batch < 1:
-            raise ConfigError("page_size and max_batch must be >= 1")
-        if self.max_context < 0 or self.num_pages < 0 or self.layers < 0:
-            raise ConfigError("max_context, num_pages and layers must be >= 0 (0: automatic)")
+        for name, lo in (("page_size", 1), ("max_batch", 1), ("max_context", 0), ("num_pages", 0),
+                         ("layers", 0), ("seed", 0), ("max_prefill_tokens", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
+        for name in ("timeout_s", "memory_utilization"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.memory_utilization > 1:
+            raise ConfigError(f"memory_utilization is a fraction in (0, 1], got "
+                              f"{self.memory_utilization}")
         unknown = set(self.graph_breaks) - {"attention", "moe"}
         if unknown:
             raise ConfigError(f"unknown graph break(s) {', '.join(sorted(unknown))}: use attention, moe")
-        if any(b < 1 for b in self.graph_buckets):
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.graph_buckets):
             raise ConfigError("graph buckets must be positive batch sizes")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
@@ -249,12 +264,13 @@ class RuntimeConfig:
     def resolved_overlap(self) -> bool:
         return self.device == "cuda" if self.overlap is None else bool(self.overlap)
 
+    @property
+    def resolved_memory_utilization(self) -> float:
+        return self.memory_utilization or (0.9 if self.device == "cuda" else 0.5)
+
+    @property
+    def resolved_max_prefill_tokens(self) -> int:
+        return self.max_prefill_tokens or (8192 if self.device == "cuda" else 1024)
+
     def resolved_max_context(self, model: ModelConfig) -> int:
         return self.max_context or min(model.max_position, 8192)
-
-    def resolved_num_pages(self, model: ModelConfig, layout: Layout) -> int:
-        if self.num_pages:
-            return self.num_pages
-        from helix.kv.ownership import KVSharding
-        sharding = KVSharding(layout.kvp, layout.kv_interleave, self.page_size)
-        return self.max_batch * sharding.max_pages(self.resolved_max_context(model))

@@ -19,3 +19,8 @@ class RequestError(HelixError):
 
 class CapacityError(HelixError):
     """The KV pool cannot hold a request; the other requests are untouched."""
+
+
+class EngineDeadError(HelixError):
+    """The engine stopped working (a rank died, or a failure it could not confine); it refuses
+    further work. The message says why; restart the LLM."""

@@ -71,7 +71,7 @@ def test_requests_of_different_lengths_leave_the_batch(llama_ckpt):
         assert [len(s.tokens) for s in steps] == [3] * 3 + [2] * 3 + [1] * 6
         # every finished request released its pages and its reservation
         assert llm.engine.kv.alloc.num_free == llm.engine.kv.alloc.num_pages
-        assert not llm.engine.scheduler.reserved and not llm.engine.scheduler.running
+        assert not llm.engine.scheduler.pages and not llm.engine.scheduler.running
         assert not llm.engine.seeds and not llm.engine.kv.pages
         # KV positions written: prompt + generated - 1 (the last token is never fed back)
         assert llm.kv_tokens_per_rank() == [len(A) + 2 + len(B) + 11 + len(C) + 5]
@@ -89,15 +89,20 @@ def test_max_batch_queues_requests(llama_ckpt):
     assert got == [alone(llama_ckpt, p, greedy(5)) for p in (A, B, C)]
 
 
-def test_request_waits_until_pages_free(llama_ckpt):
-    """A pool for one request at a time: the second waits (no preemption), then runs correctly."""
+def test_tight_pool_preempts_and_recomputes_with_the_same_tokens(llama_ckpt):
+    """A pool for about one request at a time: pages are taken as sequences grow, so both are
+    admitted; when a decode row finds the pool full the newest request is preempted and later
+    recomputed. Tokens equal each request run alone; every page comes back."""
     # A needs ceil((7 + 9) / 4) = 4 pages; B (40 + 8 = 48) needs 12; the pool has 12
     with make_llm(llama_ckpt, num_pages=12) as llm:
         a, b = llm.add_request(A, greedy(9)), llm.add_request(B, greedy(8))
-        first = llm.step()
-        assert set(first.tokens) == {a}
-        run_to_end(llm)
+        reqs = {}
+        while llm.has_unfinished():
+            llm.step()
+            reqs.update({r.id: r for r in llm.engine.scheduler.running})
         got = llm.outputs[a], llm.outputs[b]
+        assert reqs[b].preemptions >= 1                  # B gave its pages back at least once
+        assert llm.engine.kv.alloc.num_free == llm.engine.kv.alloc.num_pages
     assert got == (alone(llama_ckpt, A, greedy(9)), alone(llama_ckpt, B, greedy(8)))
 
 
@@ -191,13 +196,14 @@ def test_abort_running_request(llama_ckpt):
         out = llm.step()
         assert out.finished.get(a) == "abort" and a not in out.tokens
         assert llm.finish_reasons[a] == "abort" and len(llm.outputs[a]) == 3
-        assert a not in llm.engine.kv.pages and a not in llm.engine.scheduler.reserved
+        assert a not in llm.engine.kv.pages and a not in llm.engine.scheduler.pages
         run_to_end(llm)
         assert len(llm.outputs[a]) == 3
         assert llm.outputs[b] == alone(llama_ckpt, B, greedy(12))
         assert llm.engine.kv.alloc.num_free == llm.engine.kv.alloc.num_pages
-        llm.abort(b)                                   # finished or unknown ids: no effect
-        llm.abort(12345)
+        llm.abort(b)                                   # a finished request: no effect
+        with pytest.raises(RequestError, match="no request"):
+            llm.abort(12345)                           # one that never existed: an error
         run_to_end(llm)
         assert llm.finish_reasons[b] == "length"
 

@@ -33,10 +33,10 @@ class FlashAttention(AttentionBackend):
     def append_kv(self, cache, rows, slots):
         self.other.append_kv(cache, rows, slots)
 
-    def attend_gqa(self, q, k_cache, v_cache, meta: LocalKVMeta, scale):
+    def decode_gqa(self, q, k_cache, v_cache, meta: LocalKVMeta, scale):
         """q [B, Hq, d] -> o [B, Hq, d], lse [B, Hq] fp32 natural log (-inf where kv_len == 0)."""
-        if not meta.is_decode or k_cache.dtype not in (torch.float16, torch.bfloat16):
-            return self.other.attend_gqa(q, k_cache, v_cache, meta, scale)
+        if k_cache.dtype not in (torch.float16, torch.bfloat16):
+            return self.other.decode_gqa(q, k_cache, v_cache, meta, scale)
         page = k_cache.shape[1]
         if page % FLASH_PAGE_MULTIPLE:
             raise ConfigError(f"attention backend 'flash-attn' needs --page-size a multiple of "
@@ -55,8 +55,14 @@ class FlashAttention(AttentionBackend):
         o = torch.where(empty[..., None], torch.zeros_like(o), o)
         return o.to(q.dtype), lse
 
-    def attend_mla(self, q_latent, q_rope, kv_cache, kv_lora_rank, meta, scale):
-        return self.other.attend_mla(q_latent, q_rope, kv_cache, kv_lora_rank, meta, scale)
+    def prefill_gqa(self, q, k_cache, v_cache, meta, scale):
+        return self.other.prefill_gqa(q, k_cache, v_cache, meta, scale)
+
+    def decode_mla(self, q_latent, q_rope, kv_cache, kv_lora_rank, meta, scale):
+        return self.other.decode_mla(q_latent, q_rope, kv_cache, kv_lora_rank, meta, scale)
+
+    def prefill_mla(self, q_latent, q_rope, kv_cache, kv_lora_rank, meta, scale):
+        return self.other.prefill_mla(q_latent, q_rope, kv_cache, kv_lora_rank, meta, scale)
 
     def pack_partials(self, o, lse, n):
         return self.other.pack_partials(o, lse, n)

@@ -1,5 +1,6 @@
 """Reference attention in plain torch: paged, causal over global positions, fp32 math.
-The oracle for every other backend; written for clarity, not speed."""
+The oracle for every other backend; written for clarity, not speed (queries in blocks, so a long
+prompt's score matrix is never whole in memory)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import torch
 from helix.attention.backend import AttentionBackend
 from helix.kv.manager import LocalKVMeta
 from helix.kv.ownership import local_to_global
+
+
+SCORE_BYTES = 1 << 28      # fp32 scores of one query block: 256 MB (prompts of any length fit)
 
 
 def _gather(cache: torch.Tensor, meta: LocalKVMeta, s: int, n: int) -> torch.Tensor:
@@ -46,11 +50,18 @@ class TorchAttention(AttentionBackend):
                 continue
             gpos = local_to_global(torch.arange(n, device=device), meta.kvp_rank, meta.kvp,
                                    meta.interleave)
-            visible = gpos[None, :] <= meta.q_pos[a:b, None]       # [q, k] causal by position
-            o[a:b], lse[a:b] = attend_one(s, a, b, n, visible)
+            # queries in blocks: the fp32 score block [heads, block, n] stays under SCORE_BYTES
+            block = max(1, SCORE_BYTES // (4 * heads * n))
+            for a0 in range(a, b, block):
+                b0 = min(b, a0 + block)
+                visible = gpos[None, :] <= meta.q_pos[a0:b0, None]     # [q, k] causal by position
+                o[a0:b0], lse[a0:b0] = attend_one(s, a0, b0, n, visible)
         return o, lse
 
-    def attend_gqa(self, q, k_cache, v_cache, meta, scale):
+    def decode_gqa(self, q, k_cache, v_cache, meta, scale):
+        return self.prefill_gqa(q, k_cache, v_cache, meta, scale)
+
+    def prefill_gqa(self, q, k_cache, v_cache, meta, scale):
         T, hq, d = q.shape
         hkv = k_cache.shape[2]
         group = hq // hkv
@@ -65,7 +76,10 @@ class TorchAttention(AttentionBackend):
         o, lse = self._loop(meta, T, hq, v_cache.shape[-1], q.device, one)
         return o.to(q.dtype), lse
 
-    def attend_mla(self, q_latent, q_rope, kv_cache, kv_lora_rank, meta, scale):
+    def decode_mla(self, q_latent, q_rope, kv_cache, kv_lora_rank, meta, scale):
+        return self.prefill_mla(q_latent, q_rope, kv_cache, kv_lora_rank, meta, scale)
+
+    def prefill_mla(self, q_latent, q_rope, kv_cache, kv_lora_rank, meta, scale):
         T, h, dl = q_latent.shape
 
         def one(s, a, b, n, visible):

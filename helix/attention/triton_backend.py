@@ -29,7 +29,7 @@ class TritonAttention(AttentionBackend):
     graph_safe = True          # decode needs no host sync: capturable (helix.runtime.decode_graphs)
 
     def __init__(self):
-        self.prefill = TorchAttention()
+        self.reference = TorchAttention()      # prefill until the flash kernel lands
 
     def append_kv(self, cache, rows, slots):
         _check_device(cache)
@@ -39,24 +39,24 @@ class TritonAttention(AttentionBackend):
         _check_device(k_cache)
         triton_append.append_kv_pair(k_cache, v_cache, k, v, slots)
 
-    def attend_gqa(self, q, k_cache, v_cache, meta: LocalKVMeta, scale):
-        """q [T, Hq, d] -> o [T, Hq, d], lse [T, Hq]; decode: T == S, query at the sequence end."""
-        if not meta.is_decode:
-            return self.prefill.attend_gqa(q, k_cache, v_cache, meta, scale)
+    def decode_gqa(self, q, k_cache, v_cache, meta: LocalKVMeta, scale):
+        """q [B, Hq, d] -> o [B, Hq, d], lse [B, Hq]; one query per sequence, at its end."""
         _check_device(q)
-        assert q.shape[0] == meta.kv_lens.shape[0], "decode: one query token per sequence"
         return triton_decode.gqa_decode(q, k_cache, v_cache, meta.block_tables, meta.kv_lens,
                                         scale)
 
-    def attend_mla(self, q_latent, q_rope, kv_cache, kv_lora_rank, meta: LocalKVMeta, scale):
-        """q_latent [T, H, Dl], q_rope [T, H, Dr] -> o [T, H, Dl], lse [T, H]."""
-        if not meta.is_decode:
-            return self.prefill.attend_mla(q_latent, q_rope, kv_cache, kv_lora_rank, meta, scale)
+    def prefill_gqa(self, q, k_cache, v_cache, meta: LocalKVMeta, scale):
+        return self.reference.prefill_gqa(q, k_cache, v_cache, meta, scale)
+
+    def decode_mla(self, q_latent, q_rope, kv_cache, kv_lora_rank, meta: LocalKVMeta, scale):
+        """q_latent [B, H, Dl], q_rope [B, H, Dr] -> o [B, H, Dl], lse [B, H]."""
         _check_device(q_latent)
-        assert q_latent.shape[0] == meta.kv_lens.shape[0], "decode: one query token per sequence"
         assert kv_cache.shape[-1] == kv_lora_rank + q_rope.shape[-1]
         return triton_mla.mla_decode(q_latent, q_rope, kv_cache, meta.block_tables, meta.kv_lens,
                                      scale)
+
+    def prefill_mla(self, q_latent, q_rope, kv_cache, kv_lora_rank, meta: LocalKVMeta, scale):
+        return self.reference.prefill_mla(q_latent, q_rope, kv_cache, kv_lora_rank, meta, scale)
 
     def pack_partials(self, o, lse, n):
         _check_device(o)

@@ -13,7 +13,8 @@ from helix.kv.ownership import KVSharding, kv_owner, local_index
 
 @dataclass
 class LocalKVMeta:
-    """One step's attention metadata on one rank. S sequences, T query tokens in total."""
+    """One step's attention metadata on one rank. S sequences, T query tokens in total. The first
+    `num_decode` sequences are decode rows: one query each, at the end of the sequence's KV."""
 
     slots: torch.Tensor         # [T] int64: flat slot (page * page_size + offset) or -1 (not owner)
     block_tables: torch.Tensor  # [S, max_pages] int32: local pages of each sequence
@@ -24,7 +25,29 @@ class LocalKVMeta:
     kvp: int                    # KVP degree
     interleave: int             # kv_interleave
     page_size: int
-    is_decode: bool             # one query token per sequence, all at the sequence end
+    num_decode: int             # leading sequences with one query token at their end
+    max_q: int = 1              # most query tokens of any sequence (prefill kernels' grid)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.kv_lens.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence is a decode row."""
+        return self.num_decode == self.num_seqs
+
+    def split(self) -> tuple["LocalKVMeta", "LocalKVMeta"]:
+        """(decode rows, prefill rows): the two parts of a mixed step, queries [:D] and [D:]."""
+        d = self.num_decode
+        common = dict(kvp_rank=self.kvp_rank, kvp=self.kvp, interleave=self.interleave,
+                      page_size=self.page_size)
+        dec = LocalKVMeta(self.slots[:d], self.block_tables[:d], self.kv_lens[:d],
+                          self.cu_q[:d + 1], self.q_pos[:d], num_decode=d, max_q=1, **common)
+        pre = LocalKVMeta(self.slots[d:], self.block_tables[d:], self.kv_lens[d:],
+                          self.cu_q[d:] - d, self.q_pos[d:], num_decode=0, max_q=self.max_q,
+                          **common)
+        return dec, pre
 
 
 def _cat(parts: list) -> torch.Tensor:
@@ -62,7 +85,9 @@ class KVManager:
     def assume_prefix(self, seq_id: int, length: int) -> None:
         """Take positions [0, length) of a new sequence as already written (their pages hold
         whatever they hold): long-context benchmarks start decoding without a prefill."""
-        assert seq_id not in self.lengths, "assume_prefix is for a new sequence"
+        if self.lengths.get(seq_id, 0):
+            raise RuntimeError(f"sequence {seq_id} already holds KV: a synthetic prefix is for a "
+                               f"new sequence")
         self._grow(seq_id, length)
 
     def free(self, seq_id: int) -> None:
@@ -83,12 +108,28 @@ class KVManager:
         page = torch.tensor(pages, dtype=torch.int64)[(j // self.page_size).clamp(max=len(pages) - 1)]
         return torch.where(mine, page * self.page_size + j % self.page_size, -1)
 
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Back to `length` positions (a step that failed before it ran): pages past it freed."""
+        if seq_id not in self.lengths:
+            return
+        keep = self.sharding.pages(length, self.kvp_rank)
+        pages = self.pages[seq_id]
+        if len(pages) > keep:
+            self.alloc.free(pages[keep:])
+            del pages[keep:]
+            self._tables.pop(seq_id, None)
+        self.lengths[seq_id] = length
+
     def prepare(self, batch: list[tuple[int, int, int]], device) -> LocalKVMeta:
-        """batch: (seq_id, start position, number of new tokens) per sequence, in batch order.
-        Grows each sequence's pages and returns this rank's metadata for the step."""
+        """batch: (seq_id, start position, number of new tokens) per sequence, in batch order,
+        decode rows (one token) first. Grows each sequence's pages and returns this rank's
+        metadata for the step."""
         slots, q_pos, cu, lens = [], [], [0], []
         for seq_id, start, n in batch:
-            assert self.lengths.get(seq_id, 0) == start, "sequence positions out of order"
+            have = self.lengths.get(seq_id, 0)
+            if have != start:
+                raise RuntimeError(f"sequence {seq_id}: step starts at position {start}, the "
+                                   f"KV cache holds {have} (scheduler and KV out of step)")
             self._grow(seq_id, start + n)
             pos = start if n == 1 else torch.arange(start, start + n)   # prompts: vectorised
             slots.append(self._slots(self.pages[seq_id], pos))
@@ -100,6 +141,7 @@ class KVManager:
         for i, (seq_id, _, _) in enumerate(batch):
             row = self._table(seq_id)
             table[i, :row.numel()] = row
+        num_decode = next((i for i, (_, _, n) in enumerate(batch) if n != 1), len(batch))
         return LocalKVMeta(
             slots=upload(_cat(slots), device),
             block_tables=upload(table, device),
@@ -107,7 +149,8 @@ class KVManager:
             cu_q=upload(torch.tensor(cu, dtype=torch.int32), device),
             q_pos=upload(_cat(q_pos), device),
             kvp_rank=self.kvp_rank, kvp=self.kvp, interleave=self.interleave,
-            page_size=self.page_size, is_decode=all(n == 1 for _, _, n in batch))
+            page_size=self.page_size, num_decode=num_decode,
+            max_q=max([n for _, _, n in batch] + [1]))
 
 
 def upload(t: torch.Tensor, device) -> torch.Tensor:

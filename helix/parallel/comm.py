@@ -45,7 +45,10 @@ class Comm:
     def barrier(self) -> None:
         raise NotImplementedError
 
-    def close(self) -> None:
+    def abort(self) -> None:
+        """Make collectives blocked on a dead peer fail now (called from another thread)."""
+
+    def close(self, graceful: bool = True) -> None:
         pass
 
 
@@ -128,6 +131,21 @@ class TorchComm(Comm):
     def barrier(self):
         dist.barrier(group=self.ctrl)
 
-    def close(self):
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def abort(self):
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is None or not dist.is_initialized():
+            return
+        try:                # NCCL: abort the communicators; gloo fails on a dead peer by itself
+            if dist.get_backend() == "nccl":
+                abort()
+        except Exception:
+            pass
+
+    def close(self, graceful: bool = True):
+        """Destroy the process groups. Not graceful (peers gone or mid-collective): NCCL groups
+        are aborted rather than destroyed, which could wait on the peers."""
+        if not dist.is_initialized():
+            return
+        if not graceful and dist.get_backend() == "nccl":
+            self.abort()
+        dist.destroy_process_group()

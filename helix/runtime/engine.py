@@ -1,5 +1,17 @@
 """One rank's engine: scheduler + KV + model + sampler. Every rank runs `step(commands)` with the
-same commands; rank 0 (the driver, see llm.py) is the only one that talks to the user."""
+same commands; rank 0 (the driver, see llm.py) is the only one that talks to the user.
+
+A step reads top to bottom: apply the commands -> plan (scheduler) -> launch the plan on the
+device (graph replay for decode-only steps, eager otherwise: decode rows through the decode
+kernels, prefill chunks through the prefill kernels, one forward) -> read back the previous
+step's tokens (overlap) or this one's -> retire finished requests.
+
+A failure while launching a step stays with its requests (one rank): the KV it queued is
+rolled back, the prefill chunks of the step end with finish reason "error" and the decode rows
+are retried alone; a failing decode-only step fails its rows. Two failing steps in a row, a
+failure while reading back, or any failure with several ranks (whose collectives cannot be
+resynchronised) end the engine: it says why once (`EngineDeadError`) and refuses further work.
+"""
 
 from __future__ import annotations
 
@@ -10,23 +22,27 @@ import torch
 
 from helix.attention.backend import get_backend
 from helix.config import Layout, ModelConfig, RuntimeConfig
+from helix.errors import EngineDeadError
+from helix.graphs import BucketLadder
 from helix.kv.manager import KVManager, upload
-from helix.layers.fused_ops import select_tokens
-from helix.runtime.decode_graphs import DecodeGraphs
-from helix.runtime.nvtx import nvtx_range
+from helix.kv.ownership import KVSharding
 from helix.loader import build_and_load
 from helix.parallel.comm import Comm
+from helix.runtime.decode_graphs import DecodeGraphs
+from helix.runtime.memory import plan_kv_pool
+from helix.runtime.nvtx import nvtx_range
 from helix.runtime.request import Request
-from helix.runtime.sampling import SamplingParams, row_params, sample_into
-from helix.runtime.scheduler import Scheduler
+from helix.runtime.sampler import Sampler
+from helix.runtime.sampling import SamplingParams, row_params
+from helix.runtime.scheduler import Scheduler, StepPlan
 
 
 @dataclass
 class _Launched:
     """A step queued on the device whose tokens are not read back yet."""
-    batch: list[Request]          # its rows, in order
-    host: torch.Tensor            # host buffer the tokens are copied into (pinned on cuda)
-    event: torch.cuda.Event | None  # recorded after that copy (None on cpu: already done)
+    batch: list[Request]          # its sampled rows, in order (row i = sampler token i)
+    host: torch.Tensor            # host buffer the tokens are copied into
+    event: torch.cuda.Event | None  # recorded after that copy (None: already done)
     num_tokens: int               # tokens fed to the model
 
 
@@ -36,43 +52,49 @@ class StepOutput:
     finished: dict[int, str]      # request id -> finish reason, for requests that ended
     num_tokens: int               # tokens fed to the model this step
     seconds: float                # wall time of the step on this rank
+    errors: dict[int, str] | None = None   # request id -> message, for requests that failed
 
 
 class Engine:
     def __init__(self, model_ref: str, cfg: ModelConfig, ckpt: str | None, layout: Layout,
-                 runtime: RuntimeConfig, comm: Comm, device: torch.device):
+                 runtime: RuntimeConfig, comm: Comm, device: torch.device, ranks_here: int = 1):
         self.cfg, self.layout, self.runtime, self.comm = cfg, layout, runtime, comm
         self.device = device
         self.max_context = runtime.resolved_max_context(cfg)
         dtype = runtime.torch_dtype
-        self.model = build_and_load(model_ref, comm, dtype, device, self.max_context, runtime.seed,
-                                    cfg=cfg, ckpt=ckpt)
-        num_pages = runtime.resolved_num_pages(cfg, layout)
+        self.model = build_and_load(model_ref, comm, dtype, device, self.max_context,
+                                    runtime.seed, cfg=cfg, ckpt=ckpt)
+        self.pool = plan_kv_pool(self.model, cfg, layout, runtime, device, ranks_here,
+                                 agree=lambda n: min(comm.gather_object(n)))
+        num_pages = self.num_pages = self.pool.num_pages
         self.caches = [[torch.zeros(s, dtype=dtype, device=device) for s in shapes]
                        for shapes in self.model.kv_cache_shapes(num_pages, runtime.page_size)]
         mesh = comm.mesh
+        self.sharding = KVSharding(layout.kvp, layout.kv_interleave, runtime.page_size)
         self.kv = KVManager(num_pages, runtime.page_size, mesh.kvp_rank, layout.kvp,
                             layout.kv_interleave)
-        self.scheduler = Scheduler(num_pages, runtime.page_size, layout.kvp, layout.kv_interleave,
-                                   runtime.max_batch)
+        self.scheduler = Scheduler(num_pages, self.sharding, runtime.max_batch,
+                                   runtime.resolved_max_prefill_tokens)
         self.backend = get_backend(runtime.resolved_backend, runtime.device)
         self.seeds: dict[int, int] = {}       # request id -> sampling seed
         self.kv_tokens_released = 0
-        # sampled tokens stay on the device (the next step gathers them) and are read back
-        # through two alternating host buffers: with overlap, step N + 1's copy must not land
-        # in the buffer step N's tokens are still being read from
-        rows = max(runtime.max_batch, max(runtime.graph_buckets, default=0))
-        self.tok_buf = torch.zeros(rows, dtype=torch.long, device=device)
-        pin = device.type == "cuda"
-        self.host_tokens = [torch.zeros(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self._flip = 0
+        ladder = (BucketLadder(buckets=runtime.graph_buckets) if runtime.graph_buckets
+                  else BucketLadder(max_size=runtime.max_batch))
+        rows = max(runtime.max_batch + runtime.resolved_max_prefill_tokens, ladder.max)
+        self.sampler = Sampler(rows, device)
         self.overlap = runtime.resolved_overlap
         self.inflight: _Launched | None = None
         self.last_logits: torch.Tensor | None = None
+        self.dead: str | None = None
+        self._failed_last = False
         self.graphs = None
         if runtime.cuda_graphs:
-            max_pages = self.scheduler.sharding.max_pages(self.max_context)
-            self.graphs = DecodeGraphs(self, runtime.graph_buckets, runtime.graph_breaks, max_pages)
+            geometry = dict(kvp_rank=mesh.kvp_rank, kvp=layout.kvp,
+                            interleave=layout.kv_interleave, page_size=runtime.page_size)
+            self.graphs = DecodeGraphs(self.model, self.caches, self.backend, self.sampler,
+                                       geometry, ladder, runtime.graph_breaks,
+                                       self.sharding.max_pages(self.max_context), device,
+                                       enabled=not runtime.graph_eager)
             self.graphs.capture()
 
     # -- commands (identical on every rank) --------------------------------------------------
@@ -96,71 +118,124 @@ class Engine:
         (overlap) or of this one (no overlap). With overlap the host prepares step N + 1 while
         the device runs step N: a request's token is reported one call later, and a request
         that stops on a sampled stop id runs one extra (discarded) row."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         t0 = time.perf_counter()
         self.apply(commands)
-        finished = {r.id: r.finish_reason for r in self._retire()}  # aborted before running
-        batch = [r for r in self.scheduler.schedule() if not r.exhausted]
-        launched = self._launch(batch) if batch else None
-        tokens = self._resolve(self.inflight) if self.inflight is not None else {}
-        self.inflight = launched
-        if launched is not None and not self.overlap:
-            tokens.update(self._resolve(launched))
-            self.inflight = None
-        finished.update({r.id: r.finish_reason for r in self._retire()})
+        retired = self._retire()                      # aborted before running
+        plan = self.scheduler.schedule()
+        for r in plan.preempted:
+            self.kv.free(r.id)
+        launched = self._launch_confined(plan) if plan else None
+        try:
+            tokens = self._resolve(self.inflight) if self.inflight is not None else {}
+            self.inflight = launched
+            if launched is not None and not self.overlap:
+                tokens.update(self._resolve(launched))
+                self.inflight = None
+        except Exception as e:                        # an asynchronous device fault
+            raise self._die(f"reading back a step failed: {type(e).__name__}: {e}") from None
+        retired += self._retire()
+        finished = {r.id: r.finish_reason for r in retired}
+        errors = {r.id: r.error for r in retired if r.finish_reason == "error"}
         return StepOutput(tokens, finished, launched.num_tokens if launched else 0,
-                          time.perf_counter() - t0)
+                          time.perf_counter() - t0, errors or None)
 
-    def _launch(self, batch: list[Request]) -> _Launched:
-        """Queue the model and the sampler for `batch`; no host sync."""
-        for r in batch:
-            if r.prefix and r.id not in self.kv.lengths:       # synthetic KV: no prefill
-                self.kv.assume_prefix(r.id, r.prefix)
-        feeds = [r.next_input() for r in batch]
-        plan = [(r.id, start, len(toks)) for r, (start, toks, _) in zip(batch, feeds)]
-        ids = [t for _, toks, _ in feeds for t in toks]
-        src = [s if len(toks) == 1 else -1 for _, toks, s in feeds for _ in toks]
-        n = len(batch)
-        params = [r.params for r in batch]
-        seeds = [self.seeds[r.id] for r in batch]
-        counters = [r.num_tokens for r in batch]         # the position of the token sampled
-        if self.graphs is not None and len(ids) == n:   # decode only: replay a graph
+    # -- launching ----------------------------------------------------------------------------
+    def _launch_confined(self, plan: StepPlan) -> _Launched | None:
+        """_launch, with a failure confined to the requests it belongs to (see module doc)."""
+        try:
+            launched = self._launch(plan)
+            self._failed_last = False
+            return launched
+        except Exception as e:
+            if self.layout.world_size > 1:
+                raise self._die(f"a step failed on rank {self.comm.mesh.rank}: "
+                                f"{type(e).__name__}: {e}") from None
+            if self._failed_last:
+                raise self._die(f"two steps in a row failed, the last with "
+                                f"{type(e).__name__}: {e}") from None
+            self._failed_last = True
+            self._undo(plan)
+            message = f"{type(e).__name__}: {e}"
+            suspects = [c.req for c in plan.prefill] or plan.decode
+            for r in suspects:
+                r.finish_reason, r.error = "error", message
+            if not (plan.prefill and plan.decode):
+                return None
+            return self._launch_confined(StepPlan(decode=plan.decode))
+
+    def _undo(self, plan: StepPlan) -> None:
+        """A step that failed while being queued: its KV growth rolled back on this rank (the
+        scheduler's page count stays: failed requests release theirs when they retire, decode
+        rows retried need theirs)."""
+        for r in plan.decode:
+            self.kv.truncate(r.id, r.num_tokens - 1)
+        for c in plan.prefill:
+            self.kv.truncate(c.req.id, c.start)
+
+    def _launch(self, plan: StepPlan) -> _Launched:
+        """Queue the model and the sampler for the plan's rows; no host sync."""
+        batch, ids, src, positions = [], [], [], []
+        sampled, counters = [], []
+        for r in plan.decode:
+            pos, tok, s = r.decode_input()
+            batch.append((r.id, pos, 1))
+            ids.append(tok)
+            src.append(s)
+            sampled.append(r)
+            counters.append(pos + 1)            # the position of the token sampled
+        last = list(range(len(plan.decode)))
+        for c in plan.prefill:
+            if self.kv.lengths.get(c.req.id, 0) < c.start:       # synthetic KV: no prefill
+                self.kv.assume_prefix(c.req.id, c.start)
+            batch.append((c.req.id, c.start, len(c.ids)))
+            ids += c.ids
+            src += [-1] * len(c.ids)
+            if c.samples:
+                sampled.append(c.req)
+                counters.append(c.start + len(c.ids))
+                last.append(len(ids) - 1)
+        params = [r.params for r in sampled]
+        seeds = [self.seeds[r.id] for r in sampled]
+        if self.graphs is not None and not plan.prefill and self.graphs.fits(len(ids)):
             with nvtx_range("helix.prepare"):
-                meta = self.kv.prepare(plan, "cpu")
+                meta = self.kv.prepare(batch, "cpu")
                 rows = None if all(p.greedy for p in params) else row_params(params, seeds,
                                                                             counters)
-            with nvtx_range(f"helix.decode_graph[{n}]"):
+            with nvtx_range(f"helix.decode_graph[{len(ids)}]"):
                 logits = self.graphs.run(torch.tensor(ids, dtype=torch.long),
                                          torch.tensor(src, dtype=torch.long), meta, rows)
         else:
             with nvtx_range("helix.prepare"):
-                meta = self.kv.prepare(plan, self.device)
+                meta = self.kv.prepare(batch, self.device)
                 ids_t = upload(torch.tensor(ids, dtype=torch.long), self.device)
                 if any(s >= 0 for s in src):            # tokens still on the device
                     src_t = upload(torch.tensor(src, dtype=torch.long), self.device)
-                    ids_t = select_tokens(src_t, ids_t, self.tok_buf)
+                    ids_t = self.sampler.select(src_t, ids_t)
+                last_t = None if len(last) == len(ids) else upload(
+                    torch.tensor(last, dtype=torch.long), self.device)
             with nvtx_range(f"helix.forward_eager[{len(ids)} tokens]"):
-                last = meta.cu_q[1:].long() - 1
-                logits = self.model(ids_t, meta.q_pos, meta, self.caches, self.backend, last)
+                logits = self.model(ids_t, meta.q_pos, meta, self.caches, self.backend, last_t)
             with nvtx_range("helix.sample"):
-                sample_into(logits, params, seeds, counters, self.tok_buf)
+                if sampled:
+                    self.sampler.sample(logits, params, seeds, counters)
         with nvtx_range("helix.readback"):
-            host = self.host_tokens[self._flip]
-            self._flip ^= 1
-            host[:n].copy_(self.tok_buf[:n], non_blocking=True)
-            event = None
-            if self.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
-        for i, r in enumerate(batch):
+            host, event = self.sampler.readback(len(sampled))
+        for r in plan.decode:
+            r.computed = r.num_tokens
+        for c in plan.prefill:
+            c.req.computed = c.start + len(c.ids)
+        for i, r in enumerate(sampled):
             r.pending += 1
             r.pending_row = i
         self.last_logits = logits
-        return _Launched(batch, host, event, len(ids))
+        return _Launched(sampled, host, event, len(ids))
 
     def _resolve(self, step: _Launched) -> dict[int, int]:
         """Wait for a queued step's tokens; append them and apply stop and length rules.
-        Rows of requests that ended meanwhile (a stop id one step earlier, an abort) are
-        dropped."""
+        Rows of requests that ended meanwhile (a stop id one step earlier, an abort, an error)
+        are dropped."""
         if step.event is not None:
             step.event.synchronize()
         out = {}
@@ -188,12 +263,21 @@ class Engine:
             self.seeds.pop(r.id, None)
         return done
 
+    def _die(self, message: str) -> EngineDeadError:
+        """Refuse further work; the message says why, once."""
+        self.dead = message
+        return EngineDeadError(message)
+
+    # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
         """Free the graphs (before any process group is destroyed)."""
-        if self.inflight is not None:           # its tokens are never reported: just finish it
+        if self.inflight is not None and self.dead is None:   # its tokens are never reported
             if self.inflight.event is not None:
-                self.inflight.event.synchronize()
-            self.inflight = None
+                try:
+                    self.inflight.event.synchronize()
+                except Exception:
+                    pass
+        self.inflight = None
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
@@ -201,3 +285,8 @@ class Engine:
     def kv_tokens(self) -> int:
         """KV positions this rank has stored for the run's requests (layer 0), live or finished."""
         return self.kv_tokens_released + sum(self.kv.local_tokens(s) for s in self.kv.lengths)
+
+    def stats(self) -> dict:
+        """Scheduler counts and this rank's KV pool use."""
+        return dict(self.scheduler.stats(), kv_pages_used=self.num_pages - self.kv.alloc.num_free,
+                    kv_pages_free=self.kv.alloc.num_free)

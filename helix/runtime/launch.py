@@ -1,12 +1,18 @@
 """Process start-up: one process per rank. The API/CLI spawns local workers itself (rank 0 is the
 calling process); under torchrun (RANK/WORLD_SIZE set, multi-node included) every rank is already
-running and ranks > 0 enter the worker loop."""
+running and ranks > 0 enter the worker loop.
+
+A spawned worker ignores SIGINT (the driver, which a terminal's Ctrl-C also reaches, shuts it
+down) and dies with its parent (PR_SET_PDEATHSIG), so no worker outlives a killed driver."""
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import signal
 import socket
+import sys
 import traceback
 
 import torch
@@ -14,15 +20,29 @@ import torch.distributed as dist
 
 from helix.config import Layout, RuntimeConfig
 
+PR_SET_PDEATHSIG = 1
 
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+def torchrun_world() -> int | None:
+    """WORLD_SIZE when this process was started by torchrun (RANK and WORLD_SIZE set)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of a process (R, S, T = stopped, Z, ...), '?' if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
 
 
 def rank_device(runtime: RuntimeConfig, local_rank: int) -> torch.device:
@@ -32,25 +52,49 @@ def rank_device(runtime: RuntimeConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(rank: int, world: int, runtime: RuntimeConfig, device: torch.device) -> None:
+def init_distributed(rank: int, world: int, runtime: RuntimeConfig, device: torch.device,
+                     addr: str | None = None, port: int | None = None) -> None:
+    """The default process group (NCCL on GPUs, gloo on CPU) with the run's timeout; addr/port:
+    the rendezvous of a locally spawned world (torchrun sets its own)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw = dict(backend=backend, rank=rank, world_size=world,
               timeout=datetime.timedelta(seconds=runtime.timeout_s))
+    if addr is not None:
+        kw["init_method"] = f"tcp://{addr}:{port}"
     if device.type == "cuda":
         kw["device_id"] = device
     dist.init_process_group(**kw)
 
 
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):       # not Linux: the driver's close() still kills us
+        pass
+
+
 def worker_main(rank: int, world: int, model_ref: str, layout: Layout, runtime: RuntimeConfig,
                 addr: str, port: int, threads: int) -> None:
     """Entry point of a spawned local worker (ranks 1..N-1)."""
-    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     from helix.runtime.worker import serve
     try:
         device = rank_device(runtime, rank)
-        init_distributed(rank, world, runtime, device)
-        serve(model_ref, layout, runtime, device)
-    except Exception:  # a worker's failure must end the run, not hang it: report and exit non-zero
-        traceback.print_exc()
-        os._exit(1)
+        init_distributed(rank, world, runtime, device, addr, port)
+        code = serve(model_ref, layout, runtime, device, world)
+    except Exception as e:  # a worker's failure must end the run, not hang it: report and exit
+        report_failure(rank, e)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def report_failure(rank: int, e: BaseException) -> None:
+    """One line on stderr (the traceback too with HELIX_DEBUG=1)."""
+    if os.environ.get("HELIX_DEBUG"):
+        traceback.print_exception(e)
+    first = str(e).splitlines()[0] if str(e) else ""
+    print(f"helix: rank {rank} failed: {type(e).__name__}: {first}", file=sys.stderr, flush=True)

@@ -1,19 +1,28 @@
 """The user-facing runtime (rank 0, the driver): add requests, step, abort, generate.
 
-    llm = LLM("tiny-llama", Layout(kvp=2, tpa=1))
-    rid = llm.add_request([5, 17, 42], SamplingParams(max_new_tokens=8))
-    while llm.has_unfinished():
-        out = llm.step()            # every running request advances by one token
-    llm.close()
+    with LLM("tiny-llama", Layout(kvp=2, tpa=1)) as llm:
+        rid = llm.add_request([5, 17, 42], SamplingParams(max_new_tokens=8))
+        while llm.has_unfinished():
+            out = llm.step()            # every running request advances by one token
+        print(llm.outputs[rid])
 
 Requests may join and leave between steps. With a world of N > 1 ranks, LLM spawns N - 1 local
 workers itself (or, under torchrun, ranks > 0 serve inside the constructor and exit after
 close()). Each step rank 0 broadcasts the step's commands; every rank then runs the same step.
+
+Every request field is checked in add_request (one-line RequestError / CapacityError naming the
+field and the fix); a request that fails inside a step ends with finish reason "error" (its
+message in `errors`) and the others go on. A dead or hung rank, or a failure the engine cannot
+confine, raises EngineDeadError once; the LLM then refuses work. close() always completes: it
+kills workers that do not leave in time. step() is not re-entrant: a call while another thread
+is inside step() is refused.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import operator
 import os
 import sys
 import threading
@@ -23,59 +32,84 @@ import torch
 import torch.multiprocessing as mp
 
 from helix.config import Layout, RuntimeConfig
-from helix.errors import CapacityError, ConfigError, RequestError
+from helix.errors import CapacityError, ConfigError, EngineDeadError, HelixError, RequestError
 from helix.loader import read_model_config
 from helix.parallel.comm import LocalComm
 from helix.parallel.mesh import Mesh
 from helix.runtime.engine import Engine, StepOutput
-from helix.runtime.launch import free_port, init_distributed, rank_device, under_torchrun, worker_main
+from helix.runtime.launch import (free_port, init_distributed, process_state, rank_device,
+                                  torchrun_world, worker_main)
 from helix.runtime.sampling import SamplingParams
 from helix.runtime.worker import make_engine, serve
+
+log = logging.getLogger("helix")
+
+_open_multi_rank: list["LLM"] = []        # the multi-rank LLM open in this process (at most one)
 
 
 class LLM:
     def __init__(self, model: str, layout: Layout | None = None, runtime: RuntimeConfig | None = None):
-        layout = layout or Layout()
-        runtime = runtime or RuntimeConfig()
+        layout = Layout() if layout is None else layout
+        runtime = RuntimeConfig() if runtime is None else runtime
+        if not isinstance(layout, Layout) or not isinstance(runtime, RuntimeConfig):
+            raise ConfigError("LLM(model, layout, runtime) takes a helix.Layout and a "
+                              "helix.RuntimeConfig")
+        self._closed, self._dead, self._broken = True, None, False   # until started
+        self._procs: list = []
         cfg, ckpt = read_model_config(model, runtime.layers)   # bad model: fails before any process starts
         layout.validate(cfg)                          # bad layout: likewise
         world = layout.world_size
+        launched = torchrun_world()
+        if launched is not None and launched != world:
+            raise ConfigError(f"torchrun started {launched} ranks but the layout needs {world}: "
+                              f"set --nproc-per-node / --nnodes to {world}, or change the layout")
         if runtime.device == "cuda":
             have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if have < (1 if under_torchrun() else world):
+            if have < (1 if launched else world):
                 raise ConfigError(f"layout needs {world} GPUs, {have} visible: use --device cpu or "
                                   f"a smaller layout")
         self.max_context = runtime.resolved_max_context(cfg)
         if self.max_context > cfg.max_position:
             raise ConfigError(f"max_context {self.max_context} exceeds the model's "
                               f"{cfg.max_position} positions: lower --max-context")
+        if world > 1 and _open_multi_rank:
+            raise HelixError("another multi-rank LLM is open in this process: close() it first "
+                             "(one process holds one torch.distributed world)")
         self.cfg, self.layout, self.runtime = cfg, layout, runtime
-        self._procs: list = []
         self._ids = itertools.count()
         self._pending: list[tuple] = []
+        self._step_lock = threading.Lock()
         self.outputs: dict[int, list[int]] = {}
         self.finish_reasons: dict[int, str] = {}
+        self.errors: dict[int, str] = {}
+        self._multi = world > 1
         self._closed = False
         if world == 1:
             self.engine = Engine(model, cfg, ckpt, layout, runtime, LocalComm(Mesh(layout, 0)),
-                                 rank_device(runtime, 0))
-        elif under_torchrun():
-            self._start_torchrun(model, layout, runtime)
+                                 rank_device(runtime, 0), ranks_here=1)
         else:
-            self._start_local(model, layout, runtime)
+            _open_multi_rank.append(self)
+            try:
+                if launched:
+                    self._start_torchrun(model, layout, runtime)
+                else:
+                    self._start_local(model, layout, runtime)
+            except BaseException:
+                self._closed = True
+                _open_multi_rank.remove(self)
+                raise
+        log.info(self.engine.pool.describe(runtime.page_size, self.max_context, layout.kvp))
 
     # -- start-up ------------------------------------------------------------------------------
     def _start_torchrun(self, model, layout, runtime):
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if world != layout.world_size:
-            raise ConfigError(f"torchrun started {world} ranks but the layout needs "
-                              f"{layout.world_size}: set --nproc-per-node / --nnodes to match")
+        rank = int(os.environ["RANK"])
         device = rank_device(runtime, int(os.environ.get("LOCAL_RANK", rank)))
-        init_distributed(rank, world, runtime, device)
+        init_distributed(rank, layout.world_size, runtime, device)
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
         if rank != 0:
-            serve(model, layout, runtime, device)
-            sys.exit(0)
-        self.engine = make_engine(model, layout, runtime, device)
+            code = serve(model, layout, runtime, device, ranks_here)
+            sys.exit(code)
+        self.engine = make_engine(model, layout, runtime, device, ranks_here)
         self.engine.comm.barrier()
 
     def _start_local(self, model, layout, runtime):
@@ -87,43 +121,68 @@ class LLM:
                             args=(r, world, model, layout, runtime, "127.0.0.1", port, threads))
             p.start()
             self._procs.append(p)
-        threading.Thread(target=self._watch_workers, daemon=True).start()
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         self._saved_threads = torch.get_num_threads()
         torch.set_num_threads(threads)
+        threading.Thread(target=self._watch_workers, daemon=True).start()
         try:
             device = rank_device(runtime, 0)
-            init_distributed(0, world, runtime, device)
-            self.engine = make_engine(model, layout, runtime, device)
+            init_distributed(0, world, runtime, device, "127.0.0.1", port)
+            self.engine = self._guarded(make_engine, model, layout, runtime, device, world)
             self._guarded(self.engine.comm.barrier)
         except BaseException:
             self._kill_workers()
+            self._teardown_distributed(graceful=False)
+            torch.set_num_threads(self._saved_threads)
             raise
 
     def _watch_workers(self):
-        """A worker that dies ends the run with a clear error instead of a hang in a collective."""
-        while not self._closed:
-            for r, p in enumerate(self._procs, start=1):
-                if p.exitcode not in (None, 0) and not self._closed:
-                    print(f"helix: rank {r} exited with code {p.exitcode} (its error is above); "
-                          f"ending the run", file=sys.stderr, flush=True)
-                    self._kill_workers()
-                    os._exit(1)
-            time.sleep(0.2)
+        """A worker that dies makes the driver's next (or current) collective fail at once
+        instead of hanging: its process groups are aborted; the driver reports the rank."""
+        while not self._closed and self._dead is None:
+            dead = self._dead_workers()
+            if dead:
+                comm = getattr(getattr(self, "engine", None), "comm", None)
+                if comm is not None:
+                    comm.abort()
+                return
+            time.sleep(0.1)
+
+    def _dead_workers(self) -> list[str]:
+        """'rank r exited with code c' / 'rank r is stopped' for every worker not running."""
+        out = []
+        for r, p in enumerate(self._procs, start=1):
+            if p.exitcode is not None:
+                out.append(f"rank {r} exited with code {p.exitcode}")
+            elif process_state(p.pid) == "T":
+                out.append(f"rank {r} is stopped (SIGSTOP)")
+        return out
 
     def _guarded(self, fn, *args):
-        """Run a driver-side collective; if it fails because a worker died, say which rank."""
+        """Run a driver-side collective (or a step); a failure because a worker died, hung or
+        stopped, or one the engine could not confine, becomes EngineDeadError naming the cause.
+        The LLM then refuses work."""
         try:
             return fn(*args)
-        except RuntimeError:
-            time.sleep(0.5)  # let the dead worker's exit code land
-            dead = [(r, p.exitcode) for r, p in enumerate(self._procs, start=1)
-                    if p.exitcode not in (None, 0)]
-            if dead:
-                self._kill_workers()
-                raise RuntimeError(f"rank {dead[0][0]} exited with code {dead[0][1]} (its error is "
-                                   f"above); the run is over") from None
-            raise
+        except EngineDeadError as e:
+            raise self._fail(str(e)) from None
+        except RuntimeError as e:
+            if not self._multi:
+                raise
+            time.sleep(0.3)                      # let a dead worker's exit code land
+            dead = self._dead_workers()
+            why = (f"{'; '.join(dead)} (its error is above)" if dead else
+                   f"a collective failed: {str(e).splitlines()[0]}")
+            raise self._fail(why) from None
+
+    def _fail(self, why: str) -> EngineDeadError:
+        self._dead = why
+        self._broken = True
+        for rid in self.outputs:
+            if rid not in self.finish_reasons:
+                self.finish_reasons[rid] = "error"
+                self.errors[rid] = why
+        self._kill_workers()
+        return EngineDeadError(f"the engine stopped: {why}; the run is over, start a new LLM")
 
     def _kill_workers(self):
         for p in self._procs:
@@ -131,23 +190,35 @@ class LLM:
                 p.kill()
 
     # -- requests ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise HelixError("this LLM is closed: create a new one")
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped earlier: {self._dead}; start a new LLM")
+
     def add_request(self, prompt_ids, params: SamplingParams | None = None,
                     synthetic_prefix: int = 0) -> int:
         """Queue a request; it joins the batch at the next step. Returns its id.
         synthetic_prefix: positions of arbitrary KV placed before the prompt, with no prefill
         (long-context decode benchmarks: the KV is read at full cost, its values are noise)."""
+        self._check_open()
         return self._queue(*self._check_request(prompt_ids, params, synthetic_prefix))
 
     def _check_request(self, prompt_ids, params, prefix: int = 0
                        ) -> tuple[list[int], SamplingParams, int, int]:
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a helix.SamplingParams, got "
+                               f"{type(params).__name__}")
+        params.check_vocab(self.cfg.vocab_size)
         prompt = self._check_prompt(prompt_ids, prefix)
         max_len = min(prefix + len(prompt) + params.max_new_tokens, self.max_context)
         sched = self.engine.scheduler
-        if sched.pages_for(max_len) > sched.num_pages:
-            raise CapacityError(f"request needs {sched.pages_for(max_len)} KV pages per rank, the "
-                                f"pool has {sched.num_pages}: raise --num-pages, lower "
-                                f"--max-new-tokens, or add KVP ranks")
+        need = sched.pages_for(max_len)
+        if need > sched.num_pages:
+            raise CapacityError(f"request needs {need} KV pages per rank ({max_len} positions), "
+                                f"the pool has {sched.num_pages}: lower --max-new-tokens or the "
+                                f"prompt, add KVP ranks, or raise --memory-utilization")
         return prompt, params, max_len, prefix
 
     def _queue(self, prompt: list[int], params: SamplingParams, max_len: int, prefix: int) -> int:
@@ -159,17 +230,21 @@ class LLM:
     def _check_prompt(self, prompt_ids, prefix: int = 0) -> list[int]:
         try:
             given = list(prompt_ids)
-            prompt = [int(t) for t in given]
-        except (TypeError, ValueError):
-            prompt = None
-        if prompt is None or any(p != t for p, t in zip(prompt, given)):  # 1.5 or "7" is not an id
-            raise RequestError("prompt ids must be integers")
-        if not prompt:
+        except TypeError:
+            raise RequestError(f"prompt ids must be a list of integers, got "
+                               f"{type(prompt_ids).__name__}") from None
+        if not given:
             raise RequestError("empty prompt: give at least one token id")
-        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        if not isinstance(prefix, int) or prefix < 0:
+        prompt = []
+        for t in given:                      # ints (numpy / torch integers too), not 1.5 or "7"
+            if isinstance(t, bool) or not hasattr(t, "__index__"):
+                raise RequestError(f"prompt ids must be integers, got {t!r}")
+            prompt.append(operator.index(t))
+        out = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if out:
+            raise RequestError(f"token id {out[0]} is outside the vocabulary "
+                               f"[0, {self.cfg.vocab_size})")
+        if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
             raise RequestError(f"synthetic_prefix must be a non-negative integer, got {prefix!r}")
         if prefix + len(prompt) >= self.max_context:
             raise RequestError(f"prompt of {prefix + len(prompt)} tokens does not fit the maximum "
@@ -177,25 +252,41 @@ class LLM:
         return prompt
 
     def abort(self, request_id: int) -> None:
+        """End a request at the next step (finish reason "abort"); its pages are freed."""
+        self._check_open()
+        if request_id not in self.outputs:
+            raise RequestError(f"no request {request_id!r}")
         self._pending.append(("abort", request_id))
 
     def has_unfinished(self) -> bool:
         return bool(self._pending) or any(r not in self.finish_reasons for r in self.outputs)
 
     def step(self) -> StepOutput:
-        """Advance every running request by one token (new requests run their prompt)."""
-        commands, self._pending = self._pending, []
-        if self._procs or under_torchrun():
-            self._guarded(self.engine.comm.broadcast_object, ("step", commands))
-        out = self.engine.step(commands)
+        """Advance every running request by one token (new requests run their prompt, in
+        chunks of at most max_prefill_tokens)."""
+        if not self._step_lock.acquire(blocking=False):
+            raise HelixError("step() is already running in another thread: an LLM is driven by "
+                             "one thread (use helix.serving's AsyncLLM to serve many callers)")
+        try:
+            self._check_open()
+            commands, self._pending = self._pending, []
+            self._broken = True                  # until the step completes on every rank
+            if self._multi:
+                self._guarded(self.engine.comm.broadcast_object, ("step", commands))
+            out = self._guarded(self.engine.step, commands)
+            self._broken = False
+        finally:
+            self._step_lock.release()
         for rid, tok in out.tokens.items():
             self.outputs[rid].append(tok)
         self.finish_reasons.update(out.finished)
+        self.errors.update(out.errors or {})
         return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[list[int]]:
         """Run the prompts as one batch to completion; returns the generated ids per prompt."""
+        self._check_open()
         if not isinstance(params, list):
             params = [params] * len(prompts)
         if len(params) != len(prompts):  # zip would silently drop prompts
@@ -207,32 +298,77 @@ class LLM:
             self.step()
         return [self.outputs[i] for i in ids]
 
+    def _gather(self, what: str, local) -> list:
+        """A control-plane query answered by every rank."""
+        if not self._multi:
+            return [local()]
+        self._guarded(self.engine.comm.broadcast_object, (what,))
+        return self._guarded(self.engine.comm.gather_object, local())
+
     def kv_tokens_per_rank(self) -> list[int]:
         """KV positions (layer 0) each rank stored for this run's requests."""
-        if self._procs or under_torchrun():
-            self._guarded(self.engine.comm.broadcast_object, ("kv_tokens",))
-            return self._guarded(self.engine.comm.gather_object, self.engine.kv_tokens())
-        return [self.engine.kv_tokens()]
+        self._check_open()
+        return self._gather("kv_tokens", self.engine.kv_tokens)
+
+    def stats(self) -> dict:
+        """Running and queued requests, KV pages per rank (used, free, total)."""
+        self._check_open()
+        per_rank = self._gather("stats", self.engine.stats)
+        s = per_rank[0]
+        return {"running": s["running"], "queued": s["queued"], "num_pages": s["num_pages"],
+                "kv_pages_used": [r["kv_pages_used"] for r in per_rank],
+                "kv_pages_free": [r["kv_pages_free"] for r in per_rank]}
 
     # -- shutdown ------------------------------------------------------------------------------
     def close(self) -> None:
+        """Shut the engine and its workers down. Always completes: workers that do not leave in
+        time (or a run interrupted mid-step) are killed."""
         if self._closed:
             return
         self._closed = True
-        if self._procs or under_torchrun():
-            self.engine.comm.broadcast_object(("shutdown",))
+        graceful = self._multi and not self._broken and self._dead is None
+        try:
+            if graceful:
+                self.engine.comm.broadcast_object(("shutdown",))
+        except Exception:
+            graceful = False
+        try:
             self.engine.close()
-            self.engine.comm.close()
+        except Exception:
+            pass
+        if self._multi:
+            self._teardown_distributed(graceful)
             for p in self._procs:
-                p.join(timeout=30)
+                p.join(timeout=5 if graceful else 0.5)
             self._kill_workers()
+            for p in self._procs:
+                p.join(timeout=5)
             if hasattr(self, "_saved_threads"):
                 torch.set_num_threads(self._saved_threads)
-        else:
-            self.engine.close()
+            if self in _open_multi_rank:
+                _open_multi_rank.remove(self)
+
+    def _teardown_distributed(self, graceful: bool) -> None:
+        comm = getattr(getattr(self, "engine", None), "comm", None)
+        try:
+            if comm is not None:
+                comm.close(graceful)
+            else:
+                import torch.distributed as dist
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+        except Exception:
+            pass
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+    def __del__(self):
+        try:
+            if not self._closed and self._multi:
+                self.close()
+        except Exception:
+            pass

@@ -1,4 +1,5 @@
-"""A request's state: its prompt, what it has generated, and why it ended."""
+"""A request's state: its prompt, what it has generated, how much of it the KV cache holds, and
+why it ended."""
 
 from __future__ import annotations
 
@@ -16,11 +17,20 @@ class Request:
     prefix: int = 0                           # positions of arbitrary KV before the prompt
                                               # (benchmarking long contexts without prefill)
     output: list[int] = field(default_factory=list)   # tokens read back from the device
-    finish_reason: str | None = None          # length | stop | abort
+    finish_reason: str | None = None          # length | stop | abort | error
+    error: str | None = None                  # the message of a failed request
     pending: int = 0                          # tokens sampled on the device, not read back yet
                                               # (overlapped steps: at most 2, transiently)
-    pending_row: int = -1                     # row of the newest pending token in the engine's
+    pending_row: int = -1                     # row of the newest pending token in the sampler's
                                               # token buffer (valid until the next step)
+    computed: int = 0                         # positions whose KV is written (or queued to be)
+    admitted: int = -1                        # admission order (preemption takes the newest)
+    preemptions: int = 0                      # times its KV was dropped to make room
+    skipped: int = 0                          # times a later request was admitted before it
+    imported_kv: object = None                # KV of the prompt from a prefill server, if any
+
+    def __post_init__(self):
+        self.computed = self.prefix            # a synthetic prefix counts as written
 
     @property
     def finished(self) -> bool:
@@ -32,21 +42,55 @@ class Request:
         return self.prefix + len(self.prompt) + len(self.output) + self.pending
 
     @property
+    def known(self) -> int:
+        """Positions whose token the host knows (prefix, prompt, output read back)."""
+        return self.prefix + len(self.prompt) + len(self.output)
+
+    @property
+    def prefill_end(self) -> int:
+        """Positions that must be in the KV cache before it decodes: all it knows, but for a
+        request that has generated (a preempted one, recomputing) the last token, which its next
+        decode row feeds."""
+        return self.known - (1 if self.output else 0)
+
+    @property
+    def prefilling(self) -> bool:
+        """Its KV cache lacks positions it knows (a new or preempted request, or a prompt in
+        chunks): the next rows it runs are a prefill chunk, not a decode row."""
+        return self.computed < self.prefill_end
+
+    @property
     def exhausted(self) -> bool:
         """Its last token is already sampled (pending): scheduling it again would overrun."""
         return (len(self.output) + self.pending >= self.params.max_new_tokens
                 or self.num_tokens >= self.max_len)
 
-    def next_input(self) -> tuple[int, list[int], int]:
-        """(start position, token ids, src row) to feed this step: the prompt first, then the
-        last token. src row >= 0: the token is still on the device, in that row of the token
-        buffer (ids holds a placeholder); -1: ids are the tokens. A pending token that the
-        sampling params force is known here already."""
-        if not self.output and not self.pending:
-            return self.prefix, list(self.prompt), -1
+    def token_at(self, p: int) -> int:
+        """The token at position p (prompt or output; p >= prefix)."""
+        i = p - self.prefix
+        return self.prompt[i] if i < len(self.prompt) else self.output[i - len(self.prompt)]
+
+    def chunk(self, n: int) -> tuple[int, list[int], bool]:
+        """(start, ids, samples) of the next prefill chunk of at most n tokens; samples: the chunk
+        ends a new request's prompt, so its last row yields the first generated token."""
+        start = self.computed
+        end = min(start + n, self.prefill_end)
+        return start, [self.token_at(p) for p in range(start, end)], (
+            end == self.prefill_end and not self.output)
+
+    def decode_input(self) -> tuple[int, int, int]:
+        """(position, token id, src row) of the next decode row. src row >= 0: the token is still
+        on the device, in that row of the sampler's token buffer (the id is a placeholder); -1:
+        the id is the token. A pending token that the sampling params force is known already."""
+        pos = self.num_tokens - 1
         if not self.pending:
-            return self.num_tokens - 1, [self.output[-1]], -1
+            return pos, self.output[-1], -1
         k, forced = len(self.output) + self.pending - 1, self.params.forced_tokens
         if k < len(forced):
-            return self.num_tokens - 1, [forced[k]], -1
-        return self.num_tokens - 1, [0], self.pending_row
+            return pos, forced[k], -1
+        return pos, 0, self.pending_row
+
+    def reset_kv(self) -> None:
+        """Its KV was dropped (preempted): everything it knows is prefilled again on resume."""
+        self.computed = self.prefix
+        self.preemptions += 1

@@ -1,15 +1,38 @@
-"""Sampling parameters and the sampler's entry point: greedy, temperature, top-k, top-p, seeded per
-request. Every rank holds the same full logits and draws with the same (seed, position)-keyed
-noise (helix/runtime/sampler.py), so every rank gets the same token with no extra collective."""
+"""Sampling parameters of a request, validated when they are made: greedy, temperature, top-k,
+top-p, seeded per request, stop ids, teacher forcing."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from helix.errors import RequestError
-from helix.runtime.sampler import sample_rows
+
+SEED_LIMIT = 2**63            # seeds are hashed as signed 64-bit integers
+TOP_K_LIMIT = 2**31
+
+
+def _int(name: str, v, lo: int, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise RequestError(f"{name} must be an integer, got {v!r}")
+    if v < lo or (hi is not None and v >= hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
+        raise RequestError(f"{name} must be {bound}, got {v}")
+    return v
+
+
+def _float(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise RequestError(f"{name} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _ids(name: str, v) -> tuple[int, ...]:
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+        raise RequestError(f"{name} must be a list of token ids, got {v!r}: e.g. {name}=[2]")
+    return tuple(_int(f"{name} entry", t, 0) for t in v)
 
 
 @dataclass(frozen=True)
@@ -25,33 +48,33 @@ class SamplingParams:
                                              # logits of a given continuation, parity runs)
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        _int("max_new_tokens", self.max_new_tokens, 1)
+        t = _float("temperature", self.temperature)
+        if t < 0:
+            raise RequestError(f"temperature must be >= 0 (0: greedy), got {t}")
+        _int("top_k", self.top_k, 0, TOP_K_LIMIT)
+        p = _float("top_p", self.top_p)
+        if not 0 < p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {p}")
+        if self.seed is not None:
+            _int("seed", self.seed, 0, SEED_LIMIT)
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        object.__setattr__(self, "temperature", t)
+        object.__setattr__(self, "top_p", p)
+        object.__setattr__(self, "stop_token_ids", _ids("stop_token_ids", self.stop_token_ids))
+        object.__setattr__(self, "forced_tokens", _ids("forced_tokens", self.forced_tokens))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
-
-def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """logits [V] fp32 -> temperature-scaled logits with filtered entries at -inf."""
-    x = logits / p.temperature
-    if p.top_k and p.top_k < x.numel():
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = sorted_x.softmax(-1)
-        # drop a token when the mass before it already reaches top_p (the top token always stays)
-        drop = (probs.cumsum(-1) - probs) >= p.top_p
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return x
+    def check_vocab(self, vocab: int) -> None:
+        """Token ids the request names must exist in the model's vocabulary."""
+        for name in ("stop_token_ids", "forced_tokens"):
+            bad = [t for t in getattr(self, name) if t >= vocab]
+            if bad:
+                raise RequestError(f"{name} holds {bad[0]}, outside the vocabulary [0, {vocab})")
 
 
 def row_params(params: list[SamplingParams], seeds: list[int], counters: list[int]
@@ -63,29 +86,3 @@ def row_params(params: list[SamplingParams], seeds: list[int], counters: list[in
             "top_k": torch.tensor([p.top_k for p in params], dtype=torch.int64),
             "seed": torch.tensor(seeds, dtype=torch.int64),
             "counter": torch.tensor(counters, dtype=torch.int64)}
-
-
-def sample_into(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-                counters: list[int], out: torch.Tensor, greedy_done: bool = False) -> None:
-    """logits [S, V] -> one token id per row, written into out[:S] (int64, logits' device) with
-    no host sync. Greedy rows take the argmax; the others draw from the batched sampler
-    (helix/runtime/sampler.py) with noise keyed by (seed, counter): pass the position of the
-    token being sampled as its counter. greedy_done: out already holds the argmax."""
-    if not greedy_done:
-        torch.argmax(logits, -1, out=out[:logits.shape[0]])
-    if all(p.greedy for p in params):
-        return
-    host = row_params(params, seeds, counters)
-    pin = logits.is_cuda
-    dev = {k: (v.pin_memory() if pin else v).to(logits.device, non_blocking=pin)
-           for k, v in host.items()}
-    sample_rows(logits, dev["temperature"], dev["top_k"], dev["top_p"], dev["seed"],
-                dev["counter"], out)
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-           counters: list[int]) -> list[int]:
-    """logits [S, V] -> one token id per row (a host list)."""
-    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    sample_into(logits, params, seeds, counters, out)
-    return out.tolist()

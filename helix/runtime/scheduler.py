@@ -1,68 +1,194 @@
-"""Continuous batching, replicated on every rank: given the same commands in the same order,
-every rank admits, schedules and finishes the same requests.
+"""Continuous batching with chunked prefill and paged admission, replicated on every rank: given
+the same commands in the same order, every rank plans the same steps.
 
-Admission reserves the request's worst-case KV pages (prompt + max_new_tokens) on KVP rank 0,
-which owns the most positions of any sequence, so no rank ever runs out mid-request and nothing
-is preempted. A request that could never fit is refused when it is added.
+Pages are counted as KVP rank 0 holds them (it owns at least as many positions of any sequence as
+any other rank), so a plan that fits rank 0's pool fits every rank's. A request holds the pages of
+the positions it has written, not its worst case: admission needs room for its first chunk (plus
+one page per running request, so decodes can grow), pages are taken as sequences grow, and when a
+decode row finds the pool full the newest running request is preempted: its pages are freed and it
+goes back to the head of the queue, to be recomputed (prompt and generated tokens prefilled again)
+when it is re-admitted. A request may overtake a queue head that does not fit, at most
+`MAX_OVERTAKES` times per head; then the head blocks the queue until it fits.
+
+Each step: one decode row per running request that has finished its prefill, then prefill chunks
+of at most `max_prefill_tokens` tokens in all (running requests still prefilling first, then
+newly admitted ones). Rows are planned in that order: decode rows first.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from helix.kv.ownership import KVSharding
 from helix.runtime.request import Request
 
+MAX_OVERTAKES = 8
+
+
+@dataclass
+class Chunk:
+    req: Request
+    start: int                  # first position
+    ids: list[int]              # token ids of positions [start, start + len(ids))
+    samples: bool               # its last row yields the request's first generated token
+
+
+@dataclass
+class StepPlan:
+    decode: list[Request] = field(default_factory=list)     # one row each, first in the batch
+    prefill: list[Chunk] = field(default_factory=list)      # then these chunks, in order
+    preempted: list[Request] = field(default_factory=list)  # KV dropped this step (free pages)
+
+    @property
+    def requests(self) -> list[Request]:
+        return self.decode + [c.req for c in self.prefill]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(len(c.ids) for c in self.prefill)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
 
 class Scheduler:
-    def __init__(self, num_pages: int, page_size: int, kvp: int, interleave: int, max_batch: int):
-        self.num_pages, self.page_size = num_pages, page_size
-        self.sharding = KVSharding(kvp, interleave, page_size)
-        self.max_batch = max_batch
+    def __init__(self, num_pages: int, sharding: KVSharding, max_batch: int,
+                 max_prefill_tokens: int):
+        self.num_pages, self.sharding = num_pages, sharding
+        self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.reserved: dict[int, int] = {}
-        self.dropped: list[Request] = []      # aborted while waiting
+        self.running: list[Request] = []      # in admission order
+        self.pages: dict[int, int] = {}       # request id -> pages it holds (rank 0's count)
+        self.dropped: list[Request] = []      # finished while waiting (abort, error)
+        self._admitted = 0
 
+    # -- accounting ---------------------------------------------------------------------------
     def pages_for(self, length: int) -> int:
         return self.sharding.max_pages(length)
 
     def free_pages(self) -> int:
-        return self.num_pages - sum(self.reserved.values())
+        return self.num_pages - sum(self.pages.values())
 
+    def _grow(self, r: Request, length: int) -> int:
+        """Pages r needs beyond what it holds to hold `length` positions."""
+        return self.pages_for(length) - self.pages.get(r.id, 0)
+
+    def _fit(self, r: Request, start: int, n: int, free: int) -> int:
+        """The longest chunk <= n from `start` whose pages fit `free` (pages grow with length)."""
+        if self._grow(r, start + n) <= free:
+            return n
+        lo, hi = 0, n                  # lo fits, hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self._grow(r, start + mid) <= free else (lo, mid)
+        return lo
+
+    # -- commands -----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def abort(self, req_id: int) -> Request | None:
-        for r in list(self.waiting):
-            if r.id == req_id:
-                self.waiting.remove(r)
-                r.finish_reason = "abort"
-                self.dropped.append(r)
-                return r
-        for r in self.running:
-            if r.id == req_id:
+        for r in list(self.waiting) + self.running:
+            if r.id == req_id and not r.finished:
                 r.finish_reason = "abort"
                 return r
         return None
 
-    def schedule(self) -> list[Request]:
-        """Admit waiting requests (FIFO) while pages and batch slots last; return the batch."""
-        while self.waiting and len(self.running) < self.max_batch:
-            req = self.waiting[0]
-            need = self.pages_for(req.max_len)
-            if need > self.free_pages():
-                break
-            self.waiting.popleft()
-            self.reserved[req.id] = need
-            self.running.append(req)
-        return list(self.running)
+    # -- planning -----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        for r in list(self.running):                    # decode rows, oldest first
+            if r not in self.running or r.finished or r.exhausted or r.prefilling:
+                continue
+            need = self._grow(r, r.num_tokens)
+            while need > self.free_pages():
+                victim = self.running[-1]               # the newest request makes room
+                self._preempt(victim, plan)
+                if victim is r:
+                    break
+            if r in self.running:
+                self.pages[r.id] = self.pages_for(r.num_tokens)
+                plan.decode.append(r)
+        budget = self._plan_prefill(plan)
+        while not plan and len(self.running) > 1 and any(   # prompts blocked on pages
+                r.prefilling and not r.pending and not r.finished for r in self.running):
+            self._preempt(self.running[-1], plan)               # make room: newest out
+            budget = self._plan_prefill(plan)
+        self._admit(budget, plan)
+        return plan
 
+    def _plan_prefill(self, plan: StepPlan) -> int:
+        """Chunks of running requests still prefilling, oldest first; returns the budget left."""
+        budget = self.max_prefill_tokens
+        for r in self.running:
+            if budget <= 0:
+                break
+            if r.finished or r.pending or not r.prefilling or r in plan.decode:
+                continue
+            budget -= self._plan_chunk(r, budget, plan)
+        return budget
+
+    def _plan_chunk(self, r: Request, budget: int, plan: StepPlan) -> int:
+        start, ids, samples = r.chunk(budget)
+        n = self._fit(r, start, len(ids), self.free_pages())
+        if n == 0:
+            return 0
+        if n < len(ids):
+            ids, samples = ids[:n], False
+        self.pages[r.id] = self.pages_for(start + n)
+        plan.prefill.append(Chunk(r, start, ids, samples))
+        return n
+
+    def _admit(self, budget: int, plan: StepPlan) -> None:
+        head_blocked = None
+        for r in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_batch:
+                return
+            if r.finished:
+                self.waiting.remove(r)
+                self.dropped.append(r)
+                continue
+            if r.pending:                  # preempted with a token still on its way: next step
+                continue
+            start, ids, _ = r.chunk(budget)
+            fits = self._fit(r, start, len(ids), self.free_pages() - len(self.running) - 1)
+            if fits == 0:
+                if head_blocked is None:
+                    head_blocked = r
+                    if r.skipped >= MAX_OVERTAKES:
+                        return             # fairness: the head has been overtaken enough
+                continue
+            if head_blocked is not None:
+                head_blocked.skipped += 1
+            self.waiting.remove(r)
+            r.admitted = self._admitted
+            self._admitted += 1
+            self.running.append(r)
+            budget -= self._plan_chunk(r, budget, plan)
+            if head_blocked is not None and head_blocked.skipped >= MAX_OVERTAKES:
+                return
+
+    def _preempt(self, r: Request, plan: StepPlan) -> None:
+        self.running.remove(r)
+        self.pages.pop(r.id, None)
+        r.reset_kv()
+        self.waiting.appendleft(r)
+        plan.preempted.append(r)
+
+    # -- after a step -------------------------------------------------------------------------
     def retire(self) -> list[Request]:
-        """Drop finished requests from the batch and release their reservations."""
+        """Drop finished requests from the batch and the queue, and release their pages."""
         done = [r for r in self.running if r.finished]
         self.running = [r for r in self.running if not r.finished]
+        done += [r for r in self.waiting if r.finished]
+        self.waiting = deque(r for r in self.waiting if not r.finished)
         for r in done:
-            self.reserved.pop(r.id, None)
-        done, self.dropped = done + self.dropped, []
+            self.pages.pop(r.id, None)
+        done, self.dropped = self.dropped + done, []
         return done
+
+    def stats(self) -> dict:
+        return {"running": len(self.running), "queued": len(self.waiting),
+                "pages_used": sum(self.pages.values()), "pages_free": self.free_pages(),
+                "num_pages": self.num_pages}
