@@ -51,6 +51,7 @@ class GraphRunner:
         self.use_graphs = enabled and self.device.type == "cuda"
         self.warmup, self.capture_error_mode = warmup, capture_error_mode
         self.graphs: dict[int, BreakableGraph] = {}   # bucket -> its captured graph
+        self.last_bucket: int | None = None           # bucket of the last replay
         self.capture_seconds = 0.0
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
@@ -90,6 +91,7 @@ class GraphRunner:
         if bucket not in self.graphs:
             raise ValueError(f"bucket {bucket} is not captured (ladder {list(self.ladder)})")
         self.buffers.check_addresses()
+        self.last_bucket = bucket
         return self.graphs[bucket].replay()
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
-"""graphs/: bucket ladder, agreement across ranks, static buffers and padding, breakable graph
-plans, the runner's eager fallback and teardown. CPU tests run everywhere; `gpu` tests compare
-captured against eager output bitwise and skip without CUDA."""
+"""helix.graphs (the repository's graphs/): bucket ladder, packed static buffers staged from a host
+mirror, breakable graph plans, the runner's replay and teardown. CPU tests run everywhere; `gpu`
+tests compare captured against eager output bitwise and skip without CUDA."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from graphs import (Break, BreakableGraph, BucketLadder, EagerFallbackWarning, GraphContext,
-                    GraphRunner, HostStaging, Segment, StaticBuffers, default_buckets, dist_reduce_max)
-from graphs import inspect as graph_inspect
+from helix.graphs import (Break, BreakableGraph, BucketLadder, GraphContext, GraphRunner,
+                          HostStaging, Segment, StaticBuffers, default_buckets)
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -49,58 +48,23 @@ def test_ladder_validation():
     assert list(ladder.descending()) == [32, 8, 1]
 
 
-@pytest.mark.parametrize("needs, bucket", [([3, 9, 0], 16), ([0, 0], 1), ([40, 1], 40),
-                                           ([2, 41, 5], None)])
-def test_agree_fake_ranks(needs, bucket):
-    """Every simulated rank gets the bucket of the largest need, whatever its own need."""
-    ladder = BucketLadder(40)
-    fake_all_reduce_max = lambda n: max(needs)  # noqa: E731  (same answer on every rank)
-    assert [ladder.agree(n, fake_all_reduce_max) for n in needs] == [bucket] * len(needs)
-    assert ladder.agree(3, None) == 4  # one rank: no reduction
-
-
-def test_agree_rejects_bad_reduction():
-    with pytest.raises(RuntimeError, match="max over ranks"):
-        BucketLadder(40).agree(9, lambda n: 1)
-
-
 # -- static buffers ---------------------------------------------------------------------------
 
-def _buffers(rows=16):
-    bufs = StaticBuffers(rows)
-    bufs.add("x", (3,), torch.float32, pad=0.0)
-    bufs.add("slot", (), torch.int64, pad=-1)
-    bufs.add("length", (), torch.int32, pad=0)
-    bufs.add("table", (4,), torch.int32, pad=-1)
-    return bufs
+def _buffers(rows=16, device="cpu"):
+    return StaticBuffers.packed(rows, device, {
+        "x": ((3,), torch.float32, 0.0), "slot": ((), torch.int64, -1),
+        "length": ((), torch.int32, 0)})
 
 
-def test_copy_in_pads_bucket_rows_only():
-    bufs = _buffers()
-    bufs["slot"].fill_(77)  # sentinel: rows past the bucket must stay untouched
-    src = torch.tensor([5, 6, 7])
-    view = bufs.copy_in("slot", src, bucket=8)
-    assert view.shape == (8,) and view.data_ptr() == bufs["slot"].data_ptr()
-    assert bufs["slot"][:3].tolist() == [5, 6, 7]       # real rows
-    assert bufs["slot"][3:8].tolist() == [-1] * 5        # padded rows: the buffer's pad
-    assert bufs["slot"][8:].tolist() == [77] * 8         # beyond the bucket: not touched
-    bufs.copy_in("slot", src[:1], pad_value=-9, bucket=4)  # per-call override
-    assert bufs["slot"][:4].tolist() == [5, -9, -9, -9]
-
-
-def test_copy_in_narrow_rows_and_dtype():
-    bufs = _buffers()
-    table = torch.arange(6, dtype=torch.int64).view(3, 2)  # 2 of 4 pages, int64 -> int32
-    bufs.copy_in("table", table, bucket=4)
-    assert bufs["table"][:4].tolist() == [[0, 1, -1, -1], [2, 3, -1, -1], [4, 5, -1, -1],
-                                          [-1, -1, -1, -1]]
-    assert bufs["table"].dtype == torch.int32
-    with pytest.raises(ValueError):
-        bufs.copy_in("table", torch.zeros(5, 4), bucket=4)   # more rows than the bucket
-    with pytest.raises(ValueError):
-        bufs.copy_in("table", torch.zeros(2, 5), bucket=4)   # wider than the buffer
-    with pytest.raises(KeyError):
-        bufs.copy_in("nope", table)
+def _stage(bufs, bucket, **inputs):
+    """Write a step's rows through a host mirror, as the runtime does."""
+    host = HostStaging(bufs)
+    for name, t in inputs.items():
+        host.put(name, t, bucket)
+    for name in bufs.names():
+        if name not in inputs:
+            host.put(name, bufs[name][:0].cpu(), bucket)
+    host.upload(bucket, non_blocking=False)
 
 
 def _packed(rows=8):
@@ -145,14 +109,14 @@ def test_host_staging_uploads_bucket_rows_with_pads():
     with pytest.raises(ValueError):
         host.put("ids", torch.zeros(5, dtype=torch.int64), bucket=4)        # too many rows
     with pytest.raises(ValueError, match="packed"):
-        HostStaging(_buffers())
+        HostStaging(StaticBuffers(4))
 
 
 def test_addresses_tracked():
     bufs = _buffers()
     before = bufs.data_ptrs()
     for n, bucket in [(1, 1), (3, 4), (16, 16), (5, 8)]:
-        bufs.copy_in("x", torch.randn(n, 3), bucket=bucket)
+        _stage(bufs, bucket, x=torch.randn(n, 3))
         bufs.check_addresses()
     assert bufs.data_ptrs() == before
     bufs["x"].set_(torch.zeros(16, 3))  # what a careless reallocation looks like
@@ -234,53 +198,29 @@ def test_runner_pads_and_reuses_buffers():
     ptrs = bufs.data_ptrs()
     for n in [3, 16, 1, 5]:
         x = torch.randn(n, 3)
-        out = runner.run(n, {"x": x, "slot": torch.arange(n), "length": torch.full((n,), 2)})
         bucket = BucketLadder(16).choose(n)
+        _stage(bufs, bucket, x=x, slot=torch.arange(n), length=torch.full((n,), 2, dtype=torch.int32))
+        out = runner.replay(bucket)
         assert runner.last_bucket == bucket and out.shape == (bucket, 3)
         assert torch.equal(out[:n], x * 2 + 2)                   # real rows
         assert torch.equal(out[n:], torch.zeros(bucket - n, 3))  # pad rows: slot -1, length 0
         assert bufs.data_ptrs() == ptrs
+    with pytest.raises(ValueError, match="not captured"):
+        runner.replay(3)
     runner.close()
 
 
-def test_eager_fallback_warns_once():
-    bufs = _buffers(8)
-    runner = GraphRunner(_step, BucketLadder(8), bufs, breaks={"attention"})
+def test_close_idempotent():
+    runner = GraphRunner(_step, BucketLadder(4), _buffers(4), breaks={"attention"})
     runner.capture_all()
-    before = bufs["x"].clone()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for n in [9, 12, 3]:
-            x = torch.randn(n, 3)
-            out = runner.run(n, {"x": x, "slot": torch.arange(n), "length": torch.ones(n)},
-                             agree=lambda k: max(k, 10))  # another rank needs 10
-            rows = max(n, 10)  # every rank runs eagerly on the agreed row count
-            assert out.shape == (rows, 3) and torch.equal(out[:n], x * 2 + 1)
-            assert torch.equal(out[n:], torch.zeros(rows - n, 3))
-            assert runner.last_bucket is None
-    assert [w.category for w in caught] == [EagerFallbackWarning]
-    assert torch.equal(bufs["x"], before)  # the fallback leaves the static buffers alone
+    assert len(runner.graphs) == 3
     runner.close()
-
-
-def test_close_idempotent_and_context_manager():
-    with GraphRunner(_step, BucketLadder(4), _buffers(4), breaks={"attention"}) as runner:
-        out = runner.run(2, {"x": torch.ones(2, 3)})  # captures lazily on first use
-        assert out.shape == (2, 3) and len(runner.graphs) == 3
+    runner.close()
     assert runner.closed and runner.graphs == {}
-    runner.close()
-    runner.close()
     with pytest.raises(RuntimeError, match="closed"):
-        runner.run(1, {})
+        runner.replay(1)
     with pytest.raises(ValueError, match="rows"):
         GraphRunner(_step, BucketLadder(32), _buffers(16))
-
-
-def test_inspect_imports_without_cuda():
-    g = BreakableGraph(_logged_fn([]), breaks={"attention"})
-    g.capture()
-    assert graph_inspect.describe(g).splitlines() == [
-        "segment 0 (eager)", "break attention (eager)", "segment 1 (eager, inlined sampling)"]
 
 
 # -- two real ranks (gloo) --------------------------------------------------------------------
@@ -298,36 +238,27 @@ def _gloo_worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=30))
     try:
-        reduce_max = dist_reduce_max()
         ladder = BucketLadder(8)
-        local = [3, 6][rank]
-        result = {"bucket": ladder.agree(local, reduce_max)}
-        bufs = StaticBuffers(8)
-        bufs.add("x", (2,), torch.float32, pad=0.0)
-        with GraphRunner(_collective_step, ladder, bufs, breaks={"attention"}) as runner:
-            runner.capture_all()
-            out = runner.run(local, {"x": torch.full((local, 2), rank + 1.0)}, agree=reduce_max)
-            result["rows"] = out.shape[0]
-            result["sums"] = out[:, 0].tolist()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", EagerFallbackWarning)
-                big = [9, 4][rank]  # rank 0 exceeds the ladder: both must go eager on 9 rows
-                out = runner.run(big, {"x": torch.ones(big, 2)}, agree=reduce_max)
-            result["eager_rows"] = out.shape[0]
+        bufs = StaticBuffers.packed(8, "cpu", {"x": ((2,), torch.float32, 0.0)})
+        runner = GraphRunner(_collective_step, ladder, bufs, breaks={"attention"})
+        runner.capture_all()
+        local = [3, 6][rank]               # ranks hold different rows, replay the same bucket
+        _stage(bufs, 8, x=torch.full((local, 2), rank + 1.0))
+        out = runner.replay(8)
+        result = {"rows": out.shape[0], "sums": out[:, 0].tolist()}
+        runner.close()
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
     finally:
         dist.destroy_process_group()
 
 
-def test_two_rank_gloo_agreement(tmp_path):
+def test_two_ranks_replay_one_bucket_with_per_rank_padding(tmp_path):
     mp.spawn(_gloo_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
-    assert r0["bucket"] == r1["bucket"] == 8
     assert r0["rows"] == r1["rows"] == 8
     # rank 0 rows 0..2 hold 1, rank 1 rows 0..5 hold 2, pads 0: the all-reduced sums
     assert r0["sums"] == r1["sums"] == [3.0] * 3 + [2.0] * 3 + [0.0] * 2
-    assert r0["eager_rows"] == r1["eager_rows"] == 9
 
 
 # -- GPU: captured vs eager -------------------------------------------------------------------
@@ -350,10 +281,8 @@ def _gpu_step_factory(scale):
 
 
 def _gpu_buffers():
-    bufs = StaticBuffers(16, "cuda")
-    bufs.add("x", (64,), torch.float32, pad=0.0)
-    bufs.add("length", (), torch.int32, pad=0)
-    return bufs
+    return StaticBuffers.packed(16, "cuda", {"x": ((64,), torch.float32, 0.0),
+                                            "length": ((), torch.int32, 0)})
 
 
 @gpu
@@ -366,7 +295,7 @@ def test_gpu_captured_matches_eager_bitwise(n, breaks):
     ladder = BucketLadder(16)
     graphed = GraphRunner(step, ladder, _gpu_buffers(), breaks=breaks)
     eager = GraphRunner(step, ladder, _gpu_buffers(), breaks=breaks, enabled=False)
-    with graphed, eager:
+    try:
         graphed.capture_all()
         eager.capture_all()
         assert graphed.use_graphs and not eager.use_graphs
@@ -377,18 +306,24 @@ def test_gpu_captured_matches_eager_bitwise(n, breaks):
             scale[0] = s
             x = torch.randn(n, 64, device="cuda")
             lens = torch.arange(1, n + 1, device="cuda", dtype=torch.int32)
-            got = graphed.run(n, {"x": x, "length": lens}).clone()
-            want = eager.run(n, {"x": x, "length": lens})
+            b = ladder.choose(n)
+            _stage(graphed.buffers, b, x=x.cpu(), length=lens.cpu())
+            _stage(eager.buffers, b, x=x.cpu(), length=lens.cpu())
+            got = graphed.replay(b).clone()
+            want = eager.replay(b)
             assert got.shape == want.shape == (ladder.choose(n), 32)
             assert torch.equal(got, want)
             assert torch.equal(got[n:], torch.zeros_like(got[n:]))  # pad rows: length 0
         assert graphed.buffers.data_ptrs() == ptrs
         assert len(graphed.graphs[ladder.choose(n)].segment_graphs) == len(breaks) + 1
+    finally:
+        graphed.close()
+        eager.close()
 
 
 @gpu
 @needs_cuda
-def test_gpu_empty_segments_and_inspect():
+def test_gpu_empty_segments():
     """Breaks at the start and back to back leave empty segments: skipped at replay."""
     bufs = _gpu_buffers()
 
@@ -398,45 +333,17 @@ def test_gpu_empty_segments_and_inspect():
         y = x.sum(-1)
         return ctx.graph_break("last", lambda t: t - 1, y)
 
-    with GraphRunner(step, BucketLadder(4), bufs, breaks={"first", "second", "last"},
-                     inspectable=True) as runner:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # no "empty graph" warning may leak out
-            runner.capture_all()
-        x = torch.randn(3, 64, device="cuda")
-        out = runner.run(3, {"x": x})
-        torch.testing.assert_close(out[:3], ((x + 1) * 2).sum(-1) - 1)
-        g = runner.graphs[4]
-        assert [type(s).__name__ for s in g.plan] == ["Segment", "Break"] * 3 + ["Segment"]
-        text = graph_inspect.describe(g)
-        print(text)
-        nodes = [graph_inspect.summarize(sg).num_nodes for sg in g.segment_graphs]
-        assert nodes[0] == nodes[1] == nodes[3] == 0 and nodes[2] >= 1  # only the sum captured
-        assert "segment 1: 0 nodes" in text
-
-
-@gpu
-@needs_cuda
-def test_gpu_inspect_debug_dump_fallback():
-    """The DOT path (no cuda-python): torch dumps only graphs it kept (keep_graph or debug mode)."""
-    try:
-        g = torch.cuda.CUDAGraph(keep_graph=True)
-    except TypeError:
-        g = torch.cuda.CUDAGraph()
-    g.enable_debug_mode()
-    x = torch.ones(8, device="cuda")
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        g.capture_begin()
-        y = (x * 2).sum()
-        g.capture_end()
-    torch.cuda.synchronize()
+    runner = GraphRunner(step, BucketLadder(4), bufs, breaks={"first", "second", "last"})
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch announces every dump
-        summary = graph_inspect._summarize_dot(g, None)
-    assert summary.source == "debug_dump" and summary.num_nodes >= 2
-    assert summary.node_types.get("Kernel", 0) >= 2, summary
-    del y
+        warnings.simplefilter("error")  # no "empty graph" warning may leak out
+        runner.capture_all()
+    x = torch.randn(3, 64)
+    _stage(bufs, 4, x=x)
+    out = runner.replay(4)
+    torch.testing.assert_close(out[:3].cpu(), ((x + 1) * 2).sum(-1) - 1)
+    g = runner.graphs[4]
+    assert [type(s).__name__ for s in g.plan] == ["Segment", "Break"] * 3 + ["Segment"]
+    runner.close()
 
 
 @gpu
@@ -474,26 +381,26 @@ def _nccl_worker(rank, world, init_file, out_dir):
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60),
                             device_id=torch.device("cuda", rank))
-    result = {"equal": [], "buckets": []}
+    result = {"equal": []}
     try:
-        reduce_max = dist_reduce_max()
         ladder = BucketLadder(16)
-        bufs = StaticBuffers(16, "cuda")
-        bufs.add("x", (256,), torch.float32, pad=0.0)
-        ref_bufs = bufs.resized(16)
-        with GraphRunner(_nccl_step, ladder, bufs, breaks={"exchange"}) as graphed, \
-                GraphRunner(_nccl_step, ladder, ref_bufs, breaks={"exchange"},
-                            enabled=False) as eager:
-            graphed.capture_all()
-            eager.capture_all()
-            gen = torch.Generator(device="cuda").manual_seed(rank)
-            for local in ([3, 16, 1, 5], [7, 2, 1, 16])[rank]:
-                x = torch.randn(local, 256, device="cuda", generator=gen)
-                got = graphed.run(local, {"x": x}, agree=reduce_max).clone()
-                want = eager.run(local, {"x": x}, agree=reduce_max)
-                result["equal"].append(bool(torch.equal(got, want)))
-                result["buckets"].append(graphed.last_bucket)
-        # runners closed (graphs freed) before the group is destroyed
+        spec = {"x": ((256,), torch.float32, 0.0)}
+        graphed = GraphRunner(_nccl_step, ladder, StaticBuffers.packed(16, "cuda", spec),
+                              breaks={"exchange"})
+        eager = GraphRunner(_nccl_step, ladder, StaticBuffers.packed(16, "cuda", spec),
+                            breaks={"exchange"}, enabled=False)
+        graphed.capture_all()
+        eager.capture_all()
+        gen = torch.Generator().manual_seed(rank)
+        for local, bucket in zip(([3, 16, 1, 5], [7, 2, 1, 16])[rank], [8, 16, 1, 16]):
+            x = torch.randn(local, 256, generator=gen)
+            _stage(graphed.buffers, bucket, x=x)
+            _stage(eager.buffers, bucket, x=x)
+            got = graphed.replay(bucket).clone()
+            want = eager.replay(bucket)
+            result["equal"].append(bool(torch.equal(got, want)))
+        graphed.close()                   # graphs freed before the group is destroyed
+        eager.close()
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -505,5 +412,4 @@ def _nccl_worker(rank, world, init_file, out_dir):
 def test_gpu_two_rank_nccl_captured_collectives(tmp_path):
     mp.spawn(_nccl_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
-    assert r0["buckets"] == r1["buckets"] == [8, 16, 1, 16]
     assert all(r0["equal"]) and all(r1["equal"])

@@ -86,6 +86,7 @@ class Engine:
         self.inflight: _Launched | None = None
         self.last_logits: torch.Tensor | None = None
         self.dead: str | None = None
+        self.last_graphed = False             # whether the last step replayed a graph
         self._failed_last = False
         self.graphs = None
         if runtime.cuda_graphs:
@@ -198,7 +199,9 @@ class Engine:
                 last.append(len(ids) - 1)
         params = [r.params for r in sampled]
         seeds = [self.seeds[r.id] for r in sampled]
-        if self.graphs is not None and not plan.prefill and self.graphs.fits(len(ids)):
+        self.last_graphed = (self.graphs is not None and not plan.prefill
+                             and self.graphs.fits(len(ids)))
+        if self.last_graphed:
             with nvtx_range("helix.prepare"):
                 meta = self.kv.prepare(batch, "cpu")
                 rows = None if all(p.greedy for p in params) else row_params(params, seeds,
