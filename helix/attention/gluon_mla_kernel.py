@@ -28,6 +28,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
+# triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 renamed it async_load and made
+# the old name raise
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 D_LATENT = gl.constexpr(512)
 D_ROPE = gl.constexpr(64)
 CHUNK = gl.constexpr(64)         # the K step of QK^T over the latent: one 128-byte swizzle atom
@@ -85,9 +89,9 @@ def _producer(args, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.
             # and zeroed (V) by the consumers, and the byte count stays the tile's
             page = gl.load(bt_row + t // PAGE_SIZE, mask=t < end, other=0)
             row = page * PAGE_SIZE + t % PAGE_SIZE                   # < 2^31 (host checks)
-            tma.async_copy_global_to_shared(desc_lat, [row, 0], ready,
+            _tma_load(desc_lat, [row, 0], ready,
                                             kv_lat.index(s).slice(sub * BOX_ROWS, BOX_ROWS, 0))
-            tma.async_copy_global_to_shared(desc_rope, [row, 0], ready,
+            _tma_load(desc_rope, [row, 0], ready,
                                             kv_rope.index(s).slice(sub * BOX_ROWS, BOX_ROWS, 0))
 
 
@@ -187,8 +191,8 @@ def _seesaw_consumer(args, WG: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.
         s = j % STAGES
         k_lat = kv_lat.index(s)
         v_half = k_lat.slice(WG * HALF, HALF, dim=1)              # [BLOCK_N, 256]
-        mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
         if j % 2 == WG:
+            mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
             sc = _qk(q_lat, q_rope, k_lat, kv_rope.index(s), s_layout, BLOCK_H, BLOCK_N)
             sc, o = warpgroup_mma_wait(0, deps=(sc, o))            # also retires PV_{j-1}
             if j > 0:
@@ -214,11 +218,15 @@ def _seesaw_consumer(args, WG: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.
             m_ref = m_new_o
             o = warpgroup_mma(gl.convert_layout(p16, p_layout), v_half, o, is_async=True)
         else:
-            mbarrier.wait(p_ready, j & 1)
-            m_new_o = m_smem.load(row_o)
-            o = warpgroup_mma_wait(0, deps=(o,))                   # PV_{j-1} (own tile) done
+            # retire PV_{j-1} (own tile) and release its stage BEFORE waiting for P_j: with 2
+            # stages the load of tile j + 1 waits for that release, and the other warpgroup's
+            # QK^T_j + softmax_j then hide it
+            o = warpgroup_mma_wait(0, deps=(o,))
             if j > 0:
                 mbarrier.arrive(kv_empty.index((j - 1) % STAGES), count=1)
+            mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)   # (V_j: the TMA bytes landed)
+            mbarrier.wait(p_ready, j & 1)
+            m_new_o = m_smem.load(row_o)
             alpha = gl.exp2(m_ref - m_new_o)
             o = o * gl.expand_dims(alpha, 1)
             l_own = l_own * alpha
