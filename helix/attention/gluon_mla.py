@@ -120,7 +120,7 @@ def descriptor_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """The pool as two 2-D matrices for TMA: latent [P * page, 512] and rope [P * page, 64],
     both with row stride 576 (pages must be contiguous in the pool)."""
     P, page, width = kv_cache.shape
-    flat = kv_cache.reshape(P * page, width)          # a view: raises if pages are not contiguous
+    flat = kv_cache.view(P * page, width)             # raises if the pages are not uniform
     return flat[:, :D_LATENT], flat[:, D_LATENT:]
 
 
