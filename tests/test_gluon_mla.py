@@ -211,3 +211,43 @@ def test_both_variants_compile_for_sm90(tmp_path):
     assert recs["seesaw"]["hgmma_shapes"] == {"64x64x16": 72, "64x256x16": 16}
     assert recs["simple"]["hgmma_shapes"] == {"64x32x16": 36, "64x256x16": 4}
     assert recs["simple"]["stack_bytes"] == 0
+
+
+def test_bench_cases_poison_only_stale_slots():
+    """profiling/bench_mla_gluon.py's ragged cases: NaN only where no sequence reads, so the
+    oracle stays finite; compare() flags NaN, wrong values and non-empty rows of empty
+    sequences."""
+    from profiling.bench_mla_gluon import SCALE, compare, ragged_case
+    case = ragged_case(3, 16, [0, 5, 70], 128, 16, seed=0, device="cpu")
+    ql, qr, kv, bt, lens = case
+    assert torch.isnan(kv).any()
+    o, lse = gluon_mla.reference(*case, SCALE)
+    assert torch.isfinite(o).all() and torch.isinf(lse[0]).all() and torch.isfinite(lse[1:]).all()
+    good = compare(o.bfloat16(), lse, o, lse)
+    assert good["ok"], good
+    bad = o.clone()
+    bad[2, 3, 7] += 0.5
+    assert not compare(bad, lse, o, lse)["ok"]
+    nan = lse.clone()
+    nan[1, 0] = float("nan")
+    assert not compare(o, nan, o, lse)["ok"]
+    leak = o.clone()
+    leak[0, 0, 0] = 1.0                           # an empty sequence must give O = 0
+    assert not compare(leak, lse, o, lse)["ok"]
+
+
+def test_bench_summary_and_child_timeout(tmp_path, monkeypatch):
+    import json
+    from profiling import bench_mla_gluon as bench
+    recs = [dict(kernel=k, batch=8, context=65536, ok=True, time_us=t, matmul_fraction=f)
+            for k, t, f in (("triton", 500.0, 0.45), ("gluon-seesaw", 300.0, 0.75))]
+    recs.append(dict(kernel="gluon-simple", batch=8, context=65536, ok=False, error="boom"))
+    (tmp_path / "timings.json").write_text(json.dumps(recs))
+    bench.summarize(str(tmp_path), {"seesaw": "done, all PASS"}, 12.0)
+    text = (tmp_path / "summary.txt").read_text()
+    assert "seesaw: done, all PASS" in text and "75.0%" in text and "45.0%" in text
+
+    def hang(*a, **k):
+        raise subprocess.TimeoutExpired(a[0], k["timeout"])
+    monkeypatch.setattr(bench.subprocess, "run", hang)
+    assert bench.sub("check", str(tmp_path), 5, variant="seesaw").startswith("TIMEOUT")
