@@ -1,21 +1,28 @@
 """Device code of the warp-specialised absorbed-MLA decode kernel for Hopper (sm_90), in Gluon.
 
 Written against triton 3.6's Gluon (the GPU machine's); it also compiles under 3.9, where
-`tma.async_copy_global_to_shared` is a deprecated alias of `tma.async_load` and
-`warp_specialize`'s register list became optional. The host side (planning, descriptors, the
+`tma.async_copy_global_to_shared` was renamed `tma.async_load` (the old name raises: see
+_tma_load) and `warp_specialize`'s register list became optional. The host side (planning, descriptors, the
 launch, `gluon_available`) is gluon_mla.py, which documents the design.
 
 One program (CTA) = (head block of BLOCK_H = 64 query heads, KV split, sequence). Partitions:
-- producer (1 warp, few registers): TMA loads of the KV tiles (latent [BLOCK_N, 512] and rope
+- producer (SEESAW: the 4-warp default partition at 24 registers, its TMA issue spread over
+  the warps; SIMPLE: a 1-warp worker): TMA loads of the KV tiles (latent [BLOCK_N, 512] and rope
   [BLOCK_N, 64]) into a STAGES-deep shared-memory ring; kv_ready[s] (TMA bytes) / kv_empty[s]
-  (count 2: both consumers release a tile).
-- SEESAW (two consumer warpgroups, each its own partition): WG w owns O[:, 256 w : 256 (w + 1)].
-  Tile j's QK^T and softmax belong to WG j % 2, which publishes P_j (bf16) and the running max
-  m_j through shared memory (p_ready, one slot: the reader of P_j is the writer of P_{j+1}).
+  (count 2 for SEESAW: both consumers release a tile).
+- SEESAW (two consumer warpgroups, each a worker partition; the producer is the default one):
+  WG w owns O[:, 256 w : 256 (w + 1)]. Tile j's QK^T and softmax belong to WG j % 2, which
+  publishes P_j (bf16) and the running max m_j through shared memory (p_ready; one slot: the
+  reader of P_j is the writer of P_{j+1}, and writes it only after its wgmma on P_j retired).
   Both WGs add P_j V_j to their half of O: the owner with P from registers, the other from
-  shared memory. While one WG runs the softmax of tile j, the other's QK^T of tile j + 1 (and
-  its PV of tile j - 1) keeps the tensor cores busy. Each WG sums the denominator of its own
-  tiles only; the two sums meet at the end (l_smem).
+  shared memory. Each WG keeps O's reference max (m_ref) and rescales by exp2(m_ref - m_j) at
+  every tile; it sums the denominator of its own tiles only, and the two sums meet at the end
+  (l_smem). Order per tile: owner: wait K_j, QK^T (its wait retires the previous PV: release
+  tile j - 1), softmax, publish, rescale, PV (async); other: retire its previous PV and release
+  tile j - 1 FIRST (with 2 stages the load of tile j + 1 waits for that release), then wait for
+  P_j, rescale, PV (async). So one WG's PV runs while the other does QK^T, and the next tile's
+  TMA overlaps the softmax. A stricter seesaw (the next QK^T issued during the softmax) needs a
+  third KV stage, which does not fit next to Q in 227 KB.
 - SIMPLE (fallback): one 8-warp consumer partition, the layout Triton would pick (QK^T split by
   tokens over the two warpgroups, O split by columns), fed by the same producer.
 """
@@ -286,7 +293,7 @@ def _simple_consumer(args, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SI
         o = o * gl.expand_dims(alpha, 1)
         l_i = l_i * alpha + gl.convert_layout(gl.sum(p, axis=1), row_o)
         m_i = m_new
-        o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), k_lat, o, is_async=True)
+        o = warpgroup_mma(gl.convert_layout(p.to(k_lat.dtype), p_layout), k_lat, o, is_async=True)
     o = warpgroup_mma_wait(0, deps=(o,))
     _finish(o, m_i, l_i, l_smem, l_bar, o_ptr, lse_ptr, b, hb, split, HEADS, stride_ob,
             stride_oh, stride_os, stride_lb, stride_lh, 0, 0, 1, BLOCK_H, o_layout)
