@@ -11,7 +11,7 @@
    (2 B H ctx (576 + 512)) and the fraction of the bf16 matmul rate measured in the same run
    (OUT/timings.json, one record per (kernel, shape), written after each).
 
-    PYTHONPATH=. timeout 420 python profiling/bench_mla_gluon.py --out $OUT/gluon
+    PYTHONPATH=. timeout 440 python profiling/bench_mla_gluon.py --out $OUT/gluon
 
 The summary table is printed last (and saved as OUT/summary.txt).
 """
@@ -219,8 +219,8 @@ def main():
     p.add_argument("--variants", default=",".join(gluon_mla.VARIANTS))
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--mem-cap-gb", type=float, default=60.0, help="largest KV pool timed")
-    p.add_argument("--check-timeout", type=float, default=120.0)
-    p.add_argument("--time-timeout", type=float, default=200.0)
+    p.add_argument("--check-timeout", type=float, default=100.0)
+    p.add_argument("--time-timeout", type=float, default=180.0)
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.phase == "check":
