@@ -1,0 +1,150 @@
+"""Compile the Gluon MLA kernel for Hopper (sm_90) on any machine (no GPU needed) and report its
+registers, spills, shared memory, wgmma / TMA / setmaxnreg counts; or, on failure, the full
+compiler error. The launch is recorded from gluon_mla.mla_decode_gluon on small CPU tensors
+(shapes and strides are what specialise the kernel), then compiled with triton.compile for
+GPUTarget("cuda", 90, 32) as the JIT would.
+
+    python profiling/gluon_resources.py [--variants seesaw,simple] [--pages 64,16] [--json f]
+
+Needs the ptxas / cuobjdump that ship in Triton's wheel, and TRITON_INTERPRET unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import traceback
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from helix.attention import gluon_mla  # noqa: E402
+
+
+class _Recorded(Exception):
+    """Stops mla_decode_gluon right after the kernel launch was recorded."""
+
+
+def record_launch(heads: int, page: int, variant: str, num_splits: int, batch: int = 2,
+                  dtype=torch.bfloat16):
+    """(kernel, args, meta) of one mla_decode_gluon launch on CPU tensors."""
+    width = gluon_mla.D_LATENT + gluon_mla.D_ROPE
+    pages = 8 * max(1, 64 // page)
+    kv = torch.zeros(pages, page, width, dtype=dtype)
+    q = torch.zeros(batch, heads, width, dtype=dtype)
+    bt = torch.zeros(batch, pages // batch, dtype=torch.int32)
+    lens = torch.zeros(batch, dtype=torch.int32)
+    got = []
+
+    def record(kernel, grid, *args, **meta):
+        got.append((kernel, args, meta))
+        raise _Recorded
+
+    with mock.patch.object(gluon_mla, "launch", record):
+        try:
+            gluon_mla.mla_decode_gluon(q[..., :512], q[..., 512:], kv, bt, lens, 0.07,
+                                       num_splits=num_splits, variant=variant)
+        except _Recorded:
+            pass
+    return got[0]
+
+
+def compile_sm90(kernel, args, meta) -> dict:
+    """triton.compile of one recorded Gluon launch for sm_90, with the JIT's specialisation."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig, consts, attrs = {}, {}, {}
+    options = {k: meta[k] for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
+    for i, name in enumerate(kernel.arg_names):
+        if name in meta or kernel.params[i].is_constexpr:
+            sig[name], consts[name] = "constexpr", meta[name]
+            continue
+        v = args[i]
+        if isinstance(v, float):
+            sig[name] = "fp32"
+            continue
+        ty, key = native_specialize_impl(BaseBackend, v, False, True, True)
+        if ty == "constexpr":                   # an int equal to 1
+            sig[name], consts[name] = "constexpr", v
+            continue
+        sig[name] = ty
+        if key == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    target = GPUTarget("cuda", 90, 32)
+    opts = triton.compiler.make_backend(target).parse_options(options)
+    cc = triton.compile(src, target=target, options=opts.__dict__)
+    return resources(cc)
+
+
+def resources(cc) -> dict:
+    """Registers, spills, shared memory and instruction counts of a compiled kernel."""
+    import triton
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cc.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage",
+                                f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-sass", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    ptx = cc.asm.get("ptx", "")
+    shapes: dict[str, int] = {}
+    for shape in re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass):
+        shapes[shape] = shapes.get(shape, 0) + 1
+    return dict(registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+                stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                shared_bytes=cc.metadata.shared, hgmma=sass.count("HGMMA"), hgmma_shapes=shapes,
+                local_loads=sass.count("LDL"), local_stores=sass.count("STL"),
+                setmaxnreg=[" ".join(m.split()) for m in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+", ptx)],
+                tma_loads=ptx.count("cp.async.bulk.tensor"),
+                tensordesc_meta=getattr(cc.metadata, "tensordesc_meta", None),
+                num_warps=cc.metadata.num_warps)
+
+
+def check(variant: str, page: int, heads: int = 128, num_splits: int = 2) -> dict:
+    """One compile: its resources, or its full error text."""
+    rec = dict(variant=variant, page=page, heads=heads, num_splits=num_splits)
+    try:
+        kernel, args, meta = record_launch(heads, page, variant, num_splits)
+        rec.update(ok=True, **compile_sm90(kernel, args, meta))
+    except Exception:  # noqa: BLE001 - the point is to report any failure in full
+        rec.update(ok=False, error=traceback.format_exc())
+    return rec
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--variants", default="seesaw,simple")
+    p.add_argument("--pages", default="64")
+    p.add_argument("--splits", default="2", help="1 writes bf16 O directly, >1 fp32 partials")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    recs = [check(v, int(pg), num_splits=int(s)) for v in args.variants.split(",")
+            for pg in args.pages.split(",") for s in args.splits.split(",")]
+    for r in recs:
+        if r["ok"]:
+            print(f"{r['variant']:7} page {r['page']:3} splits {r['num_splits']}: "
+                  f"{r['registers']} regs, stack {r['stack_bytes']}, smem {r['shared_bytes']}, "
+                  f"{r['hgmma']} HGMMA {r['hgmma_shapes']}, {r['tma_loads']} TMA, "
+                  f"setmaxnreg {r['setmaxnreg']}")
+        else:
+            print(f"{r['variant']:7} page {r['page']:3} splits {r['num_splits']}: FAILED\n"
+                  f"{r['error']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(recs, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
