@@ -1,0 +1,1 @@
+"""`helix` subcommands: each module has add_parser(subparsers) and run(args) -> int."""
