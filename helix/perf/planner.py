@@ -125,6 +125,7 @@ def predict(cfg: ModelConfig, layout: Layout, batch: int, context: int, hw: Hard
             hopb: int = 1, dtype_bytes: int = 2, page_size: int = 64,
             context_limit: int = 1 << 24) -> Prediction:
     """Predicted graphed decode step of `batch` requests of `context` tokens (see module doc)."""
+    layout.validate(cfg)
     if hopb < 1 or batch < hopb:
         raise ConfigError(f"hopb={hopb} needs at least {hopb} requests in the batch (got {batch})")
     cost = step_cost(cfg, layout, batch, context, dtype_bytes, page_size)
