@@ -147,7 +147,8 @@ def main() -> None:
             summary[s]["kernel_sum"] = _summary(ks, "kernel_error")
     current = [r for r in rows if r["set"] != "graphs-old"]
     summary["current runtime (graphs + sweeps)"] = {
-        "calibrated": _summary(current, "error"), "uncalibrated": _summary(current, "error_uncalibrated"),
+        "calibrated": _summary(current, "error"),
+        "uncalibrated": _summary(current, "error_uncalibrated"),
         "below_datasheet_floor": sum(r["below_datasheet_floor"] for r in current)}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or None

@@ -118,7 +118,8 @@ class _Stub:
 @pytest.mark.parametrize("model, layout", [
     ("tiny-llama", Layout(kvp=1, tpa=1)), ("tiny-llama", Layout(kvp=1, tpa=8)),
     ("tiny-llama", Layout(kvp=4, tpa=2)), ("tiny-llama-h6", Layout(kvp=3, tpa=1)),
-    ("tiny-deepseek-v3", Layout(kvp=1, tpa=2, ep=2)), ("tiny-deepseek-v3", Layout(kvp=4, tpa=1, ep=2)),
+    ("tiny-deepseek-v3", Layout(kvp=1, tpa=2, ep=2)),
+    ("tiny-deepseek-v3", Layout(kvp=4, tpa=1, ep=2)),
     ("tiny-qwen3-moe", Layout(kvp=2, tpa=2, ep=4)),
 ])
 def test_weights_and_kv_match_the_built_rank(model, layout):

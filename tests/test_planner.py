@@ -117,7 +117,8 @@ def _hw_variant(tmp_path, edit):
      r"fraction of the peak"),
     (lambda t: "\n".join(x for x in t.splitlines() if not x.startswith("copy_tbps")),
      r"missing key 'copy_tbps'"),
-    (lambda t: re.sub(r"nvlink:\n(  .*\n)+", "nvlink: 400\n", t), r"hw.yaml:\d+: 'nvlink' must be a mapping"),
+    (lambda t: re.sub(r"nvlink:\n(  .*\n)+", "nvlink: 400\n", t),
+     r"hw.yaml:\d+: 'nvlink' must be a mapping"),
     (lambda t: t + "\nbad: [1,\n", r"hw.yaml:\d+:\d+: invalid YAML"),
 ])
 def test_hardware_errors_are_one_line_with_the_key_and_line(tmp_path, edit, words):

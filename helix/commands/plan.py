@@ -21,7 +21,8 @@ def _ints(text: str) -> tuple[int, ...]:
     try:
         vals = tuple(int(t) for t in text.split(",") if t)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers") from None
     if not vals or any(v < 1 for v in vals):
         raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,2,4")
     return vals
@@ -36,7 +37,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--hardware", default="h200",
                    help="hardware YAML or a name in configs/hardware (default h200)")
     p.add_argument("--layers", type=int, default=0, help="first n layers only (0: all)")
-    p.add_argument("--hopb", type=_ints, default=(1, 2, 4), help="HOP-B depths to try (default 1,2,4)")
+    p.add_argument("--hopb", type=_ints, default=(1, 2, 4),
+                   help="HOP-B depths to try (default 1,2,4)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--page-size", type=int, default=64, help="KV positions per page")
     p.add_argument("--top", type=int, default=20, help="rows shown (the TP baseline always is)")

@@ -131,7 +131,8 @@ def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size
         proj_w = D * (hq + 2 * hkv) * d
         extra = 2 * d if cfg.qk_norm else 0
         proj = Phase("attn_proj", cfg.num_layers, norm + (proj_w + extra) * es, 2 * B * proj_w,
-                     3 + (1 if cfg.qk_norm else 0))      # norm, QKV GEMM, rope (q/k norms)
+                     3 + (3 if cfg.qk_norm else 0))      # norm, QKV GEMM, rope (+ q/k norms,
+                                                         # and q, k roped apart)
         pos_bytes = 2 * hkv * d * es
         att_flops = 2 * B * hq * t_local * (d + d)
         o_dim = d
@@ -194,7 +195,8 @@ def step_cost(cfg: ModelConfig, layout: Layout, batch: int, context: int, dtype_
 
 
 def weight_bytes(cfg: ModelConfig, layout: Layout, dtype_bytes: int = 2) -> float:
-    """Bytes of weights one rank holds (every expert it owns, read by a step or not)."""
+    """Bytes of weights one rank holds (every expert it owns, read by a step or not). Biases
+    other than the QKV bias (o_proj, MLP: a few KB, in no preset) are left out."""
     es, n, D, H = dtype_bytes, layout.world_size, cfg.hidden_size, cfg.num_heads
     hq = H // layout.tpa
     if cfg.is_mla:

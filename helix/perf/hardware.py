@@ -149,7 +149,8 @@ def load_hardware(name: str) -> Hardware:
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
         raise ConfigError(f"{path}{at}: invalid YAML ({getattr(e, 'problem', None) or e})") from None
     if not isinstance(spec, dict):
-        raise ConfigError(f"{path}: a hardware file is a mapping of keys (see configs/hardware/h200.yaml)")
+        raise ConfigError(f"{path}: a hardware file is a mapping of keys "
+                          f"(see configs/hardware/h200.yaml)")
     lines = _key_lines(text)
 
     def where(key):

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 from helix.errors import HelixError
 
@@ -102,6 +103,7 @@ def plot_sweep(records: list[dict], out_dir: str, stem: str = "sweep") -> list[s
     if not records:
         return []
     os.makedirs(out_dir, exist_ok=True)
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.basename(stem))   # a sweep named by its path
     paths = []
     for name, make in (("ttl", ttl_figure), ("pareto", pareto_figure)):
         fig = make(records)
