@@ -110,6 +110,8 @@ def test_speedup_vs_tp_and_csv(swept):
     assert by[(2, 1)]["speedup_vs_tp"] == pytest.approx(
         by[(1, 2)]["step_ms_median"] / by[(2, 1)]["step_ms_median"])
     assert by[(1, 1)]["speedup_vs_tp"] == 1.0                  # world 1 is its own TP baseline
+    want = f"  tiny-llama kvp=2 tpa=1: B=2 ctx=9 {by[(2, 1)]['speedup_vs_tp']:.2f}x"
+    assert want in swept["stdout"].splitlines()                # the closing summary
     with open(swept["csv"]) as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 3

@@ -67,6 +67,19 @@ def _line(rec: dict) -> str:
             f"(p90 {rec['step_ms_p90']:.3f})  {floor}  {rec['tokens_per_s']:9.1f} tok/s{vs}{graphs}")
 
 
+def _speedups(records: list[dict]) -> None:
+    """One line per Helix layout: its speedup over the TP baseline at every point."""
+    by_layout: dict[str, list[str]] = {}
+    for r in records:
+        if r["layout"]["kvp"] > 1 and r.get("speedup_vs_tp"):
+            by_layout.setdefault(f"{r['model']} {_layout(r['layout'])}", []).append(
+                f"B={r['batch']} ctx={r['context']} {r['speedup_vs_tp']:.2f}x")
+    if by_layout:
+        print("speedup over the TP baseline on the same GPUs (TP step / Helix step):")
+    for name, cells in by_layout.items():
+        print(f"  {name}: {', '.join(cells)}")
+
+
 def run(args) -> int:
     from tqdm import tqdm
 
@@ -117,6 +130,7 @@ def run(args) -> int:
     finally:
         bar.close()
     save()
+    _speedups([r for r in records if r.get("sweep") == sweep.name])
     written = [p for p in (args.out, csv_path) if p]
     if args.plot:
         mine = [r for r in records if r.get("sweep") == sweep.name]
