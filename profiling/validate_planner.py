@@ -3,13 +3,14 @@ the error: profiling/results/planner.json (per record: predicted, measured, erro
 planner.md (median and worst error per set, the command, the commit).
 
 Sets:
-- `graphs` (graphs.json, mode "graphed"): one H200, the whole step captured, overlapped steps:
-  the runtime as it is; measured = wall time per step. Its kernel sums (torch profiler) are
-  also compared with the model's kernel time.
-- `sweep-2gpu` (sweep_*_2gpu.json): two H200s, graphs on; measured = the sweep's step median,
-  which in these records is rank 0's engine time per call and leaves out the driver's broadcast.
-- `graphs-old` (graphs_*.json other than graphs.json, mode "graphed"): an older runtime that
-  read every step's tokens back before the next (no overlap), not modeled; shown, not fitted.
+- `graphs` (graphs*.json, mode "graphed", overlapped steps): one H200, the whole step
+  captured: the runtime as it is; measured = wall time per step. Its kernel sums (torch
+  profiler) are also compared with the model's kernel time.
+- `sweep-Ngpu` (sweep_*.json): N H200s, graphs on; measured = the sweep's step median (records
+  without `engine_ms_median` predate whole-step timing: their step is rank 0's engine time per
+  call, which leaves out the driver's broadcast to the other ranks).
+- `graphs-old` (graphs*.json records without overlap): an older runtime that read every step's
+  tokens back before the next, not modeled; shown, not fitted.
 
 One constant is fitted: the hardware file's `kernel_us` (fixed cost per kernel), by least
 squares on the relative error of the kernel sums of the `graphs` set (a measure the other
@@ -61,7 +62,7 @@ def cases() -> list[dict]:
         for r in _load(path):
             if r.get("mode") != "graphed":
                 continue
-            cur = name == "graphs.json"
+            cur = bool(r.get("overlap"))        # older runs read tokens back every step
             out.append({"set": "graphs" if cur else "graphs-old", "source": name, "rec": r,
                         "measured_ms": r.get("wall_ms_per_step") or r["step_ms"],
                         "page_size": 16})
@@ -79,7 +80,8 @@ def _predict(case: dict, hw) -> tuple:
 
 
 def fit_kernel_us(all_cases: list[dict], hw) -> float:
-    """kernel_us minimising the squared relative error of the `graphs` set's kernel sums."""
+    """kernel_us minimising the squared relative error of the `graphs` set's kernel sums (0 to
+    10 us in steps of 0.1)."""
     fit_on = [c for c in all_cases if c["set"] == "graphs" and c["rec"].get("kernel_ms")]
     best = None
     for tenth in range(0, 101):
@@ -183,7 +185,7 @@ def report(meta: dict, summary: dict, rows: list[dict]) -> str:
            "The model (helix/perf/planner.py): per phase, kernels x `kernel_us` + max(bytes / "
            "read rate, FLOPs / matmul rate) (attention at the measured kernel efficiencies), plus "
            "exposed collectives, times `graph_step_factor`. Every constant is a measurement "
-           "except `kernel_us`, fitted on the kernel sums of `graphs.json` "
+           "except `kernel_us`, fitted on the kernel sums of the `graphs` set "
            f"(calibrated: {meta['kernel_us_calibrated']} us; uncalibrated: "
            f"{meta['kernel_us_uncalibrated']} us, the profiler time of the step's smallest "
            "kernels).", "",
