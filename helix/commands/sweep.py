@@ -97,10 +97,7 @@ def run(args) -> int:
     previous = read_records(args.out) if args.resume else []
     done = frozenset(record_key(r) for r in previous)
     todo = planned_points(sweep, done)
-    in_sweep = {record_key({"sweep": sweep.name, "model": m, "layout": lay.as_dict(), "batch": b,
-                            "context": c})
-                for m in sweep.models for lay in sweep.layouts for b, c in points(sweep)}
-    resumed = len(done & in_sweep)
+    resumed = len(planned_points(sweep)) - len(todo)
     budget = len(sweep.models) * len(sweep.layouts) * (
         len(sweep.batches) * len(sweep.contexts) - len(points(sweep)))
     csv_path = args.csv or (os.path.splitext(args.out)[0] + ".csv" if args.out else None)
