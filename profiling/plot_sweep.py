@@ -13,7 +13,7 @@ import argparse
 import json
 
 from helix.errors import HelixError
-from helix.perf.plots import layout_name, pareto_figure, require_pyplot, ttl_figure  # noqa: F401
+from helix.perf.plots import pareto_figure, require_pyplot, ttl_figure
 
 
 def main():

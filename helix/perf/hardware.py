@@ -172,7 +172,7 @@ def load_hardware(name: str) -> Hardware:
 
             def sub_where(k, key=key):
                 return where(f"{key}.{k}")
-            link = {k: _number(sub, k, sub_where, f"see configs/hardware/h200.yaml",
+            link = {k: _number(sub, k, sub_where, "see configs/hardware/h200.yaml",
                                integer=k == "domain_gpus") for k in _LINK_KEYS[key]}
             if link["bus_gbps"] <= 0:
                 raise ConfigError(f"{sub_where('bus_gbps')}: '{key}.bus_gbps' must be > 0")

@@ -11,6 +11,7 @@ and sum, a 512^3 GEMM; well under a second): a CPU roofline, for CPU runs only.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -69,7 +70,7 @@ def copy_bandwidth(gib: float = 4.0, iters: int = 10) -> float:
     src = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(1)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    sec = event_median(lambda: dst.copy_(src), iters)
+    sec = event_median(functools.partial(dst.copy_, src), iters)
     del src, dst
     torch.cuda.empty_cache()
     return 2 * n / sec
@@ -81,7 +82,7 @@ def read_bandwidth(gib: float = 4.0, iters: int = 10) -> float:
     src = torch.ones(n, dtype=torch.bfloat16, device="cuda")
     out = torch.empty((), dtype=torch.float32, device="cuda")
     torch.sum(src, dtype=torch.float32, out=out)
-    sec = event_median(lambda: torch.sum(src, dtype=torch.float32, out=out), iters)
+    sec = event_median(functools.partial(torch.sum, src, dtype=torch.float32, out=out), iters)
     del src
     torch.cuda.empty_cache()
     return 2 * n / sec
