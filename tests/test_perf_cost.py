@@ -133,3 +133,23 @@ def test_weights_and_kv_match_the_built_rank(model, layout):
     assert weight_bytes(cfg, layout, 2) == params
     per_pos = sum(torch.Size(s).numel() for shapes in m.kv_cache_shapes(1, 1) for s in shapes) * 2
     assert step_cost(cfg, layout, 1, 8).kv_bytes_per_position == per_pos
+
+
+def test_cpu_rates_are_measured():
+    from helix.perf.rates import measure
+    r = measure("cpu", "float32")
+    assert r.copy_bps > 0 and r.read_bps > 0 and r.matmul_flops > 0
+    assert r.hbm_bps == max(r.copy_bps, r.read_bps)
+    rec = r.as_record()
+    assert rec["device"] == "cpu" and rec["dtype"] == "float32" and rec["read_gbps"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_rates_are_measured():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from helix.perf.rates import measure
+    r = measure("cuda", "bfloat16")
+    # an HBM GPU reads and copies at hundreds of GB/s and multiplies at tens of TFLOP/s at least
+    assert r.copy_bps > 1e11 and r.read_bps > 1e11 and r.matmul_flops > 1e13
+    assert 0.5 < r.read_bps / r.copy_bps < 2.0

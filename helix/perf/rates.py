@@ -81,8 +81,9 @@ def read_bandwidth(gib: float = 4.0, iters: int = 10) -> float:
     n = int(gib * 2**30) // 2
     src = torch.ones(n, dtype=torch.bfloat16, device="cuda")
     out = torch.empty((), dtype=torch.float32, device="cuda")
-    torch.sum(src, dtype=torch.float32, out=out)
-    sec = event_median(functools.partial(torch.sum, src, dtype=torch.float32, out=out), iters)
+    torch.sum(src, 0, dtype=torch.float32, out=out)
+    sec = event_median(functools.partial(torch.sum, src, 0, dtype=torch.float32, out=out),
+                       iters)
     del src
     torch.cuda.empty_cache()
     return 2 * n / sec
