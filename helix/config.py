@@ -183,6 +183,9 @@ class Layout:
                                   f"the divisors of {hkv} and raise kvp instead")
             if self.kvp == 1 and hkv % self.tpa and self.tpa % hkv:
                 raise ConfigError(f"tpa={self.tpa} and {hkv} KV heads: one must divide the other")
+        if not model.is_moe and self.ep > 1:
+            raise ConfigError(f"ep={self.ep} needs a mixture-of-experts model; {model.arch} is "
+                              f"dense: drop --ep (its FFN runs TP over all {n} ranks)")
         if model.is_moe:
             if model.num_experts % self.ep:
                 raise ConfigError(f"{model.num_experts} experts are not divisible by ep={self.ep}: "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import zlib
 from collections.abc import Iterator
 
@@ -139,9 +140,18 @@ class _SafetensorsIndex:
                                   f"checkpoint") from None
 
 
-def load_checkpoint(model: torch.nn.Module, path: str) -> None:
+def _progress(model: torch.nn.Module, what: str, show: bool):
+    """expected_tensors with a progress bar on a terminal (large models take minutes)."""
+    tensors = list(expected_tensors(model))
+    if not show:
+        return tensors
+    from tqdm import tqdm
+    return tqdm(tensors, desc=what, unit="tensor", disable=None, leave=False, file=sys.stderr)
+
+
+def load_checkpoint(model: torch.nn.Module, path: str, show: bool = False) -> None:
     files = _SafetensorsIndex(path)
-    for name, _, load in expected_tensors(model):
+    for name, _, load in _progress(model, f"loading {path}", show):
         t = files.get(name)
         if t is None:
             raise CheckpointError(f"checkpoint {path} lacks tensor {name!r}")
@@ -152,10 +162,10 @@ def _seed(name: str, seed: int) -> int:
     return (zlib.crc32(name.encode()) + 1000003 * seed) % (2 ** 63)
 
 
-def init_random(model: torch.nn.Module, seed: int, device) -> None:
+def init_random(model: torch.nn.Module, seed: int, device, show: bool = False) -> None:
     """Deterministic random weights: each full tensor is drawn from a generator seeded by its name,
     so every layout slices the same model."""
-    for name, shape, load in expected_tensors(model):
+    for name, shape, load in _progress(model, "random weights", show):
         g = torch.Generator(device=device).manual_seed(_seed(name, seed))
         if re.search(r"norm\.weight$", name):
             full = 1.0 + 0.1 * torch.randn(shape, generator=g, device=device)
@@ -174,8 +184,9 @@ def build_and_load(model_ref: str, comm, dtype: torch.dtype, device, max_positio
         cfg, ckpt = read_model_config(model_ref)
     with torch.device(device):
         model = build_model(cfg, comm, dtype, max_position)
+    show = comm.mesh.rank == 0
     if ckpt is not None:
-        load_checkpoint(model, ckpt)
+        load_checkpoint(model, ckpt, show)
     else:
-        init_random(model, seed, device)
+        init_random(model, seed, device, show)
     return model.eval()

@@ -18,12 +18,24 @@
     cuda_graphs: true
     attention_backend: triton
     page_size: 64
+    hopb: 2                       # only when RuntimeConfig has a hopb field (HOP-B micro-batches)
 
 Every key is checked before anything runs; a mistake is one line naming the key and the fix.
+
+Each point's record says what ran, read from the engine rather than from the request:
+`cuda_graphs` is true only when the step replayed a captured graph (false on CPU and in the
+eager fallback), `attention_backend` is the backend the engine resolved, `graph_breaks` the
+regions that ran eagerly. Step times are the intervals between consecutive returns of
+`LLM.step()` (the driver's broadcast to the other ranks included, so they add up to the wall
+time); `engine_ms_median` is the rank-0 engine's own time per call, which leaves that broadcast
+out (what records before this field called the step). `floor_ms` is the roofline floor of the
+point (helix.perf.cost) at the rates measured once per sweep (helix.perf.rates: on CUDA the
+GPU's copy, read and matmul rates; on CPU a quick CPU measurement), `floor_ratio` = step / floor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import statistics
 import time
@@ -35,10 +47,16 @@ import yaml
 from helix.config import Layout, RuntimeConfig
 from helix.errors import ConfigError
 from helix.kv.ownership import KVSharding
+from helix.perf.cost import step_cost
+from helix.perf.records import record_key
+from helix.perf.rates import Rates, measure
 
 _KEYS = {"name", "model", "models", "layers", "device", "dtype", "layouts", "batches", "contexts",
          "decode_steps", "warmup_steps", "cuda_graphs", "attention_backend", "page_size", "seed",
          "prefill", "max_batch_tokens"}
+# HOP-B depth, once the runtime has it
+_OPTIONAL_RUNTIME = {"hopb"} & {f.name for f in dataclasses.fields(RuntimeConfig)}
+_KEYS |= _OPTIONAL_RUNTIME
 _LAYOUT_KEYS = {"kvp", "tpa", "tpf", "ep", "kv_interleave"}
 
 
@@ -71,7 +89,10 @@ def load_sweep(path: str) -> Sweep:
     except OSError as e:
         raise ConfigError(f"cannot read sweep file {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}{at}: invalid YAML ({problem})") from None
     if not isinstance(spec, dict):
         raise ConfigError(f"{path}: a sweep is a mapping of keys ({', '.join(sorted(_KEYS))})")
     unknown = set(spec) - _KEYS
@@ -99,7 +120,8 @@ def load_sweep(path: str) -> Sweep:
     runtime = dict(device=device, dtype=spec.get("dtype") or ("bfloat16" if device == "cuda" else "float32"),
                    layers=spec.get("layers", 0), cuda_graphs=spec.get("cuda_graphs", True),
                    attention_backend=spec.get("attention_backend", "auto"),
-                   page_size=spec.get("page_size", 16), seed=spec.get("seed", 0))
+                   page_size=spec.get("page_size", 16), seed=spec.get("seed", 0),
+                   **{k: spec[k] for k in _OPTIONAL_RUNTIME if k in spec})
     RuntimeConfig(**runtime)                        # validates device, dtype, backend, sizes
     prefill = spec.get("prefill", "synthetic")
     if prefill not in ("synthetic", "real"):
@@ -124,33 +146,74 @@ def check(sweep: Sweep) -> None:
             lay.validate(cfg)
 
 
-def _points(sweep: Sweep) -> list[tuple[int, int]]:
+def points(sweep: Sweep) -> list[tuple[int, int]]:
+    """(batch, context) of every point within the token budget."""
     return [(b, c) for b in sweep.batches for c in sweep.contexts
             if not sweep.max_batch_tokens or b * c <= sweep.max_batch_tokens]
+
+
+def planned_points(sweep: Sweep, done: frozenset = frozenset()) -> list[tuple[str, Layout, int, int]]:
+    """(model, layout, batch, context) of every point still to run, in run order; `done` holds
+    `record_key`s of points already recorded (resume)."""
+    out = []
+    for model in sweep.models:
+        for layout in sweep.layouts:
+            for b, c in points(sweep):
+                key = record_key({"sweep": sweep.name, "model": model, "layout": layout.as_dict(),
+                                  "batch": b, "context": c})
+                if key not in done:
+                    out.append((model, layout, b, c))
+    return out
 
 
 def _pool_pages(sweep: Sweep, layout: Layout) -> int:
     """KV pages per rank that hold every request of the largest batch x context point."""
     steps = sweep.warmup_steps + sweep.decode_steps
     sharding = KVSharding(layout.kvp, layout.kv_interleave, sweep.runtime.get("page_size", 16))
-    return max(b * sharding.max_pages(c + steps + 2) for b, c in _points(sweep))
+    return max(b * sharding.max_pages(c + steps + 2) for b, c in points(sweep))
 
 
 def open_llm(sweep: Sweep, model: str, layout: Layout):
     """One engine for every point of (model, layout): sized for the largest batch and context
     (its KV pool for the largest batch x context point), graphs captured once per batch bucket."""
     from helix.runtime.llm import LLM
-    points = _points(sweep)
+    pts = points(sweep)
     steps = sweep.warmup_steps + sweep.decode_steps
-    max_batch = max(b for b, _ in points)
-    max_context = max(c for _, c in points) + steps + 2
+    max_batch = max(b for b, _ in pts)
+    max_context = max(c for _, c in pts) + steps + 2
     rt = RuntimeConfig(max_batch=max_batch, max_context=max_context,
                        num_pages=_pool_pages(sweep, layout),
-                       graph_buckets=tuple(sorted({b for b, _ in points})), **sweep.runtime)
+                       graph_buckets=tuple(sorted({b for b, _ in pts})), **sweep.runtime)
     return LLM(model, layout, rt)
 
 
-def run_point(sweep: Sweep, llm, model: str, layout: Layout, batch: int, context: int) -> dict:
+def what_ran(llm, batch: int) -> dict:
+    """What the engine really did for a step of `batch` rows (rank 0's engine; every rank
+    builds the same)."""
+    eng = llm.engine
+    graphs = eng.graphs
+    replayed = (graphs is not None and graphs.runner.use_graphs
+                and graphs.ladder.choose(batch) is not None)
+    return {"cuda_graphs": bool(replayed),
+            "graph_breaks": sorted(graphs.needed_breaks) if replayed else [],
+            "attention_backend": eng.backend.name, "overlap": bool(eng.overlap)}
+
+
+def floor_fields(llm, layout: Layout, batch: int, context: int, step_ms: float,
+                 rates: Rates | None) -> dict:
+    """The point's roofline floor at the sweep's measured rates, and step / floor."""
+    if rates is None:
+        return {"floor_ms": None, "floor_ratio": None, "rates": None}
+    rt = llm.runtime
+    es = torch.empty((), dtype=rt.torch_dtype).element_size()
+    cost = step_cost(llm.cfg, layout, batch, context, es, rt.page_size)
+    floor = 1e3 * cost.floor_s(rates.hbm_bps, rates.matmul_flops)
+    return {"floor_ms": floor, "floor_ratio": step_ms / floor if floor > 0 else None,
+            "rates": rates.as_record()}
+
+
+def run_point(sweep: Sweep, llm, model: str, layout: Layout, batch: int, context: int,
+              rates: Rates | None = None) -> dict:
     """Decode latency of `batch` requests holding `context` tokens each, on an open engine."""
     from helix.runtime.sampling import SamplingParams
     steps = sweep.warmup_steps + sweep.decode_steps
@@ -159,39 +222,57 @@ def run_point(sweep: Sweep, llm, model: str, layout: Layout, batch: int, context
     kv_before = llm.kv_tokens_per_rank()
     params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
     synthetic = sweep.prefill == "synthetic"
-    ids = []
     for _ in range(batch):
         prompt = torch.randint(0, llm.cfg.vocab_size, (1 if synthetic else context,), generator=g)
-        ids.append(llm.add_request(prompt.tolist(), params,
-                                   synthetic_prefix=context - 1 if synthetic else 0))
+        llm.add_request(prompt.tolist(), params, synthetic_prefix=context - 1 if synthetic else 0)
     t0 = time.perf_counter()
     llm.step()                                  # prefill (synthetic: a first decode step)
-    prefill_s = time.perf_counter() - t0
-    times = [llm.step().seconds for _ in range(steps)][sweep.warmup_steps:]
+    stamps = [time.perf_counter()]
+    engine_s = []
+    for _ in range(steps):
+        engine_s.append(llm.step().seconds)
+        stamps.append(time.perf_counter())
     while llm.has_unfinished():                 # overlap: the last tokens are read back late
         llm.step()
     kv = [a - b for a, b in zip(llm.kv_tokens_per_rank(), kv_before)]
-    times.sort()
+    times = sorted([b - a for a, b in zip(stamps, stamps[1:])][sweep.warmup_steps:])
+    timed = stamps[-1] - stamps[sweep.warmup_steps]
     median = statistics.median(times)
-    return {"sweep": sweep.name, "model": model, "layout": layout.as_dict(), "batch": batch,
-            "context": context, "device": rt.device, "dtype": rt.dtype, "layers": rt.layers,
-            "cuda_graphs": rt.cuda_graphs, "attention_backend": rt.resolved_backend,
-            "overlap": rt.resolved_overlap, "prefill": sweep.prefill,
-            "first_step_ms": 1e3 * prefill_s, "step_ms_median": 1e3 * median,
+    step_ms = 1e3 * median
+    world = layout.world_size
+    return {"sweep": sweep.name, "model": model, "layout": layout.as_dict(), "world_size": world,
+            "batch": batch, "context": context, "device": rt.device, "dtype": rt.dtype,
+            "layers": rt.layers, **what_ran(llm, batch), "prefill": sweep.prefill,
+            "first_step_ms": 1e3 * (stamps[0] - t0), "step_ms_median": step_ms,
             "step_ms_p90": 1e3 * times[int(0.9 * (len(times) - 1))],
-            "tokens_per_s": batch / median, "kv_tokens_per_rank": kv}
+            "step_ms_mean": 1e3 * timed / len(times),
+            "engine_ms_median": 1e3 * statistics.median(engine_s[sweep.warmup_steps:]),
+            "tokens_per_s": batch / median, "tokens_per_s_per_user": 1 / median,
+            "tokens_per_s_per_gpu": batch / median / world,
+            **floor_fields(llm, layout, batch, context, step_ms, rates),
+            "kv_tokens_per_rank": kv}
 
 
-def run_sweep(sweep: Sweep, on_record=None) -> list[dict]:
+def run_sweep(sweep: Sweep, on_record=None, rates: Rates | None = None,
+              done: frozenset = frozenset(), measure_rates: bool = True) -> list[dict]:
+    """Run every point not in `done` (record keys); one engine per (model, layout) that has a
+    point left. `rates`: the ceilings for the floors (measured here when None and
+    measure_rates)."""
     check(sweep)
     records = []
-    if not _points(sweep):
+    todo = planned_points(sweep, done)
+    if not todo:
         return records
+    if rates is None and measure_rates:
+        rates = measure(sweep.runtime["device"], sweep.runtime["dtype"])
     for model in sweep.models:
         for layout in sweep.layouts:
+            points = [(b, c) for m, lay, b, c in todo if m == model and lay == layout]
+            if not points:
+                continue
             with open_llm(sweep, model, layout) as llm:
-                for batch, context in _points(sweep):
-                    rec = run_point(sweep, llm, model, layout, batch, context)
+                for batch, context in points:
+                    rec = run_point(sweep, llm, model, layout, batch, context, rates)
                     records.append(rec)
                     if on_record:
                         on_record(rec)

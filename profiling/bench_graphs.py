@@ -9,8 +9,10 @@ scheduling, metadata, upload, replay, sampling, read-back; with overlap the host
 N + 1 runs while step N is on the GPU); `step_ms`, the median of those calls; `replay_ms`, the
 median GPU time of upload + replay alone (CUDA events); and from the torch profiler the sum of
 the step's kernel times (`kernel_ms`, the floor a perfect launcher reaches), its copies, the
-kernel count and the top kernels. Rank 0 is measured; with --kvp/--tpa > 1 the other ranks
-run as spawned workers.
+kernel count and the top kernels; `floor_ms`, the step's roofline floor (helix.perf.cost) at
+the copy / read / matmul rates measured once at the start of the run (in `meta.rates`), and
+`floor_ratio` = wall_ms_per_step / floor_ms. Rank 0 is measured; with --kvp/--tpa > 1 the other
+ranks run as spawned workers.
 
     python profiling/bench_graphs.py --models llama-3.1-8b,deepseek-v3 --layers 4 \
         --batches 1,4,16 --out profiling/results/graphs.json
@@ -27,6 +29,8 @@ import time
 import torch
 
 from helix import LLM, Layout, RuntimeConfig, SamplingParams
+from helix.perf.cost import step_cost
+from helix.perf.rates import Rates, measure
 
 MODES = {"eager": dict(cuda_graphs=False), "graphed": dict(cuda_graphs=True),
          "graphed_attention_break": dict(cuda_graphs=True, graph_breaks=("attention",)),
@@ -87,7 +91,7 @@ def replay_ms(llm: LLM, steps: int) -> float | None:
     return statistics.median(times)
 
 
-def bench(model: str, layout: Layout, mode: str, batch: int, args) -> dict:
+def bench(model: str, layout: Layout, mode: str, batch: int, args, rates: Rates) -> dict:
     n_steps = args.warmup + 3 * args.steps + 2
     rt = RuntimeConfig(device="cuda", dtype="bfloat16", layers=args.layers, max_batch=batch,
                        max_context=args.context + n_steps + 8, graph_buckets=(batch,),
@@ -109,10 +113,13 @@ def bench(model: str, layout: Layout, mode: str, batch: int, args) -> dict:
         rep = replay_ms(llm, args.steps)
         prof = kernel_profile(llm, args.steps)
         breaks = sorted(llm.engine.graphs.needed_breaks) if llm.engine.graphs else []
+        cost = step_cost(llm.cfg, layout, batch, args.context, 2, rt.page_size)
+    floor = 1e3 * cost.floor_s(rates.hbm_bps, rates.matmul_flops)
     return {"model": model, "layers": args.layers, "layout": layout.as_dict(), "mode": mode,
             "breaks": breaks, "batch": batch, "context": args.context, "backend": args.backend,
             "overlap": rt.resolved_overlap, "step_ms": statistics.median(walls),
-            "wall_ms_per_step": wall, "replay_ms": rep, **prof}
+            "wall_ms_per_step": wall, "replay_ms": rep, "floor_ms": floor,
+            "floor_ratio": wall / floor, **prof}
 
 
 def main() -> None:
@@ -130,12 +137,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     layout = Layout(kvp=args.kvp, tpa=args.tpa)
+    rates = measure("cuda", "bfloat16")
+    print(f"# rates: {rates.as_record()}", flush=True)
     records = []
     for model in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             rows = {}
             for mode in args.modes.split(","):
-                rec = bench(model, layout, mode, batch, args)
+                rec = bench(model, layout, mode, batch, args, rates)
                 rows[mode] = rec
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
@@ -144,8 +153,10 @@ def main() -> None:
                 print(f"# {model} b={batch}: eager {e['wall_ms_per_step']:.3f} ms, graphed "
                       f"{g['wall_ms_per_step']:.3f} ms ({e['wall_ms_per_step'] / g['wall_ms_per_step']:.2f}x), "
                       f"graphed / kernels {g['wall_ms_per_step'] / g['kernel_ms']:.3f}x, replay "
-                      f"{g['replay_ms']:.3f} ms, kernels {g['kernel_ms']:.3f} ms", flush=True)
+                      f"{g['replay_ms']:.3f} ms, kernels {g['kernel_ms']:.3f} ms, floor "
+                      f"{g['floor_ms']:.3f} ms ({g['floor_ratio']:.2f}x)", flush=True)
     meta = {"device": torch.cuda.get_device_name(0), "gpus": layout.world_size,
+            "rates": rates.as_record(),
             "torch": torch.__version__, "args": vars(args),
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                      text=True).stdout.strip() or None}

@@ -1,53 +1,19 @@
-"""The two ceilings of one GPU, measured in the run that uses them, and CUDA-graph timing.
+"""The ceilings of one GPU, measured in the run that uses them, and CUDA-graph timing.
 
-- copy bandwidth: a device-to-device copy of a multi-GB buffer, (bytes read + written) / time;
-- bf16 matmul rate: an 8192^3 GEMM, 2 n^3 / time;
+- copy bandwidth, read bandwidth, matmul rate: helix.perf.rates (re-exported here, so the
+  profiling scripts keep their imports);
 - `graph_time_us`: median time of one replay of a captured CUDA graph of fn, with L2 flushed
   before every replay (so small working sets are not served from the 60 MB L2).
 """
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
+from helix.perf.rates import copy_bandwidth, event_median, matmul_rate, read_bandwidth
 
-def _event_median(run, iters: int, before=None) -> float:
-    """Median seconds of run() over iters, timed with CUDA events; before() runs untimed."""
-    times = []
-    for _ in range(iters):
-        if before is not None:
-            before()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
-
-
-def copy_bandwidth(gib: float = 4.0, iters: int = 10) -> float:
-    """Bytes per second of a device-to-device copy, read + write counted."""
-    n = int(gib * 2**30)
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(1)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    sec = _event_median(lambda: dst.copy_(src), iters)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n / sec
-
-
-def matmul_rate(n: int = 8192, iters: int = 10) -> float:
-    """FLOP per second of a bf16 n x n x n GEMM on random data."""
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    sec = _event_median(lambda: a @ b, iters)
-    return 2 * n**3 / sec
+_event_median = event_median        # the name the profiling scripts used
+__all__ = ["L2Flush", "copy_bandwidth", "graph_time_us", "matmul_rate", "read_bandwidth"]
 
 
 class L2Flush:

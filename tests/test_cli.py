@@ -1,5 +1,6 @@
-"""The `helix` command line, run as a user runs it (a subprocess): generated tokens, the JSON
-line, the demo, and user errors (non-zero exit, one line on stderr, no traceback)."""
+"""The `helix` command line. Parsing, validation and output in-process (helix.cli.main); a few
+end-to-end runs as a user runs it (a subprocess): the console script, the JSON line against
+transformers, the demo. User errors: non-zero exit, one error line on stderr, no traceback."""
 
 from __future__ import annotations
 
@@ -23,6 +24,17 @@ HELIX = [sys.executable, "-m", "helix.cli"]
 def helix(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     return subprocess.run([*HELIX, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def helix_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """helix.cli.main in this process: (returncode, stdout, stderr) like a subprocess."""
+    from helix.cli import main
+    try:
+        code = main(list(args))
+    except SystemExit as e:            # argparse: --help, usage errors
+        code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
 def ids(p: list[int]) -> str:
@@ -49,24 +61,30 @@ def test_generate_json_matches_transformers(hf_checkpoint):
     assert len(result["step_ms"]) == 16
 
 
-def test_generate_text_output_and_sampling_flags(llama_ckpt):
-    r = helix(*generate_args(llama_ckpt, PROMPTS[:2], 5, "--temperature", "0.8", "--top-k", "20",
-                             "--top-p", "0.9", "--sample-seed", "11", "--ignore-eos"))
+def test_generate_text_output_and_sampling_flags(llama_ckpt, capsys):
+    r = helix_here(capsys, *generate_args(llama_ckpt, PROMPTS[:2], 5, "--temperature", "0.8",
+                                          "--top-k", "20", "--top-p", "0.9", "--sample-seed",
+                                          "11", "--ignore-eos"))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert [re.sub(r":.*", "", line) for line in lines] == ["request 0", "request 1"]
-    got = [[int(t) for t in line.split(":")[1].split()] for line in lines]
+    assert [re.sub(r" \(.*", "", line) for line in lines[:2]] == ["request 0", "request 1"]
+    assert lines[0].startswith("request 0 (3 prompt tokens -> 5 new, length)")
+    assert lines[2].startswith("layout kvp=1 tpa=1 tpf=1 ep=1 kv_interleave=1 on 1 CPU rank")
+    assert re.match(r"time to first token [\d.]+-[\d.]+ ms, decode [\d.]+ ms/step", lines[3])
+    assert lines[4] == f"KV positions held per rank (layer 0): rank 0: {3 + 4 + 40 + 4}"
+    got = [[int(t) for t in line.split(":")[1].split()] for line in lines[:2]]
     params = SamplingParams(max_new_tokens=5, temperature=0.8, top_k=20, top_p=0.9, seed=11,
                             ignore_eos=True)
     with LLM(llama_ckpt, Layout(), RuntimeConfig(max_context=256, page_size=4)) as llm:
         assert got == llm.generate(PROMPTS[:2], params)
 
 
-def test_stop_ids_flag(llama_ckpt):
-    r = helix(*generate_args(llama_ckpt, PROMPTS[1:2], 12, "--json"))
+def test_stop_ids_flag(llama_ckpt, capsys):
+    r = helix_here(capsys, *generate_args(llama_ckpt, PROMPTS[1:2], 12, "--json"))
     full = json.loads(r.stdout.strip().splitlines()[-1])["tokens"][0]
     k = next(k for k in range(2, len(full)) if full[k] not in full[:k])
-    r = helix(*generate_args(llama_ckpt, PROMPTS[1:2], 12, "--json", "--stop-ids", str(full[k])))
+    r = helix_here(capsys, *generate_args(llama_ckpt, PROMPTS[1:2], 12, "--json", "--stop-ids",
+                                          str(full[k])))
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["tokens"] == [full[:k + 1]] and result["finish_reasons"] == ["stop"]
 
@@ -108,6 +126,14 @@ USER_ERRORS = {  # id -> (args builder(ckpt, tmp), text the one stderr line must
     "no-prompt": (lambda c, t: generate_args(c, [], 2), "--prompt-ids"),
     "prompt-not-ids": (lambda c, t: [*generate_args(c, [], 2), "--prompt-ids", "1,x"],
                        "not a comma-separated list"),
+    "negative-id": (lambda c, t: [*generate_args(c, [], 2), "--prompt-ids", "-1,2"],
+                    "token ids are non-negative integers"),
+    "ep-on-dense": (lambda c, t: generate_args(c, PROMPTS, 2, "--ep", "2", "--kvp", "2"),
+                    "needs a mixture-of-experts model"),
+    "nan-temperature": (lambda c, t: generate_args(c, PROMPTS, 2, "--temperature", "nan"),
+                        "temperature must be a finite number"),
+    "num-pages-too-large": (lambda c, t: generate_args(c, PROMPTS, 2, "--num-pages",
+                                                       str(10**12)), "lower --num-pages"),
     "zero-new-tokens": (lambda c, t: generate_args(c, PROMPTS, 0), "max_new_tokens"),
     "bad-layout": (lambda c, t: generate_args(c, PROMPTS, 2, "--kvp", "3"), "world size"),
     "context-over-model": (lambda c, t: [*generate_args(c, PROMPTS, 2), "--max-context", "9999"],
@@ -118,20 +144,35 @@ USER_ERRORS = {  # id -> (args builder(ckpt, tmp), text the one stderr line must
 
 
 @pytest.mark.parametrize("case", list(USER_ERRORS))
-def test_user_error_is_one_line(llama_ckpt, tmp_path, case):
+def test_user_error_is_one_line(llama_ckpt, tmp_path, case, capsys):
     build, text = USER_ERRORS[case]
-    r = helix(*build(llama_ckpt, str(tmp_path)))
-    assert r.returncode != 0
+    r = helix_here(capsys, *build(llama_ckpt, str(tmp_path)))
+    assert r.returncode == 2
     assert "Traceback" not in r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    assert lines[0].startswith("helix: error:") and text in lines[0], lines[0]
+    errors = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith("helix: KV pool")]
+    assert len(errors) == 1, r.stderr
+    assert errors[0].startswith("helix: error:") and text in errors[0], errors[0]
     assert r.stdout == ""
 
 
-def test_help_exits_zero():
-    r = helix("generate", "--help")
+def test_user_error_in_a_subprocess_is_one_line(llama_ckpt):
+    r = helix(*generate_args(llama_ckpt, [[1, VOCAB]], 2))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith(f"outside the vocabulary [0, {VOCAB})")
+
+
+def test_help_version_and_models(capsys):
+    r = helix_here(capsys, "generate", "--help")
     assert r.returncode == 0 and "--prompt-ids" in r.stdout and "--kvp" in r.stdout
+    r = helix_here(capsys, "--version")
+    assert r.returncode == 0 and re.match(r"helix \d+\.\d+", r.stdout)
+    r = helix_here(capsys, "models")
+    rows = {ln.split()[0]: ln.split() for ln in r.stdout.splitlines()[1:-1]}
+    assert rows["llama-3.1-8b"][1:6] == ["llama", "32", "4096", "32/8", "-"]
+    assert rows["llama-3.1-8b"][-1] == "8.0B"
+    assert rows["deepseek-v3"][4:6] == ["128/MLA", "256x8"]
+    r = helix_here(capsys, "generate", "--kvp")
+    assert r.returncode == 2 and "(see helix generate --help)" in r.stderr
 
 
 def test_demo():
@@ -144,8 +185,8 @@ def test_demo():
     rows = re.findall(r"prompt of +(\d+) tokens -> (\d+) new \((\w+)\): ([\d ]+)", out)
     assert [(int(n), int(k), why) for n, k, why, _ in rows] == [(5, 24, "length"), (23, 24, "length"),
                                                               (61, 24, "length")]
-    held = [int(x) for x in re.findall(r"rank \d+: (\d+) KV positions", out)]
-    total = int(re.search(r"of (\d+) written", out).group(1))
+    held = [int(x) for x in re.findall(r"rank \d+: (\d+)", out.split("per rank (layer 0):")[1])]
+    total = int(re.search(r"(\d+) positions written in all", out).group(1))
     assert total == sum(n + 23 for n in (5, 23, 61)) and sum(held) == total and len(held) >= 1
     # the demo's prompts: torch.randint(0, 1000) from a generator seeded with --seed (0)
     g = torch.Generator().manual_seed(0)

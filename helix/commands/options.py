@@ -1,0 +1,110 @@
+"""Command-line options shared by the commands that run a model (generate, demo, serve,
+profile): the layout, the runtime and the sampling flags, with defaults read from the config
+dataclasses, and their conversion into the validated configs."""
+
+from __future__ import annotations
+
+import argparse
+
+from helix.config import ATTENTION_BACKENDS, Layout, RuntimeConfig
+from helix.runtime.sampling import SamplingParams
+
+
+def token_ids(text: str) -> list[int]:
+    """'5,17,42' -> [5, 17, 42]; anything else is one clear argparse error."""
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of token ids, e.g. 5,17,42") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("empty prompt: give at least one token id, e.g. 5,17,42")
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: token ids are non-negative integers, e.g. 5,17,42")
+    return ids
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x for x in text.split(",") if x)
+
+
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("layout")
+    g.add_argument("--kvp", type=int, default=1, help="KV-parallel degree (sequence split)")
+    g.add_argument("--tpa", type=int, default=1, help="attention tensor-parallel degree (KV heads)")
+    g.add_argument("--tpf", type=int, default=None, help="FFN tensor-parallel degree (default world/ep)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE models)")
+    g.add_argument("--kv-interleave", type=int, default=1, help="KV positions per round-robin block")
+
+
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+    d = RuntimeConfig()
+    g = p.add_argument_group("runtime")
+    g.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="default: cuda when a GPU is present, else cpu")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    g.add_argument("--page-size", type=int, default=d.page_size, help="KV positions per page")
+    g.add_argument("--max-context", type=int, default=d.max_context,
+                   help="prompt + generation cap (0: the model's, at most 8192)")
+    g.add_argument("--max-batch", type=int, default=d.max_batch, help="most running requests")
+    g.add_argument("--num-pages", type=int, default=d.num_pages,
+                   help="KV pages per rank (0: sized from free memory)")
+    g.add_argument("--memory-utilization", type=float, default=d.memory_utilization,
+                   help="share of device memory (cpu: RAM) to fill, KV pool included "
+                        "(0: 0.9 cuda, 0.5 cpu)")
+    g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
+                   help="prompt tokens prefilled per step, longer prompts in chunks "
+                        "(0: 8192 cuda, 1024 cpu)")
+    g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS),
+                   default=d.attention_backend,
+                   help="attention kernels (auto: triton on cuda, the torch reference on cpu)")
+    g.add_argument("--seed", type=int, default=d.seed, help="preset weights / default sampling seed")
+    g.add_argument("--layers", type=int, default=0, help="run only the first n layers (0: all)")
+    g.add_argument("--timeout", type=float, default=d.timeout_s,
+                   help="seconds a collective may wait: a dead or hung rank ends the run")
+    g = p.add_argument_group("CUDA graphs")
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly")
+    g.add_argument("--graph-buckets", type=token_ids, default=(),
+                   help="batch buckets, e.g. 1,2,4,8 (default 1,2,4,8,16,24,... up to --max-batch)")
+    g.add_argument("--graph-breaks", type=_names, default=(),
+                   help="regions to run eagerly inside the graph: attention, moe")
+    g.add_argument("--no-overlap", dest="overlap", action="store_false", default=None,
+                   help="finish each step before preparing the next (default on cuda: overlap)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (greedy unless --temperature > 0)")
+    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop-ids", type=token_ids, default=(),
+                   help="comma-separated ids that end a request")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos ids")
+
+
+def configs(args) -> tuple[Layout, RuntimeConfig]:
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    layout = Layout(kvp=args.kvp, tpa=args.tpa, tpf=args.tpf, ep=args.ep,
+                    kv_interleave=args.kv_interleave)
+    runtime = RuntimeConfig(device=device, dtype=dtype, page_size=args.page_size,
+                            max_context=args.max_context, max_batch=args.max_batch,
+                            num_pages=args.num_pages, memory_utilization=args.memory_utilization,
+                            max_prefill_tokens=args.max_prefill_tokens,
+                            attention_backend=args.attention_backend, seed=args.seed,
+                            layers=args.layers, timeout_s=args.timeout,
+                            cuda_graphs=args.cuda_graphs, graph_buckets=tuple(args.graph_buckets),
+                            graph_breaks=args.graph_breaks, overlap=args.overlap)
+    return layout, runtime
+
+
+def sampling(args) -> SamplingParams:
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.sample_seed,
+                          stop_token_ids=tuple(args.stop_ids), ignore_eos=args.ignore_eos)

@@ -1,0 +1,1 @@
+"""The performance model: per-step cost accounting, measured rates, hardware files, the planner."""
