@@ -126,6 +126,20 @@ class ModelConfig:
         return model_config_from_hf(cfg)
 
 
+def world_sizes(model: ModelConfig, most: int = 1024) -> list[int]:
+    """The world sizes N the model's widths allow: N divides the query heads and the dense FFN
+    width (TP over all N), and for MoE the shared-expert width; some kvp x tpa (and tpf x ep)
+    split of N may still be refused by Layout.validate, which names the fix."""
+    out = []
+    for n in range(1, min(most, model.num_heads) + 1):
+        widths = [model.num_heads, model.intermediate_size]
+        if model.is_moe and model.num_shared_experts:
+            widths.append(model.moe_intermediate_size * model.num_shared_experts)
+        if all(w % n == 0 for w in widths):
+            out.append(n)
+    return out
+
+
 @dataclass(frozen=True)
 class Layout:
     """Helix layout of N ranks: attention in KVP x TP_A, FFN in TP_F x EP, over the same ranks.
@@ -169,9 +183,11 @@ class Layout:
     def validate(self, model: ModelConfig) -> None:
         """Check the layout against the model; raises ConfigError naming the fix."""
         n = self.world_size
-        if model.num_heads % n:
-            raise ConfigError(f"{model.num_heads} query heads are not divisible by the world size "
-                              f"kvp*tpa={n}: use a world size that divides {model.num_heads}")
+        if n not in world_sizes(model):
+            raise ConfigError(f"world size kvp*tpa={n} does not fit this model ({model.num_heads} "
+                              f"query heads, FFN width {model.intermediate_size}"
+                              f"{', expert width ' + str(model.moe_intermediate_size) if model.is_moe else ''}"
+                              f"): use one of {', '.join(map(str, world_sizes(model)))}")
         if model.is_mla:
             if self.tpa != 1 and self.kvp != 1:
                 raise ConfigError(f"MLA has one latent KV head: use tpa=1 (got tpa={self.tpa}); "
@@ -193,11 +209,6 @@ class Layout:
             if model.moe_intermediate_size % self.tpf:
                 raise ConfigError(f"expert width {model.moe_intermediate_size} is not divisible by "
                                   f"tpf={self.tpf}: raise ep or change the layout")
-            if model.num_shared_experts and (model.moe_intermediate_size * model.num_shared_experts) % n:
-                raise ConfigError(f"shared-expert width is not divisible by the world size {n}")
-        if model.intermediate_size % n:
-            raise ConfigError(f"FFN width {model.intermediate_size} is not divisible by the world "
-                              f"size {n}: use a world size that divides it")
 
 
 @dataclass(frozen=True)

@@ -49,13 +49,13 @@ def test_layout_derives_tpf(kvp, tpa, ep, tpf):
 # -- the layout against a model ------------------------------------------------------------------
 
 INVALID = [  # model, config changes, layout, message
-    pytest.param("tiny-llama", {}, dict(kvp=3), r"8 query heads are not divisible by the world size "
-                 r"kvp\*tpa=3: use a world size that divides 8", id="gqa-heads-world3"),
+    pytest.param("tiny-llama", {}, dict(kvp=3), r"world size kvp\*tpa=3 does not fit this model \(8 "
+                 r"query heads, FFN width 512\): use one of 1, 2, 4, 8", id="gqa-heads-world3"),
     pytest.param("tiny-llama", {}, dict(kvp=2, tpa=4), r"tpa=4 must divide the 2 KV heads: choose "
                  r"tpa among the divisors of 2 and raise kvp instead", id="gqa-tpa-over-kv-heads"),
     pytest.param("tiny-llama-h6", {}, dict(kvp=3, tpa=2), r"tpa=2 must divide the 3 KV heads",
                  id="gqa-tpa-not-dividing-kv-heads"),
-    pytest.param("tiny-llama", dict(num_heads=6), dict(kvp=1, tpa=3),
+    pytest.param("tiny-llama", dict(num_heads=6, intermediate_size=384), dict(kvp=1, tpa=3),
                  r"tpa=3 and 2 KV heads: one must divide the other", id="tp-baseline-tpa3-hkv2"),
     pytest.param("tiny-deepseek-v3", {}, dict(kvp=2, tpa=2), r"MLA has one latent KV head: use "
                  r"tpa=1 \(got tpa=2\); put all 4 ranks on kvp, or use the TP baseline kvp=1",
@@ -66,9 +66,10 @@ INVALID = [  # model, config changes, layout, message
     pytest.param("tiny-qwen3-moe", dict(moe_intermediate_size=90), dict(kvp=4, ep=1),
                  r"expert width 90 is not divisible by tpf=4: raise ep", id="moe-width-tpf"),
     pytest.param("tiny-deepseek-v3", dict(moe_intermediate_size=2), dict(kvp=4, ep=4),
-                 r"shared-expert width is not divisible by the world size 4", id="shared-expert-width"),
+                 r"world size kvp\*tpa=4 does not fit this model .*: use one of 1, 2",
+                 id="shared-expert-width"),
     pytest.param("tiny-llama", dict(intermediate_size=500), dict(kvp=8),
-                 r"FFN width 500 is not divisible by the world size 8", id="ffn-width"),
+                 r"FFN width 500\): use one of 1, 2, 4$", id="ffn-width"),
 ]
 
 
@@ -117,7 +118,7 @@ def test_llm_rejects_before_spawning(no_spawn, model, changes, layout, message):
 
 @pytest.mark.parametrize("args,message", [
     (["--model", "tiny-deepseek-v3", "--kvp", "2", "--tpa", "2"], "MLA has one latent KV head"),
-    (["--model", "tiny-llama", "--kvp", "3"], "8 query heads are not divisible"),
+    (["--model", "tiny-llama", "--kvp", "3"], "use one of 1, 2, 4, 8"),
     (["--model", "tiny-qwen3-moe", "--kvp", "2", "--tpf", "1", "--ep", "1"],
      r"tpf\*ep = 1\*1 must equal kvp\*tpa = 2: set --tpf 2"),
     (["--model", "tiny-qwen3-moe", "--kvp", "2", "--ep", "4"], "ep=4 does not divide the world size"),

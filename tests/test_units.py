@@ -326,14 +326,14 @@ MOE = dict(arch="qwen3_moe", num_experts=6, experts_per_token=2, moe_intermediat
 
 
 @pytest.mark.parametrize("layout,model,match", [
-    (Layout(kvp=3), {}, "8 query heads are not divisible by the world size kvp\\*tpa=3"),
+    (Layout(kvp=3), {}, "world size kvp\\*tpa=3 does not fit this model \\(8 query heads"),
     (Layout(kvp=2, tpa=4), {}, "tpa=4 must divide the 2 KV heads: choose tpa among the divisors"),
     (Layout(kvp=1, tpa=8, ep=1), dict(num_kv_heads=3, num_heads=24, intermediate_size=96),
      "tpa=8 and 3 KV heads: one must divide the other"),
     (Layout(kvp=2, tpa=2), MLA, "MLA has one latent KV head: use tpa=1"),
     (Layout(kvp=4, ep=4), MOE, "6 experts are not divisible by ep=4"),
     (Layout(kvp=2, tpa=2, ep=1), MOE, "expert width 10 is not divisible by tpf=4"),
-    (Layout(kvp=8), dict(intermediate_size=100), "FFN width 100 is not divisible by the world size 8"),
+    (Layout(kvp=8), dict(intermediate_size=100), "FFN width 100\\): use one of 1, 2, 4"),
 ])
 def test_layout_validation_names_the_fix(layout, model, match):
     with pytest.raises(ConfigError, match=match):
