@@ -28,6 +28,7 @@ from helix.kv.manager import KVManager, upload
 from helix.kv.ownership import KVSharding
 from helix.loader import build_and_load
 from helix.parallel.comm import Comm
+from helix.runtime import faults
 from helix.runtime.decode_graphs import DecodeGraphs
 from helix.runtime.memory import plan_kv_pool
 from helix.runtime.nvtx import nvtx_range
@@ -87,6 +88,7 @@ class Engine:
         self.last_logits: torch.Tensor | None = None
         self.dead: str | None = None
         self.last_graphed = False             # whether the last step replayed a graph
+        self.steps = 0                        # steps launched (fault injection counts them)
         self._failed_last = False
         self.graphs = None
         if runtime.cuda_graphs:
@@ -177,6 +179,8 @@ class Engine:
 
     def _launch(self, plan: StepPlan) -> _Launched:
         """Queue the model and the sampler for the plan's rows; no host sync."""
+        self.steps += 1
+        faults.check(self.comm.mesh.rank, self.steps - 1)
         batch, ids, src, positions = [], [], [], []
         sampled, counters = [], []
         for r in plan.decode:

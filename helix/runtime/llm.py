@@ -163,15 +163,19 @@ class LLM:
         The LLM then refuses work."""
         try:
             return fn(*args)
-        except EngineDeadError as e:
-            raise self._fail(str(e)) from None
-        except RuntimeError as e:
-            if not self._multi:
+        except (EngineDeadError, RuntimeError) as e:
+            if not self._multi and not isinstance(e, EngineDeadError):
                 raise
-            time.sleep(0.3)                      # let a dead worker's exit code land
-            dead = self._dead_workers()
-            why = (f"{'; '.join(dead)} (its error is above)" if dead else
-                   f"a collective failed: {str(e).splitlines()[0]}")
+            dead = []
+            if self._multi:
+                time.sleep(0.3)                  # let a dead worker's exit code land
+                dead = self._dead_workers()
+            if dead:                             # the root cause, whatever rank 0 saw
+                why = f"{'; '.join(dead)} (its error is above)"
+            elif isinstance(e, EngineDeadError):
+                why = str(e)
+            else:
+                why = f"a collective failed: {str(e).splitlines()[0]}"
             raise self._fail(why) from None
 
     def _fail(self, why: str) -> EngineDeadError:
