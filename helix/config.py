@@ -225,6 +225,11 @@ class RuntimeConfig:
     max_prefill_tokens: int = 0    # prompt tokens one step prefills, in chunks across requests
                                    # (0: 8192 on cuda, 1024 on cpu)
     attention_backend: str = "auto"   # auto (triton on cuda, torch on cpu) | torch | triton | flash-attn
+    prefill_cp: str = "auto"       # prompt chunks over KVP ranks: pass-kv (each rank projects the
+                                   # positions it owns), pass-q (every rank all of them), or auto
+                                   # (the cheaper message, helix/kv/context_parallel.py)
+    cp_gather_mb: int = 1024       # pass-KV: largest gathered copy of one layer's KV (MB); above
+                                   # it the KV passes around a ring of the KVP ranks (0: always)
     seed: int = 0                  # random weights of presets; default sampling seed
     timeout_s: float = 300.0       # collective timeout: a dead rank ends the run with an error
     layers: int = 0                # run only the first n decoder layers (0: all; benchmarking)
@@ -240,7 +245,8 @@ class RuntimeConfig:
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         parse_dtype(self.dtype)
         for name, lo in (("page_size", 1), ("max_batch", 1), ("max_context", 0), ("num_pages", 0),
-                         ("layers", 0), ("seed", 0), ("max_prefill_tokens", 0)):
+                         ("layers", 0), ("seed", 0), ("max_prefill_tokens", 0),
+                         ("cp_gather_mb", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -258,6 +264,8 @@ class RuntimeConfig:
             raise ConfigError(f"unknown graph break(s) {', '.join(sorted(unknown))}: use attention, moe")
         if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.graph_buckets):
             raise ConfigError("graph buckets must be positive batch sizes")
+        if self.prefill_cp not in ("auto", "pass-kv", "pass-q"):
+            raise ConfigError(f"prefill_cp must be auto, pass-kv or pass-q, got {self.prefill_cp!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                               f"got {self.attention_backend!r}")

@@ -18,7 +18,10 @@ from helix import LLM, Layout, RuntimeConfig, SamplingParams
 from helix.loader import read_model_config
 
 PAGE = 8                     # page size; kv_interleave = PAGE is the page round-robin rule
-RUNTIME = RuntimeConfig(page_size=PAGE, dtype="float32", max_context=96, max_batch=8)
+# prompts prefill in chunks of <= 16 tokens (the 23-token prompt in two, the joiner's 13 next to
+# decode rows); over KVP ranks each chunk picks pass-KV or pass-Q by the message-size rule
+RUNTIME = RuntimeConfig(page_size=PAGE, dtype="float32", max_context=96, max_batch=8,
+                        max_prefill_tokens=16)
 LOGITS_RTOL = 1e-4           # max |a - b| over a step's logits, relative to max |reference|
 
 # (prompt length, max_new_tokens) of the requests added before the first step: one batch of mixed
@@ -62,6 +65,7 @@ class Run:
     batches: list[list[int]]          # request ids of each step's logits rows, in row order
     logits: list[torch.Tensor]        # per step [S, V] fp32
     kv_tokens: list[int]              # KV positions (layer 0) each rank stored
+    prefill_tokens: list[int]         # prompt tokens each rank projected
 
     def seq_len(self, rid: int) -> int:
         """Positions written to the KV cache: the prompt and every generated token but the last."""
@@ -79,7 +83,7 @@ def run_scenario(model: str, layout: Layout, runtime: RuntimeConfig = RUNTIME) -
     vocab = read_model_config(model)[0].vocab_size
     prompts = scenario_prompts(vocab)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in (*INITIAL, JOINER)]
-    run = Run({}, {}, [], [], [])
+    run = Run({}, {}, [], [], [], [])
     with LLM(model, layout, runtime) as llm:
         for prompt, sp in zip(prompts[:-1], params[:-1]):
             run.prompts[llm.add_request(prompt, sp)] = prompt
@@ -93,13 +97,14 @@ def run_scenario(model: str, layout: Layout, runtime: RuntimeConfig = RUNTIME) -
             step += 1
         run.tokens = {rid: list(llm.outputs[rid]) for rid in run.prompts}
         run.kv_tokens = llm.kv_tokens_per_rank()
+        run.prefill_tokens = llm.prefill_tokens_per_rank()
     return run
 
 
 @functools.cache
-def cached_run(model: str, layout: Layout) -> Run:
-    """One run per (model, layout) per pytest session, shared by every test module."""
-    return run_scenario(model, layout)
+def cached_run(model: str, layout: Layout, runtime: RuntimeConfig = RUNTIME) -> Run:
+    """One run per (model, layout, runtime) per pytest session, shared by every test module."""
+    return run_scenario(model, layout, runtime)
 
 
 def reference_run(model: str) -> Run:

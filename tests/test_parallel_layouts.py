@@ -26,7 +26,8 @@ def test_scenario_exercises_the_edge_cases():
     """The reference run really has the shape the cases rely on."""
     ref = reference_run("tiny-llama")
     first, *_, joiner = ref.prompts
-    assert len(ref.batches[0]) == len(INITIAL)                     # one prefill of mixed lengths
+    assert len(ref.batches[0]) == 3              # short prompts in one step, the long in chunks
+    assert len(ref.batches[1]) == 4 and len(ref.batches[2]) == 5
     assert len({len(p) for p in ref.prompts.values()}) == len(ref.prompts)
     assert min(len(p) for p in ref.prompts.values()) < min(c.kvp * c.interleave
                                                              for c in CASES if c.kvp > 1)

@@ -43,6 +43,7 @@ def run_batch(model: str, prompts: list[list[int]], args) -> dict:
             for rid in out.tokens:
                 first.setdefault(rid, now - t0)
         kv = llm.kv_tokens_per_rank()
+        projected = llm.prefill_tokens_per_rank()
         ttft = [1e3 * first[i] for i in ids if i in first]
         decode = steps[1:] or steps
         return {
@@ -55,6 +56,7 @@ def run_batch(model: str, prompts: list[list[int]], args) -> dict:
             "device": runtime.device,
             "dtype": runtime.dtype,
             "kv_tokens_per_rank": kv,
+            "prefill_tokens_per_rank": projected,
             "step_ms": [round(s * 1e3, 3) for s in steps],
             "ttft_ms": [round(t, 3) for t in ttft],
             "decode_ms_median": round(1e3 * statistics.median(decode), 3) if decode else None,

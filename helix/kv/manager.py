@@ -27,6 +27,7 @@ class LocalKVMeta:
     page_size: int
     num_decode: int             # leading sequences with one query token at their end
     max_q: int = 1              # most query tokens of any sequence (prefill kernels' grid)
+    cp: object = None           # helix.kv.context_parallel.CPPlan: this step's chunks pass KV
 
     @property
     def num_seqs(self) -> int:
@@ -37,9 +38,10 @@ class LocalKVMeta:
         """Every sequence is a decode row."""
         return self.num_decode == self.num_seqs
 
-    def split(self) -> tuple["LocalKVMeta", "LocalKVMeta"]:
-        """(decode rows, prefill rows): the two parts of a mixed step, queries [:D] and [D:]."""
-        d = self.num_decode
+    def split(self, d: int | None = None) -> tuple["LocalKVMeta", "LocalKVMeta"]:
+        """(decode rows, prefill rows): the two parts of a mixed step, sequences (and queries)
+        [:d] and [d:]; d defaults to num_decode."""
+        d = self.num_decode if d is None else d
         common = dict(kvp_rank=self.kvp_rank, kvp=self.kvp, interleave=self.interleave,
                       page_size=self.page_size)
         dec = LocalKVMeta(self.slots[:d], self.block_tables[:d], self.kv_lens[:d],

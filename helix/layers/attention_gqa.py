@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from helix.config import ModelConfig
+from helix.layers.cp_attention import ContextParallel
 from helix.layers.exchange import KVPExchange
 from helix.layers.linear import MergedColumnLinear, RowShardLinear
 from helix.layers.norm import RMSNorm
@@ -41,44 +42,68 @@ class GQAAttention(nn.Module):
         q0 = mesh.tpa_rank * self.hq
         kv0, kv1 = kv_head_range(cfg, lay.tpa, mesh.tpa_rank)
         self.hkv, self.d = kv1 - kv0, d
-        hkv_all = cfg.num_kv_heads * d
+        kv_width = cfg.num_kv_heads * d
         self.qkv_proj = MergedColumnLinear(D, [("q_proj", H * d, q0 * d, (q0 + self.hq) * d),
-                                               ("k_proj", hkv_all, kv0 * d, kv1 * d),
-                                               ("v_proj", hkv_all, kv0 * d, kv1 * d)],
+                                               ("k_proj", kv_width, kv0 * d, kv1 * d),
+                                               ("v_proj", kv_width, kv0 * d, kv1 * d)],
                                            cfg.qkv_bias, dtype)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_eps, dtype)
             self.k_norm = RMSNorm(d, cfg.rms_eps, dtype)
         self.qk_norm = cfg.qk_norm
-        # after the exchange this rank holds heads [g0, g0 + H/N)
-        g0 = q0 + mesh.kvp_rank * (H // lay.world_size)
-        self.o_proj = RowShardLinear(H * d, D, g0 * d, (g0 + H // lay.world_size) * d, comm,
+        # after the exchange this rank holds heads [merged0, merged0 + H/N)
+        merged0 = q0 + mesh.kvp_rank * (H // lay.world_size)
+        self.o_proj = RowShardLinear(H * d, D, merged0 * d, (merged0 + H // lay.world_size) * d,
+                                     comm,
                                      "world", cfg.attention_bias, dtype)
         self.exchange = KVPExchange(comm)
+        self.cp = ContextParallel(comm)
         self.rope = rope
         self.scale = cfg.softmax_scale
 
     def kv_cache_shape(self, num_pages: int, page_size: int) -> list[tuple[int, ...]]:
         return [(num_pages, page_size, self.hkv, self.d)] * 2
 
+    def exchange_rows(self) -> tuple[int, int]:
+        """(one token's K + V elements, one token's partial O + LSE elements) on this rank: the
+        message sizes of context-parallel prefill's pass-KV / pass-Q rule."""
+        return 2 * self.hkv * self.d, self.hq * (self.d + 1)
+
     def forward(self, x, pos, meta, cache, backend, ctx=None):
-        """x [T, D] replicated, pos [T] global positions -> [T, D] replicated."""
+        """x [T, D] replicated, pos [T] global positions -> [T, D] replicated. With a pass-KV
+        plan (meta.cp) this rank projects only the decode rows and the chunk positions it owns."""
         T = x.shape[0]
+        cp = meta.cp
+        if cp is not None:
+            x, pos = x[cp.rows], pos[cp.rows]
+        R = x.shape[0]
         q, k, v = self.qkv_proj(x)                          # one GEMM, three views
-        q = q.view(T, self.hq, self.d)
-        k = k.view(T, self.hkv, self.d)
-        v = v.view(T, self.hkv, self.d)
+        q = q.view(R, self.hq, self.d)
+        k = k.view(R, self.hkv, self.d)
+        v = v.view(R, self.hkv, self.d)
         if self.qk_norm:
             q, k = self.rope(self.q_norm(q), pos), self.rope(self.k_norm(k), pos)
         else:  # q and k are adjacent columns of the GEMM output: rotate both in one launch
-            qk = self.rope(q.as_strided((T, self.hq + self.hkv, self.d), q.stride()), pos)
+            qk = self.rope(q.as_strided((R, self.hq + self.hkv, self.d), q.stride()), pos)
             q, k = qk.split([self.hq, self.hkv], dim=1)
         k_cache, v_cache = cache
+        slots = meta.slots if cp is None else meta.slots[cp.rows]
 
-        def attend():
-            backend.append_kv_pair(k_cache, v_cache, k, v, meta.slots)  # owner rank only (slot -1)
-            return backend.attend_gqa(q, k_cache, v_cache, meta, self.scale)   # local shard
+        if cp is None:
+            def attend():
+                backend.append_kv_pair(k_cache, v_cache, k, v, slots)  # owner rank only (slot -1)
+                return backend.attend_gqa(q, k_cache, v_cache, meta, self.scale)   # local shard
 
-        o, lse = region(ctx, "attention", attend)
-        o = self.exchange(o, lse, backend)                            # [T, H/N, d]
-        return self.o_proj(o.reshape(T, -1))
+            o, lse = region(ctx, "attention", attend)
+            o = self.exchange(o, lse, backend)                        # [T, H/N, d]
+            return self.o_proj(o.reshape(T, -1))
+        backend.append_kv_pair(k_cache, v_cache, k, v, slots)         # decode rows + own positions
+        D = cp.num_decode
+        parts = []
+        if D:                                                         # decode rows: pass-Q
+            o, lse = backend.attend_gqa(q[:D], k_cache, v_cache, meta.split(D)[0], self.scale)
+            parts.append(self.exchange(o, lse, backend))              # [D, H/N, d]
+        own = self.cp.attend(lambda kv, m: backend.prefill_gqa(q[D:], kv[0], kv[1], m, self.scale),
+                             [k_cache, v_cache], cp)                 # [T_own, H/tpa, d]
+        parts.append(self.cp.to_heads(own, cp))                       # [Tc, H/N, d]
+        return self.o_proj(torch.cat(parts).reshape(T, -1))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from helix.config import ModelConfig
+from helix.layers.cp_attention import ContextParallel
 from helix.layers.exchange import KVPExchange
 from helix.layers.linear import ColumnShardLinear, ReplicatedLinear, RowShardLinear
 from helix.layers.norm import RMSNorm
@@ -50,12 +51,14 @@ class MLAAttention(nn.Module):
         self.kv_b_proj.weight.weight_loader = sliced_loader((H * per, self.lora), 0, q0 * per,
                                                             (q0 + self.hq) * per)
         n = lay.world_size
-        self.hm = H // n                                      # merged heads on this rank
-        self.m0 = mesh.kvp_rank * self.hm                     # their offset inside the local heads
-        g0 = q0 + self.m0
-        self.o_proj = RowShardLinear(H * self.vdim, D, g0 * self.vdim, (g0 + self.hm) * self.vdim,
+        self.merged_heads = H // n                           # heads this rank holds after the merge
+        self.merged_first = mesh.kvp_rank * self.merged_heads  # ... their offset in its local heads
+        merged0 = q0 + self.merged_first                      # ... and in the model's heads
+        self.o_proj = RowShardLinear(H * self.vdim, D, merged0 * self.vdim,
+                                     (merged0 + self.merged_heads) * self.vdim,
                                      comm, "world", cfg.attention_bias, dtype)
         self.exchange = KVPExchange(comm)
+        self.cp = ContextParallel(comm)
         self.rope = rope
         self.scale = cfg.softmax_scale
 
@@ -66,26 +69,51 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.hq, self.nope + self.vdim, self.lora)
         return w[:, :self.nope], w[:, self.nope:]             # [h, nope, Dl], [h, v, Dl]
 
+    def exchange_rows(self) -> tuple[int, int]:
+        """(one token's latent KV row elements, one token's partial latent O + LSE elements):
+        the message sizes of context-parallel prefill's pass-KV / pass-Q rule."""
+        return self.lora + self.rdim, self.hq * (self.lora + 1)
+
     def forward(self, x, pos, meta, cache, backend, ctx=None):
-        """x [T, D] replicated, pos [T] -> [T, D] replicated."""
+        """x [T, D] replicated, pos [T] -> [T, D] replicated. With a pass-KV plan (meta.cp)
+        this rank projects only the decode rows and the chunk positions it owns."""
         T = x.shape[0]
+        cp = meta.cp
+        if cp is not None:
+            x, pos = x[cp.rows], pos[cp.rows]
+        R = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
-        q = q.view(T, self.hq, self.nope + self.rdim)
+        q = q.view(R, self.hq, self.nope + self.rdim)
         q_nope, q_rope = q.split([self.nope, self.rdim], dim=-1)
         q_rope = self.rope(q_rope, pos)
         w_uk, w_uv = self._w_uk_uv()
-        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)             # absorbed: [T, h, Dl]
+        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)             # absorbed: [R, h, Dl]
         ckv = self.kv_a_proj_with_mqa(x)
         latent, k_rope = ckv.split([self.lora, self.rdim], dim=-1)
         k_rope = self.rope(k_rope.unsqueeze(1), pos).squeeze(1)
-        row = torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1)     # [T, Dl + Dr]
+        row = torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1)     # [R, Dl + Dr]
         (kv_cache,) = cache
+        slots = meta.slots if cp is None else meta.slots[cp.rows]
 
-        def attend():
-            backend.append_kv(kv_cache, row, meta.slots)
-            return backend.attend_mla(q_latent, q_rope, kv_cache, self.lora, meta, self.scale)
+        if cp is None:
+            def attend():
+                backend.append_kv(kv_cache, row, slots)
+                return backend.attend_mla(q_latent, q_rope, kv_cache, self.lora, meta, self.scale)
 
-        o, lse = region(ctx, "attention", attend)
-        o = self.exchange(o, lse, backend)                                           # [T, H/N, Dl]
-        o = torch.einsum("thc,hvc->thv", o, w_uv[self.m0:self.m0 + self.hm])  # [T, H/N, v]
+            o, lse = region(ctx, "attention", attend)
+            o = self.exchange(o, lse, backend)                                # [T, H/N, Dl]
+        else:
+            backend.append_kv(kv_cache, row, slots)           # decode rows + own positions
+            D = cp.num_decode
+            parts = []
+            if D:                                             # decode rows: pass-Q
+                o, lse = backend.attend_mla(q_latent[:D], q_rope[:D], kv_cache, self.lora,
+                                            meta.split(D)[0], self.scale)
+                parts.append(self.exchange(o, lse, backend))                  # [D, H/N, Dl]
+            own = self.cp.attend(lambda kv, m: backend.prefill_mla(
+                q_latent[D:], q_rope[D:], kv[0], self.lora, m, self.scale), [kv_cache], cp)
+            parts.append(self.cp.to_heads(own, cp))                           # [Tc, H/N, Dl]
+            o = torch.cat(parts)
+        w_uv = w_uv[self.merged_first:self.merged_first + self.merged_heads]
+        o = torch.einsum("thc,hvc->thv", o, w_uv)                            # [T, H/N, v]
         return self.o_proj(o.reshape(T, -1))

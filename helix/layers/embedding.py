@@ -56,4 +56,5 @@ class ParallelLMHead(nn.Module):
         if self.shard >= self.vocab:
             return local[:, :self.vocab]
         full = self.comm.all_gather(local, "world")          # [N, S, shard]
-        return full.permute(1, 0, 2).reshape(h.shape[0], -1)[:, :self.vocab]
+        S = h.shape[0]
+        return full.permute(1, 0, 2).reshape(S, full.shape[0] * self.shard)[:, :self.vocab]

@@ -34,6 +34,10 @@ class Comm:
         """Returns [n, *x.shape]: the x of every rank of the axis, in axis order."""
         raise NotImplementedError
 
+    def ring_shift(self, x: torch.Tensor, axis: str = "kvp") -> torch.Tensor:
+        """Send x to the next rank of the axis, return what the previous rank sent (same shape)."""
+        raise NotImplementedError
+
     def broadcast_object(self, obj, src: int = 0):
         """Control plane: rank `src`'s python object on every rank."""
         raise NotImplementedError
@@ -67,6 +71,9 @@ class LocalComm(Comm):
 
     def all_gather(self, x, axis="world"):
         return x.unsqueeze(0)
+
+    def ring_shift(self, x, axis="kvp"):
+        return x
 
     def broadcast_object(self, obj, src=0):
         return obj
@@ -117,6 +124,20 @@ class TorchComm(Comm):
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out, x, group=self.groups[axis])
         return out.view(n, *x.shape)
+
+    def ring_shift(self, x, axis="kvp"):
+        n = self.size(axis)
+        if n == 1:
+            return x
+        ranks = self.mesh.kvp_group_ranks(self.mesh.tpa_rank)
+        i = ranks.index(self.mesh.rank)
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        ops = [dist.P2POp(dist.isend, x, ranks[(i + 1) % n], self.groups[axis]),
+               dist.P2POp(dist.irecv, out, ranks[(i - 1) % n], self.groups[axis])]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return out
 
     def broadcast_object(self, obj, src=0):
         box = [obj]

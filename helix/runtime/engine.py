@@ -24,6 +24,7 @@ from helix.attention.backend import get_backend
 from helix.config import Layout, ModelConfig, RuntimeConfig
 from helix.errors import EngineDeadError
 from helix.graphs import BucketLadder
+from helix.kv.context_parallel import pass_kv_cheaper, plan_pass_kv
 from helix.kv.manager import KVManager, upload
 from helix.kv.ownership import KVSharding
 from helix.loader import build_and_load
@@ -89,6 +90,10 @@ class Engine:
         self.dead: str | None = None
         self.last_graphed = False             # whether the last step replayed a graph
         self.steps = 0                        # steps launched (fault injection counts them)
+        self.prefill_tokens = 0               # prompt tokens this rank projected
+        attn = self.model.model.layers[0].self_attn
+        self._exchange_rows = attn.exchange_rows()
+        self._layer_page_bytes = self.pool.page_bytes // cfg.num_layers
         self._failed_last = False
         self.graphs = None
         if runtime.cuda_graphs:
@@ -154,7 +159,7 @@ class Engine:
         except Exception as e:
             if self.layout.world_size > 1:
                 raise self._die(f"a step failed on rank {self.comm.mesh.rank}: "
-                                f"{type(e).__name__}: {e}") from None
+                                f"{type(e).__name__}: {e}") from e
             if self._failed_last:
                 raise self._die(f"two steps in a row failed, the last with "
                                 f"{type(e).__name__}: {e}") from None
@@ -216,6 +221,7 @@ class Engine:
         else:
             with nvtx_range("helix.prepare"):
                 meta = self.kv.prepare(batch, self.device)
+                self._plan_context_parallel(batch, len(plan.decode), meta)
                 ids_t = upload(torch.tensor(ids, dtype=torch.long), self.device)
                 if any(s >= 0 for s in src):            # tokens still on the device
                     src_t = upload(torch.tensor(src, dtype=torch.long), self.device)
@@ -238,6 +244,25 @@ class Engine:
             r.pending_row = i
         self.last_logits = logits
         return _Launched(sampled, host, event, len(ids))
+
+    def _plan_context_parallel(self, batch: list[tuple[int, int, int]], num_decode: int,
+                               meta) -> None:
+        """Pass-KV or pass-Q for this step's prefill chunks (helix/kv/context_parallel.py);
+        counts the prompt tokens this rank projects."""
+        chunks = batch[num_decode:]
+        new = sum(n for _, _, n in chunks)
+        if not chunks:
+            return
+        mode = self.runtime.prefill_cp
+        if mode == "auto":
+            cached = sum(start for _, start, _ in chunks)
+            mode = "pass-kv" if pass_kv_cheaper(new, cached, *self._exchange_rows) else "pass-q"
+        if self.layout.kvp == 1 or mode == "pass-q":
+            self.prefill_tokens += new
+            return
+        meta.cp = plan_pass_kv(self.kv, batch, num_decode, self._layer_page_bytes,
+                               self.runtime.cp_gather_mb << 20, self.device)
+        self.prefill_tokens += meta.cp.rows.numel() - num_decode
 
     def _resolve(self, step: _Launched) -> dict[int, int]:
         """Wait for a queued step's tokens; append them and apply stop and length rules.

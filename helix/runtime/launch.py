@@ -13,12 +13,14 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 
 import torch
 import torch.distributed as dist
 
 from helix.config import Layout, RuntimeConfig
+from helix.errors import HelixError
 
 PR_SET_PDEATHSIG = 1
 
@@ -53,17 +55,40 @@ def rank_device(runtime: RuntimeConfig, local_rank: int) -> torch.device:
 
 
 def init_distributed(rank: int, world: int, runtime: RuntimeConfig, device: torch.device,
-                     addr: str | None = None, port: int | None = None) -> None:
-    """The default process group (NCCL on GPUs, gloo on CPU) with the run's timeout; addr/port:
-    the rendezvous of a locally spawned world (torchrun sets its own)."""
+                     store=None) -> None:
+    """The default process group (NCCL on GPUs, gloo on CPU) with the run's timeout; store: the
+    rendezvous of a locally spawned world (torchrun sets its own)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw = dict(backend=backend, rank=rank, world_size=world,
               timeout=datetime.timedelta(seconds=runtime.timeout_s))
-    if addr is not None:
-        kw["init_method"] = f"tcp://{addr}:{port}"
+    if store is not None:
+        kw["store"] = store
     if device.type == "cuda":
         kw["device_id"] = device
     dist.init_process_group(**kw)
+
+
+def rendezvous(addr: str, port: int, rank: int, world: int, timeout_s: float, dead=None):
+    """The TCP store of a locally spawned world. Rank 0 hosts it and waits until every worker
+    has checked in, polling dead() -> a message naming a worker that exited (None while all
+    live), so a worker that dies while starting ends the start at once, not after the timeout."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank:
+        store = dist.TCPStore(addr, port, world, False, timeout=timeout)
+        store.set(f"helix-ready-{rank}", "1")
+        return store
+    store = dist.TCPStore(addr, port, world, True, timeout=timeout, wait_for_workers=False)
+    keys = [f"helix-ready-{r}" for r in range(1, world)]
+    start = time.monotonic()
+    while not store.check(keys):
+        why = dead() if dead is not None else None
+        if why:
+            raise HelixError(f"{why} while starting (its error is above)")
+        if time.monotonic() - start > timeout_s:
+            raise HelixError(f"workers did not start within {timeout_s:.0f} s: raise --timeout "
+                             f"or check the machine")
+        time.sleep(0.05)
+    return store
 
 
 def _die_with_parent() -> None:
@@ -82,7 +107,8 @@ def worker_main(rank: int, world: int, model_ref: str, layout: Layout, runtime: 
     from helix.runtime.worker import serve
     try:
         device = rank_device(runtime, rank)
-        init_distributed(rank, world, runtime, device, addr, port)
+        store = rendezvous(addr, port, rank, world, runtime.timeout_s)
+        init_distributed(rank, world, runtime, device, store)
         code = serve(model_ref, layout, runtime, device, world)
     except Exception as e:  # a worker's failure must end the run, not hang it: report and exit
         report_failure(rank, e)

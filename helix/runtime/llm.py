@@ -38,7 +38,7 @@ from helix.parallel.comm import LocalComm
 from helix.parallel.mesh import Mesh
 from helix.runtime.engine import Engine, StepOutput
 from helix.runtime.launch import (free_port, init_distributed, process_state, rank_device,
-                                  torchrun_world, worker_main)
+                                  rendezvous, torchrun_world, worker_main)
 from helix.runtime.sampling import SamplingParams
 from helix.runtime.worker import make_engine, serve
 
@@ -126,7 +126,9 @@ class LLM:
         threading.Thread(target=self._watch_workers, daemon=True).start()
         try:
             device = rank_device(runtime, 0)
-            init_distributed(0, world, runtime, device, "127.0.0.1", port)
+            store = rendezvous("127.0.0.1", port, 0, world, runtime.timeout_s,
+                               dead=lambda: "; ".join(self._dead_workers()))
+            init_distributed(0, world, runtime, device, store)
             self.engine = self._guarded(make_engine, model, layout, runtime, device, world)
             self._guarded(self.engine.comm.barrier)
         except BaseException:
@@ -313,6 +315,11 @@ class LLM:
         """KV positions (layer 0) each rank stored for this run's requests."""
         self._check_open()
         return self._gather("kv_tokens", self.engine.kv_tokens)
+
+    def prefill_tokens_per_rank(self) -> list[int]:
+        """Prompt tokens each rank projected (context-parallel prefill: the positions it owns)."""
+        self._check_open()
+        return self._gather("prefill_tokens", lambda: self.engine.prefill_tokens)
 
     def stats(self) -> dict:
         """Running and queued requests, KV pages per rank (used, free, total)."""

@@ -37,6 +37,8 @@ def serve(model_ref: str, layout: Layout, runtime: RuntimeConfig, device: torch.
                 comm.gather_object(engine.kv_tokens())
             elif msg[0] == "stats":
                 comm.gather_object(engine.stats())
+            elif msg[0] == "prefill_tokens":
+                comm.gather_object(engine.prefill_tokens)
             elif msg[0] == "shutdown":
                 break
     except (HelixError, RuntimeError) as e:   # the driver stopped, or this rank's step failed
