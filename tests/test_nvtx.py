@@ -6,7 +6,7 @@ import contextlib
 import types
 
 from helix import LLM, Layout, RuntimeConfig, SamplingParams
-from helix.runtime import nvtx as helix_nvtx
+from helix import tracing as helix_nvtx
 
 
 def test_engine_steps_emit_named_ranges(monkeypatch):

@@ -32,7 +32,7 @@ from helix.parallel.comm import Comm
 from helix.runtime import faults
 from helix.runtime.decode_graphs import DecodeGraphs
 from helix.runtime.memory import plan_kv_pool
-from helix.runtime.nvtx import nvtx_range
+from helix.tracing import nvtx_range
 from helix.runtime.request import Request
 from helix.runtime.sampler import Sampler
 from helix.runtime.sampling import SamplingParams, row_params
