@@ -14,6 +14,7 @@ from torch import nn
 
 from helix.config import ModelConfig
 from helix.layers.exchange import KVPExchange
+from helix.layers.fused_mla import absorb_v, mla_kv_row
 from helix.layers.linear import ColumnShardLinear, ReplicatedLinear, RowShardLinear
 from helix.layers.norm import RMSNorm
 from helix.layers.regions import region
@@ -75,10 +76,10 @@ class MLAAttention(nn.Module):
         q_rope = self.rope(q_rope, pos)
         w_uk, w_uv = self._w_uk_uv()
         q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)             # absorbed: [T, h, Dl]
-        ckv = self.kv_a_proj_with_mqa(x)
-        latent, k_rope = ckv.split([self.lora, self.rdim], dim=-1)
-        k_rope = self.rope(k_rope.unsqueeze(1), pos).squeeze(1)
-        row = torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1)     # [T, Dl + Dr]
+        ckv = self.kv_a_proj_with_mqa(x)                                   # [T, Dl + Dr]
+        norm, rope = self.kv_a_layernorm, self.rope
+        row = mla_kv_row(ckv, norm.weight, norm.eps, rope.cos, rope.sin, pos,
+                         rope.interleave)            # [normed latent | roped key]: [T, Dl + Dr]
         (kv_cache,) = cache
 
         def attend():
@@ -87,5 +88,4 @@ class MLAAttention(nn.Module):
 
         o, lse = region(ctx, "attention", attend)
         o = self.exchange(o, lse, backend)                                           # [T, H/N, Dl]
-        o = torch.einsum("thc,hvc->thv", o, w_uv[self.m0:self.m0 + self.hm])  # [T, H/N, v]
-        return self.o_proj(o.reshape(T, -1))
+        return self.o_proj(absorb_v(o, w_uv[self.m0:self.m0 + self.hm]))      # [T, H/N * v]
