@@ -150,8 +150,8 @@ def bench_moe(args, flush, copy_bw) -> list[dict]:
             nbytes = hit * 3 * I * D * 2
             ref = fm.fused_moe_torch(x, gate, up, down, w, ids, 0).float()
             for vname, variant, cfg in variants:
-                fn = lambda v=variant, c=cfg: fm.fused_moe(x, gate, up, down, w, ids, 0,  # noqa: E731
-                                                           variant=v, config=c)
+                def fn(v=variant, c=cfg):
+                    return fm.fused_moe(x, gate, up, down, w, ids, 0, variant=v, config=c)
                 err = (fn().float() - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)
                 us = graph_time_us(fn, args.iters, flush)
                 recs.append(dict(part="moe", shape=name, batch=T, variant=vname, config=cfg,

@@ -115,7 +115,8 @@ DECODE_CONFIGS = [  # every inner-product mode, row blocking, split-K, the unfus
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("config", DECODE_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("config", DECODE_CONFIGS,
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_decode_kernel_configs(config, dtype):
     """Experts with 1-5 rows (token 4 repeats one expert), other ranks' experts, D / I not
     multiples of the tiles, K splits past the end of I (empty ranges)."""

@@ -99,7 +99,8 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     m = dict(device="meta")
     launches = []
     rec = lambda k, g, *a, **kw: launches.append((k, a, kw))
-    with mock.patch.object(few, "run_kernel", rec), mock.patch.object(triton_splits, "run_kernel", rec):
+    with mock.patch.object(few, "run_kernel", rec), \
+            mock.patch.object(triton_splits, "run_kernel", rec):
         for swap in (True, False):
             ql = torch.empty(1, 16, 512, dtype=torch.bfloat16, **m)
             qr = torch.empty(1, 16, 64, dtype=torch.bfloat16, **m)

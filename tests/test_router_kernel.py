@@ -193,8 +193,8 @@ def test_router_module_on_cpu_uses_route_torch():
         router.e_score_correction_bias.copy_(torch.randn(8, generator=g))
     x = torch.randn(3, 16, generator=g).bfloat16()
     w, ids = router(x)
-    ref_w, ref_ids = _legacy_route(F.linear(x.float(), router.weight), router.e_score_correction_bias,
-                                   router.spec)
+    ref_w, ref_ids = _legacy_route(F.linear(x.float(), router.weight),
+                                   router.e_score_correction_bias, router.spec)
     assert w.dtype == torch.bfloat16 and torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w.bfloat16())
 
@@ -208,7 +208,8 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     m = dict(device="meta")
     launches = []
     with mock.patch.object(tr, "run_kernel", lambda k, g, *a, **kw: launches.append((k, a, kw))), \\
-            mock.patch.object(tr, "arrival_counters", lambda d, n: torch.empty(4096, dtype=torch.int32, **m)):
+            mock.patch.object(tr, "arrival_counters",
+                              lambda d, n: torch.empty(4096, dtype=torch.int32, **m)):
         for spec, E, D, wdt, T in [
                 (tr.RouteSpec(8, True, 8, 4, "top2", True, 2.5), 256, 7168, torch.float32, 8),
                 (tr.RouteSpec(8, False, 1, 1, "none", True, 1.0), 128, 4096, torch.bfloat16, 1)]:

@@ -207,7 +207,8 @@ def run(args) -> int:
         "phase_match_fraction": matched, "kernels": kernels, "phases": phase_rows}
     what = "kernels" if cuda else "top-level CPU ops"
     print(f"{model} {layout.as_dict()} batch {batch} x {context}, {summary['dtype']}, "
-          f"graphs {'on' if summary['cuda_graphs'] else 'off'}: step {summary['step_ms_median']:.3f}"
+          f"graphs {'on' if summary['cuda_graphs'] else 'off'}: "
+          f"step {summary['step_ms_median']:.3f}"
           f" ms (unprofiled median), {what} {device_us / 1e3:.3f} ms and "
           f"{summary['ops_per_step']:.0f} per step; trace {args.out}")
     print(tt.format_table(kernels, f"\n(a) per kernel, over {steps} steps", "kernel",
