@@ -4,6 +4,7 @@
   helix generate --model M --prompt-ids 5,17,42 [--prompt-ids ...] --max-new-tokens N [--json]
   helix models                       the model presets and their shapes
   helix sweep FILE [--out r.json]    decode latency sweeps (configs/sweeps/)
+  helix profile --model M ...        a profiler trace and per-kernel / per-phase tables
   helix plan --model M --gpus N ...  rank layouts for GPUs you may not have (analytical model)
 
 A user's mistake exits 2 with one line on stderr, never a traceback; Ctrl-C exits 130 and SIGTERM
@@ -18,10 +19,10 @@ import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from helix.commands import demo, generate, models, plan, sweep
+from helix.commands import demo, generate, models, plan, profile, sweep
 from helix.errors import EngineDeadError, HelixError
 
-COMMANDS = (generate, demo, models, sweep, plan)
+COMMANDS = (generate, demo, models, sweep, profile, plan)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -230,6 +230,9 @@ class RuntimeConfig:
                                    # (the cheaper message, helix/kv/context_parallel.py)
     cp_gather_mb: int = 1024       # pass-KV: largest gathered copy of one layer's KV (MB); above
                                    # it the KV passes around a ring of the KVP ranks (0: always)
+    hopb: int = 1                  # HOP-B: decode batch in this many micro-batches, the exchange
+                                   # of one overlapping the attention of the next (0: auto, 2
+                                   # from 8 rows on; only with kvp > 1)
     seed: int = 0                  # random weights of presets; default sampling seed
     timeout_s: float = 300.0       # collective timeout: a dead rank ends the run with an error
     layers: int = 0                # run only the first n decoder layers (0: all; benchmarking)
@@ -246,7 +249,7 @@ class RuntimeConfig:
         parse_dtype(self.dtype)
         for name, lo in (("page_size", 1), ("max_batch", 1), ("max_context", 0), ("num_pages", 0),
                          ("layers", 0), ("seed", 0), ("max_prefill_tokens", 0),
-                         ("cp_gather_mb", 0)):
+                         ("cp_gather_mb", 0), ("hopb", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")

@@ -1,4 +1,5 @@
-"""fused_moe (Triton) and fused_moe_torch against a pair-by-pair reference and LocalExperts;
+"""fused_moe (Triton: the sorted v1 kernels and the decode kernels of helix.layers.moe_decode,
+each inner-product mode) and fused_moe_torch against a pair-by-pair reference and LocalExperts;
 graph safety of the routing metadata (no host sync, value-independent shapes); only experts
 with tokens read; 64-bit expert offsets; the launches compile for sm_90 (no GPU needed).
 
@@ -24,6 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from helix.layers import fused_moe as fm  # noqa: E402
+from helix.layers import moe_decode as md  # noqa: E402
 from helix.layers.moe import LocalExperts  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
@@ -75,18 +77,24 @@ CASES = [  # T, D, I, E_local, k, first, n_global
 ]
 
 
+VARIANTS = ["v1", "decode"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
-def test_fused_moe_matches_pair_loop(case, dtype):
+def test_fused_moe_matches_pair_loop(case, dtype, variant):
     T, D, I, E, k, first, n_global = case
     args = _problem(T, D, I, E, k, first, n_global, dtype, seed=hash(case) % 1000)
     ref = _reference(*args, first)
-    _check(fm.fused_moe(*args, first), ref, args[0], dtype)
-    _check(fm.fused_moe_torch(*args, first), ref, args[0], dtype)
+    _check(fm.fused_moe(*args, first, variant=variant), ref, args[0], dtype)
+    if variant == "v1":
+        _check(fm.fused_moe_torch(*args, first), ref, args[0], dtype)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_random_shapes(dtype):
+def test_random_shapes(dtype, variant):
     g = torch.Generator().manual_seed(7)
     rand = lambda a, b: int(torch.randint(a, b + 1, (1,), generator=g))  # noqa: E731
     for i in range(4):
@@ -94,7 +102,51 @@ def test_random_shapes(dtype):
         first = rand(0, 2) * E
         n_global = max(first + E + rand(0, 8), k)
         args = _problem(T, D, I, E, k, first, n_global, dtype, seed=100 + i)
-        _check(fm.fused_moe(*args, first), _reference(*args, first), args[0], dtype)
+        _check(fm.fused_moe(*args, first, variant=variant), _reference(*args, first), args[0],
+               dtype)
+
+
+WIDE = dict(up_BLOCK_N=32, down_BLOCK_N=64)   # one feature block: few interpreted programs
+DECODE_CONFIGS = [  # every inner-product mode, row blocking, split-K, the unfused k-sum
+    dict(mode="fma", **WIDE), dict(mode="fma", BLOCK_M=2, up_BLOCK_N=4, down_BLOCK_N=8),
+    dict(mode="fma", BLOCK_M=4, K_SPLITS=2, up_BLOCK_K=16, **WIDE),
+    dict(mode="dot", K_SPLITS=3, FUSED_COMBINE=False, **WIDE),
+    dict(mode="dot", down_BLOCK_N=16, up_BLOCK_K=16, num_stages=1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", DECODE_CONFIGS,
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_decode_kernel_configs(config, dtype):
+    """Experts with 1-5 rows (token 4 repeats one expert), other ranks' experts, D / I not
+    multiples of the tiles, K splits past the end of I (empty ranges)."""
+    E, first = 6, 6
+    x, gate, up, down, _, _ = _problem(6, 40, 24, E, 4, first, 18, dtype, seed=21)
+    ids = torch.tensor([[7, 6, 0, 11], [7, 9, 17, 6], [7, 8, 6, 1], [7, 3, 6, 10],
+                        [7, 7, 9, 2], [6, 7, 4, 5]], device=DEV)
+    weights = torch.rand(6, 4, generator=torch.Generator().manual_seed(2)).to(DEV, dtype)
+    out = md.moe_decode(x, gate, up, down, weights, ids, first, config)
+    _check(out, _reference(x, gate, up, down, weights, ids, first), x, dtype)
+
+
+def test_decode_config_validated():
+    with pytest.raises(ValueError, match="unknown MoE decode tunables"):
+        md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, config={"BLOCK": 1})
+    with pytest.raises(ValueError, match="mode"):
+        md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, config={"mode": "x"})
+    with pytest.raises(ValueError, match="variant"):
+        fm.fused_moe(*_problem(1, 32, 16, 1, 1, 0, 1, torch.float32, 0), 0, variant="v2")
+    # FMA accumulators stay within 32 fp32 per thread: BM x BN x BK <= 4096
+    for T in (1, 8):
+        c = md.moe_decode_config(T, 6, 64, 1408, 2048, torch.bfloat16, 132,
+                                 dict(mode="fma", BLOCK_M=4))
+        assert all(4 * c[p]["BLOCK_N"] * c[p]["BLOCK_K"] <= 4096 for p in ("up", "down")), c
+    # 6 experts x 2048 features: 16-wide blocks give >= 4 programs per SM, no split needed
+    c = md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132)
+    assert c["down"]["BLOCK_N"] == 16 and c["K_SPLITS"] == 1 and c["MODE"] == md.MODES["dot"]
+    # one expert (EP), narrow D: split K to fill the GPU
+    c = md.moe_decode_config(1, 1, 8, 4096, 256, torch.bfloat16, 132)
+    assert c["K_SPLITS"] == 8
 
 
 def test_edge_routing_zero_rows_and_empty_experts():
@@ -130,7 +182,9 @@ def test_same_result_as_local_experts():
     args = _problem(8, 48, 32, E, 3, first, 16, torch.float32, seed=11)
     x, gate, up, down, weights, ids = args
     want = _local_experts(gate, up, down, first)(x, weights, ids)
-    torch.testing.assert_close(fm.fused_moe(*args, first), want, rtol=1e-4, atol=1e-4)
+    for variant in VARIANTS:
+        torch.testing.assert_close(fm.fused_moe(*args, first, variant=variant), want,
+                                   rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fm.fused_moe_torch(*args, first), want, rtol=1e-4, atol=1e-4)
 
 
@@ -195,12 +249,19 @@ def test_runs_on_meta_tensors():
     weights = torch.empty(T, k, dtype=torch.bfloat16, **m)
     ids = torch.empty(T, k, dtype=torch.int64, **m)
     grids = []
-    with mock.patch.object(fm, "run_kernel", lambda kern, grid, *a, **kw: grids.append(grid)):
-        out = fm.fused_moe(x, gate, up, down, weights, ids, first=64)
-    assert out.shape == (T, D) and out.dtype == torch.bfloat16
-    cfg = fm.moe_launch_config(T * k, E, I, D, torch.bfloat16)
-    assert grids == [(E, -(-I // cfg["up"]["BLOCK_N"]), cfg["M_SPLITS"]),
-                     (E + 1, -(-D // cfg["down"]["BLOCK_N"]), cfg["M_SPLITS"])]
+    record = lambda kern, grid, *a, **kw: grids.append(grid)  # noqa: E731
+    with mock.patch.object(fm, "run_kernel", record), mock.patch.object(md, "run_kernel", record):
+        out = fm.fused_moe(x, gate, up, down, weights, ids, first=64, variant="v1")
+        assert out.shape == (T, D) and out.dtype == torch.bfloat16
+        cfg = fm.moe_launch_config(T * k, E, I, D, torch.bfloat16)
+        assert grids == [(E, -(-I // cfg["up"]["BLOCK_N"]), cfg["M_SPLITS"]),
+                         (E + 1, -(-D // cfg["down"]["BLOCK_N"]), cfg["M_SPLITS"])]
+        grids.clear()
+        out = fm.fused_moe(x, gate, up, down, weights, ids, first=64)     # decode kernels
+        assert out.shape == (T, D) and out.dtype == torch.bfloat16
+        c = md.moe_decode_config(T, k, E, I, D, torch.bfloat16, 2)      # 2: sm_count_of(meta)
+        assert grids == [(T * k, -(-I // c["up"]["BLOCK_N"])),
+                         (T * k, -(-D // c["down"]["BLOCK_N"]), c["K_SPLITS"])]
     order, bounds = fm.moe_routing(ids, 64, E)
     assert order.shape == (T * k,) and bounds.shape == (E + 2,)
     assert fm.fused_moe_torch(x[:, :64], gate[:2, :16, :64], up[:2, :16, :64],
@@ -210,7 +271,8 @@ def test_runs_on_meta_tensors():
 # -- only experts with tokens are read ---------------------------------------------------------
 
 @pytest.mark.skipif(ON_GPU, reason="instruments the interpreter's loads")
-def test_reads_only_experts_with_tokens():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reads_only_experts_with_tokens(variant):
     """Every address the kernels load is recorded: none falls in the gate / up / down slices of
     the experts that received no token, and every hit expert's slices are read."""
     from triton.runtime import interpreter
@@ -226,7 +288,7 @@ def test_reads_only_experts_with_tokens():
         return real(self, ptrs, mask, other, *a, **kw)
 
     with mock.patch.object(interpreter.InterpreterBuilder, "create_masked_load", spy):
-        out = fm.fused_moe(x, gate, up, down, weights, ids, first)
+        out = fm.fused_moe(x, gate, up, down, weights, ids, first, variant=variant)
     _check(out, _reference(x, gate, up, down, weights, ids, first), x, torch.float32)
     addrs = torch.from_numpy(__import__("numpy").concatenate(loaded))
 
@@ -262,7 +324,6 @@ _BIG_SCRIPT = textwrap.dedent("""
     x = torch.randn(4, D, device=dev).half()
     ids = torch.tensor([[2, 0], [2, 9], [0, 2], [2, 2]], device=dev)
     weights = torch.rand(4, 2, device=dev).half()
-    out = fused_moe(x, gate, up, down, weights, ids, first=0).float()
     ref = torch.zeros(4, D)
     for t in range(4):
         for j in range(2):
@@ -271,8 +332,10 @@ _BIG_SCRIPT = textwrap.dedent("""
                 g, u, d = (w[e].float().cpu() for w in (gate, up, down))
                 h = F.silu(g @ x[t].float().cpu()) * (u @ x[t].float().cpu())
                 ref[t] += weights[t, j].float().cpu() * (d @ h)
-    err = (out.cpu() - ref).abs().max().item()
-    assert err < 2e-2 * (1 + ref.abs().max().item()), err
+    for variant in ("v1", "decode"):
+        out = fused_moe(x, gate, up, down, weights, ids, first=0, variant=variant).float()
+        err = (out.cpu() - ref).abs().max().item()
+        assert err < 2e-2 * (1 + ref.abs().max().item()), (variant, err)
     print("ok")
 """)
 
@@ -301,18 +364,25 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     import json, sys
     from unittest import mock
     import torch
-    from helix.layers import fused_moe as fm
+    from helix.layers import fused_moe as fm, moe_decode as md
     from profiling.kernel_resources import compile_sm90
     launches = []
     m = dict(device="meta")
     # DeepSeek-V3 EP=8 decode and prefill (bf16), Qwen3-MoE-like decode (fp16, fp32)
     cases = [(4, 32, 2048, 7168, 8, torch.bfloat16), (4096, 32, 2048, 7168, 8, torch.bfloat16),
              (8, 16, 768, 4096, 8, torch.float16), (8, 16, 768, 4096, 8, torch.float32)]
-    with mock.patch.object(fm, "run_kernel", lambda k, g, *a, **kw: launches.append((k, a, kw))):
+    record = lambda k, g, *a, **kw: launches.append((k, a, kw))
+    with mock.patch.object(fm, "run_kernel", record), mock.patch.object(md, "run_kernel", record), \
+            mock.patch.object(md, "sm_count_of", lambda d: 132):
         for T, E, I, D, k, dt in cases:
             w = lambda *s: torch.empty(*s, dtype=dt, **m)
             fm.fused_moe(w(T, D), w(E, I, D), w(E, I, D), w(E, D, I), w(T, k),
-                         torch.empty(T, k, dtype=torch.int64, **m), 0)
+                         torch.empty(T, k, dtype=torch.int64, **m), 0, variant="v1")
+        # decode kernels: DeepSeek-V2-Lite (64 experts), batch 1 on tensor cores, 8 by FMA
+        for T, mode in ((1, "dot"), (8, "fma")):
+            w = lambda *s: torch.empty(*s, dtype=torch.bfloat16, **m)
+            md.moe_decode(w(T, 2048), w(64, 1408, 2048), w(64, 1408, 2048), w(64, 2048, 1408),
+                          w(T, 6), torch.empty(T, 6, dtype=torch.int64, **m), 0, dict(mode=mode))
     json.dump([compile_sm90(k, a, kw) for k, a, kw in launches], open(sys.argv[1], "w"))
 """)
 
@@ -331,9 +401,27 @@ def test_kernels_compile_for_sm90(tmp_path):
                          text=True, timeout=300, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     records = json.loads(out.read_text())
-    assert len(records) == 8
+    assert len(records) == 8 + 4
     for r in records:
         assert r["shared_bytes"] <= SM90_SMEM_LIMIT, r
         assert r["stack_bytes"] <= 64, r
-    prefill = [r for r in records if r["constexprs"]["BLOCK_M"] == 64]
+    prefill = [r for r in records[:8] if r["constexprs"]["BLOCK_M"] == 64]
     assert prefill and all(r["hgmma"] > 0 for r in prefill), prefill   # wgmma at 64 rows
+    decode = records[8:]
+    assert all(r["local_loads"] == 0 for r in decode), decode               # no spills
+    assert all((r["hmma"] > 0) == (r["constexprs"]["MODE"] == 2) for r in decode), decode
+    # the down launch's fused k-sum (the interpreter runs programs one at a time, so its memory
+    # ordering is checked in the PTX): a CTA barrier between the partial stores and the one
+    # acq_rel GPU-scope atomic; the summing program reads the partials through L2 (.cg)
+    ptxs = [p.read_text() for p in (tmp_path / "cache").rglob("_down_kernel.ptx")]
+    fused = [p for p in ptxs if "atom." in p]
+    assert len(fused) == 2, len(fused)
+    for ptx in fused:
+        lines = [ln.strip() for ln in ptx.splitlines()]
+        atoms = [i for i, ln in enumerate(lines) if "atom." in ln]
+        assert len(atoms) == 1 and "atom.global.gpu.acq_rel.add" in lines[atoms[0]], atoms
+        before = lines[:atoms[0]]
+        last_store = max(i for i, ln in enumerate(before) if "st.global" in ln)
+        last_bar = max(i for i, ln in enumerate(before) if ln.startswith("bar.sync"))
+        assert last_store < last_bar, "no CTA barrier between the partial stores and the atomic"
+        assert any("ld.global.cg" in ln for ln in lines[atoms[0]:])

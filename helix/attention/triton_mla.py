@@ -66,6 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
+from helix.attention import triton_mla_few
 from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, fill_num_splits,
                                            next_page_id, page_rows, reduce_splits,
                                            sm_count_of, split_range, token_rows)
@@ -357,8 +358,14 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
     """q_latent [B, H, Dl], q_rope [B, H, Dr], kv_cache [P, page, Dl + Dr] (latent, rope key),
     block_tables [B, max_pages] int32, kv_lens [B] int32 -> o [B, H, Dl] in q_latent.dtype,
     lse [B, H] fp32 (natural log, -inf where kv_len == 0). `config` overrides any of
-    MLA_TUNABLES (block_n / block_h: shorthands for BLOCK_N / BLOCK_H)."""
+    MLA_TUNABLES (block_n / block_h: shorthands for BLOCK_N / BLOCK_H). Few heads (<=
+    triton_mla_few.FEW_HEADS_MAX) go to triton_mla_few's kernel when it is enabled
+    (HELIX_MLA_FEW=1) and no tunable of this kernel is given."""
     B, H, Dl = q_latent.shape
+    if (triton_mla_few.ENABLED and H <= triton_mla_few.FEW_HEADS_MAX and config is None
+            and block_n is None and block_h is None):
+        return triton_mla_few.mla_decode_few(q_latent, q_rope, kv_cache, block_tables, kv_lens,
+                                             scale, num_splits)
     Dr = q_rope.shape[-1]
     _, page_size, width = kv_cache.shape
     assert width == Dl + Dr and kv_cache.stride(-1) == 1

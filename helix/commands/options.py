@@ -25,6 +25,18 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
+def _hopb(text: str) -> int:
+    if text == "auto":
+        return 0
+    try:
+        m = int(text)
+    except ValueError:
+        m = 0
+    if m < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of micro-batches >= 1 or auto")
+    return m
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(x for x in text.split(",") if x)
 
@@ -64,6 +76,12 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layers", type=int, default=0, help="run only the first n layers (0: all)")
     g.add_argument("--timeout", type=float, default=d.timeout_s,
                    help="seconds a collective may wait: a dead or hung rank ends the run")
+    g.add_argument("--hopb", type=_hopb, default=d.hopb, metavar="M|auto",
+                   help="HOP-B: decode batch in M micro-batches, each one's KVP exchange "
+                        "overlapping the next one's attention (auto: 2 from 8 rows on)")
+    g.add_argument("--prefill-cp", choices=["auto", "pass-kv", "pass-q"], default=d.prefill_cp,
+                   help="prompt chunks over KVP ranks: each rank projects its own positions "
+                        "(pass-kv) or all of them (pass-q); auto: the smaller message")
     g = p.add_argument_group("CUDA graphs")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly")
@@ -100,7 +118,8 @@ def configs(args) -> tuple[Layout, RuntimeConfig]:
                             attention_backend=args.attention_backend, seed=args.seed,
                             layers=args.layers, timeout_s=args.timeout,
                             cuda_graphs=args.cuda_graphs, graph_buckets=tuple(args.graph_buckets),
-                            graph_breaks=args.graph_breaks, overlap=args.overlap)
+                            graph_breaks=args.graph_breaks, overlap=args.overlap,
+                            hopb=args.hopb, prefill_cp=args.prefill_cp)
     return layout, runtime
 
 

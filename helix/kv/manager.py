@@ -28,6 +28,7 @@ class LocalKVMeta:
     num_decode: int             # leading sequences with one query token at their end
     max_q: int = 1              # most query tokens of any sequence (prefill kernels' grid)
     cp: object = None           # helix.kv.context_parallel.CPPlan: this step's chunks pass KV
+    micro_batches: int = 1      # HOP-B: decode rows split into this many micro-batches
 
     @property
     def num_seqs(self) -> int:
@@ -37,6 +38,13 @@ class LocalKVMeta:
     def is_decode(self) -> bool:
         """Every sequence is a decode row."""
         return self.num_decode == self.num_seqs
+
+    def rows(self, a: int, b: int) -> "LocalKVMeta":
+        """Decode rows [a, b) (a HOP-B micro-batch): one query per sequence."""
+        assert self.is_decode
+        return LocalKVMeta(self.slots[a:b], self.block_tables[a:b], self.kv_lens[a:b],
+                           self.cu_q[a:b + 1] - a, self.q_pos[a:b], self.kvp_rank, self.kvp,
+                           self.interleave, self.page_size, num_decode=b - a)
 
     def split(self, d: int | None = None) -> tuple["LocalKVMeta", "LocalKVMeta"]:
         """(decode rows, prefill rows): the two parts of a mixed step, sequences (and queries)

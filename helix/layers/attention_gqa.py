@@ -15,11 +15,13 @@ from torch import nn
 from helix.config import ModelConfig
 from helix.layers.cp_attention import ContextParallel
 from helix.layers.exchange import KVPExchange
+from helix.layers.hopb import overlapped
 from helix.layers.linear import MergedColumnLinear, RowShardLinear
 from helix.layers.norm import RMSNorm
 from helix.layers.regions import region
 from helix.layers.rope import RotaryEmbedding
 from helix.parallel.comm import Comm
+from helix.tracing import phase
 
 
 def kv_head_range(cfg: ModelConfig, tpa: int, tpa_rank: int) -> tuple[int, int]:
@@ -77,33 +79,51 @@ class GQAAttention(nn.Module):
         if cp is not None:
             x, pos = x[cp.rows], pos[cp.rows]
         R = x.shape[0]
-        q, k, v = self.qkv_proj(x)                          # one GEMM, three views
-        q = q.view(R, self.hq, self.d)
-        k = k.view(R, self.hkv, self.d)
-        v = v.view(R, self.hkv, self.d)
-        if self.qk_norm:
-            q, k = self.rope(self.q_norm(q), pos), self.rope(self.k_norm(k), pos)
-        else:  # q and k are adjacent columns of the GEMM output: rotate both in one launch
-            qk = self.rope(q.as_strided((R, self.hq + self.hkv, self.d), q.stride()), pos)
-            q, k = qk.split([self.hq, self.hkv], dim=1)
+        with phase("qkv"):
+            q, k, v = self.qkv_proj(x)                      # one GEMM, three views
+            q = q.view(R, self.hq, self.d)
+            k = k.view(R, self.hkv, self.d)
+            v = v.view(R, self.hkv, self.d)
+            if self.qk_norm:
+                q, k = self.rope(self.q_norm(q), pos), self.rope(self.k_norm(k), pos)
+            else:  # q and k are adjacent columns of the GEMM output: rotate both in one launch
+                qk = self.rope(q.as_strided((R, self.hq + self.hkv, self.d), q.stride()), pos)
+                q, k = qk.split([self.hq, self.hkv], dim=1)
         k_cache, v_cache = cache
         slots = meta.slots if cp is None else meta.slots[cp.rows]
 
-        if cp is None:
+        def attend_rows(a, b, m):
+            return backend.attend_gqa(q[a:b], k_cache, v_cache, m, self.scale)
+
+        if cp is None and meta.micro_batches > 1:                   # HOP-B (decode steps)
+            with phase("attn"):
+                backend.append_kv_pair(k_cache, v_cache, k, v, slots)
+            o = overlapped(lambda a, b: attend_rows(a, b, meta.rows(a, b)),
+                           lambda o, lse: self.exchange(o, lse, backend), T,
+                           meta.micro_batches, q.device)
+        elif cp is None:
             def attend():
                 backend.append_kv_pair(k_cache, v_cache, k, v, slots)  # owner rank only (slot -1)
-                return backend.attend_gqa(q, k_cache, v_cache, meta, self.scale)   # local shard
+                return attend_rows(0, T, meta)                         # local shard
 
-            o, lse = region(ctx, "attention", attend)
+            with phase("attn"):
+                o, lse = region(ctx, "attention", attend)
             o = self.exchange(o, lse, backend)                        # [T, H/N, d]
+        else:
+            with phase("attn"):
+                backend.append_kv_pair(k_cache, v_cache, k, v, slots)  # decode rows + own positions
+            D = cp.num_decode
+            parts = []
+            if D:                                                     # decode rows: pass-Q
+                with phase("attn"):
+                    o, lse = attend_rows(0, D, meta.split(D)[0])
+                parts.append(self.exchange(o, lse, backend))          # [D, H/N, d]
+            with phase("attn.cp"):
+                own = self.cp.attend(lambda kv, m: backend.prefill_gqa(q[D:], kv[0], kv[1], m,
+                                                                       self.scale),
+                                     [k_cache, v_cache], cp)          # [T_own, H/tpa, d]
+            with phase("a2a.cp"):
+                parts.append(self.cp.to_heads(own, cp))               # [Tc, H/N, d]
+            o = torch.cat(parts)
+        with phase("oproj"):
             return self.o_proj(o.reshape(T, -1))
-        backend.append_kv_pair(k_cache, v_cache, k, v, slots)         # decode rows + own positions
-        D = cp.num_decode
-        parts = []
-        if D:                                                         # decode rows: pass-Q
-            o, lse = backend.attend_gqa(q[:D], k_cache, v_cache, meta.split(D)[0], self.scale)
-            parts.append(self.exchange(o, lse, backend))              # [D, H/N, d]
-        own = self.cp.attend(lambda kv, m: backend.prefill_gqa(q[D:], kv[0], kv[1], m, self.scale),
-                             [k_cache, v_cache], cp)                 # [T_own, H/tpa, d]
-        parts.append(self.cp.to_heads(own, cp))                       # [Tc, H/N, d]
-        return self.o_proj(torch.cat(parts).reshape(T, -1))

@@ -15,12 +15,15 @@ from torch import nn
 from helix.config import ModelConfig
 from helix.layers.cp_attention import ContextParallel
 from helix.layers.exchange import KVPExchange
+from helix.layers.hopb import overlapped
+from helix.layers.fused_mla import absorb_v, mla_kv_row
 from helix.layers.linear import ColumnShardLinear, ReplicatedLinear, RowShardLinear
 from helix.layers.norm import RMSNorm
 from helix.layers.regions import region
 from helix.layers.rope import RotaryEmbedding
 from helix.layers.weights import sliced_loader
 from helix.parallel.comm import Comm
+from helix.tracing import phase
 
 
 class MLAAttention(nn.Module):
@@ -77,43 +80,58 @@ class MLAAttention(nn.Module):
     def forward(self, x, pos, meta, cache, backend, ctx=None):
         """x [T, D] replicated, pos [T] -> [T, D] replicated. With a pass-KV plan (meta.cp)
         this rank projects only the decode rows and the chunk positions it owns."""
-        T = x.shape[0]
         cp = meta.cp
         if cp is not None:
             x, pos = x[cp.rows], pos[cp.rows]
         R = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
-        q = q.view(R, self.hq, self.nope + self.rdim)
-        q_nope, q_rope = q.split([self.nope, self.rdim], dim=-1)
-        q_rope = self.rope(q_rope, pos)
-        w_uk, w_uv = self._w_uk_uv()
-        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)             # absorbed: [R, h, Dl]
-        ckv = self.kv_a_proj_with_mqa(x)
-        latent, k_rope = ckv.split([self.lora, self.rdim], dim=-1)
-        k_rope = self.rope(k_rope.unsqueeze(1), pos).squeeze(1)
-        row = torch.cat((self.kv_a_layernorm(latent), k_rope), dim=-1)     # [R, Dl + Dr]
+        with phase("qkv"):
+            q = (self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora
+                 else self.q_proj(x))
+            q = q.view(R, self.hq, self.nope + self.rdim)
+            q_nope, q_rope = q.split([self.nope, self.rdim], dim=-1)
+            q_rope = self.rope(q_rope, pos)
+            w_uk, w_uv = self._w_uk_uv()
+            q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)         # absorbed: [R, h, Dl]
+            ckv = self.kv_a_proj_with_mqa(x)                               # [R, Dl + Dr]
+            norm, rope = self.kv_a_layernorm, self.rope
+            row = mla_kv_row(ckv, norm.weight, norm.eps, rope.cos, rope.sin, pos,
+                             rope.adjacent_pairs)    # [normed latent | roped key]: [R, Dl + Dr]
         (kv_cache,) = cache
         slots = meta.slots if cp is None else meta.slots[cp.rows]
 
-        if cp is None:
+        def attend_rows(a, b, m):
+            return backend.attend_mla(q_latent[a:b], q_rope[a:b], kv_cache, self.lora, m,
+                                      self.scale)
+
+        if cp is None and meta.micro_batches > 1:                   # HOP-B (decode steps)
+            with phase("attn"):
+                backend.append_kv(kv_cache, row, slots)
+            o = overlapped(lambda a, b: attend_rows(a, b, meta.rows(a, b)),
+                           lambda o, lse: self.exchange(o, lse, backend), R,
+                           meta.micro_batches, q.device)
+        elif cp is None:
             def attend():
                 backend.append_kv(kv_cache, row, slots)
-                return backend.attend_mla(q_latent, q_rope, kv_cache, self.lora, meta, self.scale)
+                return attend_rows(0, R, meta)
 
-            o, lse = region(ctx, "attention", attend)
+            with phase("attn"):
+                o, lse = region(ctx, "attention", attend)
             o = self.exchange(o, lse, backend)                                # [T, H/N, Dl]
         else:
-            backend.append_kv(kv_cache, row, slots)           # decode rows + own positions
+            with phase("attn"):
+                backend.append_kv(kv_cache, row, slots)       # decode rows + own positions
             D = cp.num_decode
             parts = []
             if D:                                             # decode rows: pass-Q
-                o, lse = backend.attend_mla(q_latent[:D], q_rope[:D], kv_cache, self.lora,
-                                            meta.split(D)[0], self.scale)
+                with phase("attn"):
+                    o, lse = attend_rows(0, D, meta.split(D)[0])
                 parts.append(self.exchange(o, lse, backend))                  # [D, H/N, Dl]
-            own = self.cp.attend(lambda kv, m: backend.prefill_mla(
-                q_latent[D:], q_rope[D:], kv[0], self.lora, m, self.scale), [kv_cache], cp)
-            parts.append(self.cp.to_heads(own, cp))                           # [Tc, H/N, Dl]
+            with phase("attn.cp"):
+                own = self.cp.attend(lambda kv, m: backend.prefill_mla(
+                    q_latent[D:], q_rope[D:], kv[0], self.lora, m, self.scale), [kv_cache], cp)
+            with phase("a2a.cp"):
+                parts.append(self.cp.to_heads(own, cp))                       # [Tc, H/N, Dl]
             o = torch.cat(parts)
-        w_uv = w_uv[self.merged_first:self.merged_first + self.merged_heads]
-        o = torch.einsum("thc,hvc->thv", o, w_uv)                            # [T, H/N, v]
-        return self.o_proj(o.reshape(T, -1))
+        with phase("oproj"):
+            w_uv = w_uv[self.merged_first:self.merged_first + self.merged_heads]
+            return self.o_proj(absorb_v(o, w_uv))                             # [T, H/N * v]

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from helix.parallel.comm import Comm
+from helix.tracing import phase
 
 
 class KVPExchange(nn.Module):
@@ -20,6 +21,8 @@ class KVPExchange(nn.Module):
         """o [T, H/tpa, d], lse [T, H/tpa] fp32 -> o [T, H/N, d]."""
         if self.kvp == 1:
             return o
-        send = backend.pack_partials(o, lse, self.kvp)    # [kvp, T, H/N, d + c]
-        recv = self.comm.all_to_all(send, "kvp")          # chunk i: rank i's partial of my heads
-        return backend.merge_received(recv, o.shape[-1])
+        with phase("a2a"):
+            send = backend.pack_partials(o, lse, self.kvp)    # [kvp, T, H/N, d + c]
+            recv = self.comm.all_to_all(send, "kvp")          # chunk i: rank i's partial of my heads
+        with phase("merge"):
+            return backend.merge_received(recv, o.shape[-1])

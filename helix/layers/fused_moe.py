@@ -21,23 +21,27 @@ A program whose expert got no rows (or whose row split is past the expert's rows
 before touching a weight, so only experts that received tokens are read. Expert offsets into
 the weight stacks are 64-bit (256 experts x 2048 x 7168 > 2^31 elements).
 
+Decode batches (T*k <= moe_decode.MAX_PAIRS) take helix.layers.moe_decode instead: the same
+contract in two weight-streaming launches, no sort. HELIX_MOE_KERNEL=v1|decode|auto (default
+auto) or the `variant` argument picks; v1 is the sorted path above for every batch.
+
 fused_moe_torch is the plain-torch fallback (same signature, graph safe, reads every local
 expert) for devices without Triton.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:                      # pragma: no cover - triton is the optional "kernels" extra
-    HAS_TRITON = False
+from helix.triton_util import HAS_TRITON, pow2, run_kernel, tl, triton
 
 __all__ = ["fused_moe", "fused_moe_torch", "moe_routing", "moe_launch_config", "HAS_TRITON"]
+
+VARIANT = os.environ.get("HELIX_MOE_KERNEL", "auto")
+VARIANTS = ("v1", "decode", "auto")
 
 
 def moe_routing(ids: torch.Tensor, first: int, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,14 +61,12 @@ def moe_routing(ids: torch.Tensor, first: int, n_local: int) -> tuple[torch.Tens
     return order, bounds
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _block_n(width: int, experts_hit: int, target: int = 256) -> int:
     """Output-feature tile: 64, or narrower (down to 16) while the programs of the experts that
     can be hit, experts_hit * cdiv(width, BLOCK_N), fall short of `target` (~2 per H200 SM)."""
-    bn = min(64, max(16, _pow2(width)))
+    bn = min(64, max(16, pow2(width)))
     while bn > 16 and experts_hit * -(-width // bn) < target:
         bn //= 2
     return bn
@@ -75,24 +77,23 @@ def moe_launch_config(N: int, n_local: int, inter: int, dim: int, dtype: torch.d
     expert, row splits so a heavily loaded expert (prefill) still spreads over programs, and
     narrower feature tiles when few experts can be hit (decode with a small I shard)."""
     n_local = max(1, n_local)
-    block_m = min(64, max(16, _pow2(-(-N // n_local))))
+    block_m = min(64, max(16, pow2(-(-N // n_local))))
     m_splits = max(1, min(16, -(-N // (n_local * block_m))))
     hit = min(N, n_local)                     # at most this many experts have rows
     stages = 2 if dtype == torch.float32 else 3
     return dict(
         BLOCK_M=block_m, M_SPLITS=m_splits,
-        up=dict(BLOCK_N=_block_n(inter, hit), BLOCK_K=min(64, max(16, _pow2(dim))),
+        up=dict(BLOCK_N=_block_n(inter, hit), BLOCK_K=min(64, max(16, pow2(dim))),
                 num_warps=4, num_stages=stages),
-        down=dict(BLOCK_N=_block_n(dim, hit), BLOCK_K=min(64, max(16, _pow2(inter))),
+        down=dict(BLOCK_N=_block_n(dim, hit), BLOCK_K=min(64, max(16, pow2(inter))),
                   num_warps=4, num_stages=stages))
 
 
-def run_kernel(kernel, grid, *args, **meta):
-    """kernel[grid](*args, **meta): the one launch point (profiling tools patch it)."""
-    return kernel[grid](*args, **meta)
 
 
 if HAS_TRITON:
+    from helix.layers import moe_decode
+
     @triton.jit
     def _gate_up_kernel(
         x_ptr, g_ptr, u_ptr, order_ptr, bounds_ptr, h_ptr,
@@ -180,15 +181,22 @@ if HAS_TRITON:
 
 
 def fused_moe(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-              weights: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor:
+              weights: torch.Tensor, ids: torch.Tensor, first: int, variant: str | None = None,
+              config: dict | None = None) -> torch.Tensor:
     """x [T, D]; gate, up [E, I, D]; down [E, D, I]; weights [T, k]; ids [T, k] global expert
-    ids (int64) -> [T, D] in x.dtype: this rank's experts' weighted sum (fp32 accumulation)."""
+    ids (int64) -> [T, D] in x.dtype: this rank's experts' weighted sum (fp32 accumulation).
+    variant: None (VARIANT), "v1", "decode" or "auto"; config: moe_decode's tunables."""
     T, D = x.shape
     E, I, _ = gate.shape
     k = ids.shape[1]
     N = T * k
     if N == 0 or E == 0:
         return torch.zeros_like(x)
+    variant = variant or VARIANT
+    if variant not in VARIANTS:
+        raise ValueError(f"MoE kernel variant {variant!r} not in {VARIANTS}")
+    if variant != "v1" and N <= moe_decode.MAX_PAIRS:
+        return moe_decode.moe_decode(x, gate, up, down, weights, ids, first, config)
     order, bounds = moe_routing(ids, first, E)                       # [N], [E + 2]
     w_flat = weights.reshape(-1)                                     # [N]
     cfg = moe_launch_config(N, E, I, D, gate.dtype)

@@ -9,6 +9,7 @@ from helix.config import ModelConfig
 from helix.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from helix.layers.norm import RMSNorm
 from helix.parallel.comm import Comm
+from helix.tracing import phase
 
 
 class DecoderLayer(nn.Module):
@@ -18,6 +19,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
         self.mlp = mlp
+        self.ffn_phase = "moe" if type(mlp).__name__ == "MoE" else "ffn"
 
     def forward(self, h, pos, meta, cache, backend, ctx=None, residual=None):
         """-> (out, residual): this layer's hidden state is out + residual. The residual adds are
@@ -29,7 +31,8 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.add_forward(h, residual)
         a = self.self_attn(x, pos, meta, cache, backend, ctx)
         x, residual = self.post_attention_layernorm.add_forward(a, residual)
-        return self.mlp(x, ctx), residual
+        with phase(self.ffn_phase):
+            return self.mlp(x, ctx), residual
 
 
 class DecoderStack(nn.Module):

@@ -29,8 +29,9 @@ from helix.runtime.sampler import Sampler
 class DecodeGraphs:
     def __init__(self, model, caches, backend, sampler: Sampler, kv_geometry: dict,
                  ladder: BucketLadder, breaks: tuple[str, ...], max_pages: int, device,
-                 enabled: bool = True):
-        """kv_geometry: LocalKVMeta's rank fields (kvp_rank, kvp, interleave, page_size)."""
+                 enabled: bool = True, micro_batches=lambda rows: 1):
+        """kv_geometry: LocalKVMeta's rank fields (kvp_rank, kvp, interleave, page_size);
+        micro_batches(rows): HOP-B's split of a bucket (fixed per bucket, so it captures)."""
         self.model, self.caches, self.backend, self.sampler = model, caches, backend, sampler
         self.geometry = kv_geometry
         self.ladder = ladder
@@ -43,9 +44,12 @@ class DecodeGraphs:
         self.needed_breaks = set(breaks)
         if not getattr(backend, "graph_safe", False):
             self.needed_breaks.add("attention")
+        # HOP-B's streams cannot straddle an eager attention break of a captured graph
+        enabled = enabled and torch.device(device).type == "cuda"
+        self.micro_batches = ((lambda rows: 1) if enabled and "attention" in self.needed_breaks
+                              else micro_batches)
         if not all(getattr(m, "graph_safe", True) for m in model.modules()):
             self.needed_breaks.add("moe")
-        enabled = enabled and torch.device(device).type == "cuda"
         self.runner = GraphRunner(self._step, ladder, bufs, breaks=self.needed_breaks,
                                   enabled=enabled)
         self.mirrors = (HostStaging(bufs), HostStaging(bufs))   # alternate: see HostStaging
@@ -69,7 +73,8 @@ class DecodeGraphs:
         meta = LocalKVMeta(slots=bufs.view("slots", bucket),
                            block_tables=bufs.view("block_tables", bucket),
                            kv_lens=bufs.view("kv_lens", bucket), cu_q=self.arange[:bucket + 1],
-                           q_pos=bufs.view("pos", bucket), num_decode=bucket, **self.geometry)
+                           q_pos=bufs.view("pos", bucket), num_decode=bucket,
+                           micro_batches=self.micro_batches(bucket), **self.geometry)
         ids = self.sampler.select(bufs.view("src", bucket), bufs.view("ids", bucket))
         # every row is its sequence's last token: last=None, no gather
         logits = self.model(ids, meta.q_pos, meta, self.caches, self.backend, None, ctx)

@@ -27,6 +27,7 @@ from helix.graphs import BucketLadder
 from helix.kv.context_parallel import pass_kv_cheaper, plan_pass_kv
 from helix.kv.manager import KVManager, upload
 from helix.kv.ownership import KVSharding
+from helix.layers.hopb import micro_batches
 from helix.loader import build_and_load
 from helix.parallel.comm import Comm
 from helix.runtime import faults
@@ -102,8 +103,12 @@ class Engine:
             self.graphs = DecodeGraphs(self.model, self.caches, self.backend, self.sampler,
                                        geometry, ladder, runtime.graph_breaks,
                                        self.sharding.max_pages(self.max_context), device,
-                                       enabled=not runtime.graph_eager)
+                                       enabled=not runtime.graph_eager,
+                                       micro_batches=self._micro_batches)
             self.graphs.capture()
+
+    def _micro_batches(self, rows: int) -> int:
+        return micro_batches(self.runtime.hopb, rows, self.layout.kvp)
 
     # -- commands (identical on every rank) --------------------------------------------------
     def apply(self, commands: list[tuple]) -> None:
@@ -186,7 +191,7 @@ class Engine:
         """Queue the model and the sampler for the plan's rows; no host sync."""
         self.steps += 1
         faults.check(self.comm.mesh.rank, self.steps - 1)
-        batch, ids, src, positions = [], [], [], []
+        batch, ids, src = [], [], []
         sampled, counters = [], []
         for r in plan.decode:
             pos, tok, s = r.decode_input()
@@ -222,6 +227,8 @@ class Engine:
             with nvtx_range("helix.prepare"):
                 meta = self.kv.prepare(batch, self.device)
                 self._plan_context_parallel(batch, len(plan.decode), meta)
+                if meta.is_decode:
+                    meta.micro_batches = self._micro_batches(len(batch))
                 ids_t = upload(torch.tensor(ids, dtype=torch.long), self.device)
                 if any(s >= 0 for s in src):            # tokens still on the device
                     src_t = upload(torch.tensor(src, dtype=torch.long), self.device)

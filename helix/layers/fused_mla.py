@@ -1,0 +1,143 @@
+"""Fused pieces of the absorbed MLA layer's decode step, each one Triton launch on CUDA with the
+layer's previous torch formula as the fallback (off CUDA, HELIX_FUSED_OPS=0, or past the row
+counts the kernels serve).
+
+    mla_kv_row(ckv [T, Dl + Dr], norm_w [Dl], eps, cos, sin, pos, interleave) -> [T, Dl + Dr]
+        = cat(rms_norm(ckv[:, :Dl]) * norm_w, rope(ckv[:, Dl:]))      (3 launches -> 1)
+    absorb_v(o [T, h, Dl], w_uv [h, v, Dl]) -> [T, h * v]
+        = einsum("thc,hvc->thv").reshape(T, -1)                        (bmm + copy -> 1)
+
+Rounding follows the torch formulas (the helix.layers.fused_ops rules): the norm sums squares in
+fp32, rounds x * rstd to the input dtype and the product with the weight once; RoPE computes
+each product and sum in fp32 without FMA contraction; absorb_v accumulates in fp32 and rounds
+once, as bmm does (only the order of its sum differs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helix.layers.fused_ops import rms_norm_torch, rope_torch, use_triton
+from helix.triton_util import HAS_TRITON, pow2, run_kernel, tl, triton
+
+ABSORB_MAX_ROWS = 64          # absorb_v's kernel: a program's rows; more (prefill): torch
+
+
+def mla_kv_row_torch(ckv, norm_w, eps, cos, sin, pos, interleave):
+    Dl = norm_w.shape[0]
+    latent, k_rope = ckv[:, :Dl], ckv[:, Dl:]
+    k_rope = rope_torch(k_rope.unsqueeze(1), cos, sin, pos, interleave).squeeze(1)
+    return torch.cat((rms_norm_torch(latent, norm_w, eps), k_rope), dim=-1)
+
+
+def absorb_v_torch(o, w_uv):
+    return torch.einsum("thc,hvc->thv", o, w_uv).reshape(o.shape[0], -1)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _kv_row_kernel(ckv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr,
+                       D_LAT, HALF, inv_d, eps, stride_ct, stride_ot, sct, sst,
+                       INTERLEAVE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr):
+        """One row: out[:Dl] = rms_norm(ckv[:Dl]) * w, out[Dl:] = rope(ckv[Dl:])."""
+        t = tl.program_id(0).to(tl.int64)
+        row = ckv_ptr + t * stride_ct
+        dst = out_ptr + t * stride_ot
+        dt = out_ptr.dtype.element_ty
+        c = tl.arange(0, BLOCK_L)
+        cmask = c < D_LAT
+        v = tl.load(row + c, mask=cmask, other=0.0).to(tl.float32)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(v * v, axis=0) * inv_d + eps))
+        xn = (v * rstd).to(ckv_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(dst + c, (xn * w).to(dt), mask=cmask)
+        f = tl.arange(0, BLOCK_F)
+        fmask = f < HALF
+        p = tl.load(pos_ptr + t).to(tl.int64)
+        cs = tl.load(cos_ptr + p * sct + f, mask=fmask, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + p * sst + f, mask=fmask, other=0.0).to(tl.float32)
+        if INTERLEAVE:
+            fa = 2 * f
+            fb = 2 * f + 1
+        else:
+            fa = f
+            fb = f + HALF
+        a = tl.load(row + D_LAT + fa, mask=fmask, other=0.0).to(tl.float32)
+        b = tl.load(row + D_LAT + fb, mask=fmask, other=0.0).to(tl.float32)
+        tl.store(dst + D_LAT + f, (a * cs - b * sn).to(dt), mask=fmask)
+        tl.store(dst + D_LAT + HALF + f, (b * cs + a * sn).to(dt), mask=fmask)
+
+    @triton.jit
+    def _absorb_v_kernel(o_ptr, w_ptr, out_ptr, T, V, K,
+                         stride_ot, stride_oh, stride_wh, stride_wv, stride_outt,
+                         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+        """out[t, h*V + v] = sum_c o[t, h, c] w[h, v, c], rows t < T (<= BLOCK_T)."""
+        h = tl.program_id(0).to(tl.int64)
+        vv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        vmask = vv < V
+        t = tl.arange(0, BLOCK_T)
+        tmask = t < T
+        o_rows = o_ptr + t.to(tl.int64)[:, None] * stride_ot + h * stride_oh        # [BT, 1]
+        w_rows = w_ptr + h * stride_wh + vv.to(tl.int64)[:, None] * stride_wv        # [BV, 1]
+        acc = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            kmask = kk < K
+            a = tl.load(o_rows + kk[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=vmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.dot(a.to(w.dtype), tl.trans(w), acc=acc, input_precision=DOT_PRECISION)
+        tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_outt + h * V + vv[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & vmask[None, :])
+
+
+def mla_kv_row_triton(ckv, norm_w, eps, cos, sin, pos, interleave):
+    T, width = ckv.shape
+    Dl = norm_w.shape[0]
+    half = (width - Dl) // 2
+    assert ckv.stride(1) == 1 and 2 * half == width - Dl and cos.shape[-1] == half
+    assert cos.stride(1) == 1 and sin.stride(1) == 1 and pos.shape == (T,)
+    out = torch.empty((T, width), dtype=ckv.dtype, device=ckv.device)
+    if T:
+        block_l = pow2(Dl)
+        run_kernel(_kv_row_kernel, (T,), ckv, norm_w, cos, sin, pos, out, Dl, half, 1.0 / Dl,
+                   float(eps), ckv.stride(0), out.stride(0), cos.stride(0), sin.stride(0),
+                   INTERLEAVE=bool(interleave), BLOCK_L=block_l, BLOCK_F=pow2(half),
+                   num_warps=max(1, min(8, block_l // 256)), enable_fp_fusion=False)
+    return out
+
+
+def absorb_v_triton(o, w_uv):
+    T, H, K = o.shape
+    V = w_uv.shape[1]
+    assert w_uv.shape == (H, V, K) and o.stride(2) == 1 and w_uv.stride(2) == 1
+    assert T <= ABSORB_MAX_ROWS
+    out = torch.empty((T, H * V), dtype=o.dtype, device=o.device)
+    if T == 0:
+        return out
+    block_v = min(64, max(16, pow2(V)))
+    while block_v > 16 and H * -(-V // block_v) < 128:       # ~one program per SM streaming
+        block_v //= 2
+    precision = "ieee" if w_uv.dtype == torch.float32 else "tf32"
+    run_kernel(_absorb_v_kernel, (H, triton.cdiv(V, block_v)), o, w_uv, out, T, V, K,
+               o.stride(0), o.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0),
+               BLOCK_T=max(16, pow2(T)), BLOCK_V=block_v,
+               BLOCK_K=min(64, max(16, pow2(K))), DOT_PRECISION=precision, num_warps=4)
+    return out
+
+
+def mla_kv_row(ckv: torch.Tensor, norm_w: torch.Tensor, eps: float, cos: torch.Tensor,
+               sin: torch.Tensor, pos: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """ckv [T, Dl + Dr] (the kv_a projection), norm_w [Dl] -> the latent cache row [T, Dl + Dr]:
+    RMS-normed latent, then the rope key rotated by pos [T] (cos / sin [P, Dr/2] fp32)."""
+    if use_triton(ckv) and ckv.stride(1) == 1 and norm_w.dtype == ckv.dtype:
+        return mla_kv_row_triton(ckv, norm_w, eps, cos, sin, pos, interleave)
+    return mla_kv_row_torch(ckv, norm_w, eps, cos, sin, pos, interleave)
+
+
+def absorb_v(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o [T, h, Dl] latent outputs, w_uv [h, v, Dl] -> [T, h * v] (contiguous: o_proj's input)."""
+    if (use_triton(o) and o.shape[0] <= ABSORB_MAX_ROWS and o.stride(2) == 1
+            and w_uv.stride(2) == 1):
+        return absorb_v_triton(o, w_uv)
+    return absorb_v_torch(o, w_uv)

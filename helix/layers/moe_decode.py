@@ -1,0 +1,340 @@
+"""Routed experts for decode-sized batches: weight-streaming kernels, no sort, two launches.
+
+    moe_decode(x, gate, up, down, weights, ids, first, config) -> [T, D]   (fused_moe's contract)
+
+At decode each hit expert gets one to a few rows, so the work is a GEMV per expert that must
+stream the expert's weights at the copy rate. Programs are laid out per (token, expert) PAIR:
+program p (p = t*k + j) leads expert e = ids[p] - first iff p is the first pair routed to e
+(the k*T ids are loaded by every program, T*k <= MAX_PAIRS); it then gathers ALL rows of e
+(the pairs with the same id, in pair order, by a prefix count in registers) and streams a
+[BLOCK_N, D] slice of e's weights once for them. Programs of non-local or non-leading pairs
+exit before reading a weight, so only experts with tokens are read, and no routing metadata
+(sort, bounds) is built: the grid is (T*k, feature blocks), fixed by shapes.
+
+  1. _gate_up_kernel grid (N, cdiv(I, BLOCK_N)): h[p] = silu(x_t Wg_e^T) * (x_t Wu_e^T) for
+     the rows p of e -> h [N, I] in x.dtype (indexed by pair).
+  2. _down_kernel grid (N, cdiv(D, BLOCK_N), K_SPLITS): y[s, p] = w_p * h[p] Wd_e[:, K-range s]^T
+     (fp32, per pair and K split). Then out[t] = sum_j sum_s y[s, t*k + j] over t's LOCAL
+     pairs, in that fixed order (deterministic, no atomics on data): either by the last
+     program of each feature block to arrive (FUSED_COMBINE: an arrival counter per block,
+     the memory-ordering pattern of triton_decode's fused merge), or by a third launch.
+
+Inner products (MODE): 0 = FMA: elementwise products of BLOCK_M rows (1, 2, 4) with a
+[BLOCK_N, BLOCK_K] weight tile accumulated in registers, reduced once after the K loop (an
+expert with more rows streams its slice again per BLOCK_M rows, mostly from L2); 2 = tensor
+cores (tl.dot over BLOCK_M >= 16 padded rows: all of an expert's rows in one pass).
+Weights are read along their contiguous K axis (16-byte vectors); offsets are 64-bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from helix.attention.triton_splits import sm_count_of
+from helix.triton_util import arrival_counters
+from helix.triton_util import pow2, run_kernel
+
+MAX_PAIRS = 128              # T * k up to this runs here (decode buckets); more: fused_moe's v1
+MODES = {"fma": 0, "dot": 2}
+
+
+@triton.jit
+def _pair_group(ids_ptr, p, N, first, E, BLOCK_P: tl.constexpr):
+    """-> (lead, e, same [BP], rank [BP], count): whether pair p is the first pair of its local
+    expert e, which pairs share e, each one's rank among them, how many."""
+    q = tl.arange(0, BLOCK_P)
+    qmask = q < N
+    key = tl.load(ids_ptr + q, mask=qmask, other=-1) - first
+    e = tl.load(ids_ptr + p) - first
+    same = qmask & (key >= 0) & (key < E) & (key == e)
+    lead = tl.min(tl.where(same, q, BLOCK_P), axis=0) == p       # non-local p: same is empty
+    ones = same.to(tl.int32)
+    return lead, e, same, tl.cumsum(ones, axis=0) - ones, tl.sum(ones, axis=0)
+
+
+@triton.jit
+def _chunk_pairs(same, rank, c0, count, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Pairs of ranks c0 .. c0 + BLOCK_M - 1 among `same` -> (pair [BM], valid [BM])."""
+    r = c0 + tl.arange(0, BLOCK_M)
+    q = tl.arange(0, BLOCK_P)
+    sel = same[None, :] & (rank[None, :] == r[:, None])                      # [BM, BP]
+    return tl.sum(tl.where(sel, q[None, :], 0), axis=1), r < count
+
+
+@triton.jit
+def _w_tile(w_rows, kk, stride_k, nmask, kmask, MODE: tl.constexpr):
+    """A weight tile of a K step from its rows' pointers w_rows [BN, 1]: [1, BN, BK] (FMA, the
+    rank the accumulator has) or [BN, BK] (tensor cores)."""
+    if MODE == 0:
+        return tl.load(w_rows[None, :, :] + kk[None, None, :] * stride_k,
+                       mask=nmask[None, :, None] & kmask[None, None, :], other=0.0)
+    else:
+        return tl.load(w_rows + kk[None, :] * stride_k, mask=nmask[:, None] & kmask[None, :],
+                       other=0.0)
+
+
+@triton.jit
+def _row_tile(rows_ptr, kk, rvalid, kmask, BLOCK_N: tl.constexpr, MODE: tl.constexpr):
+    """The activation rows of a K step from their pointers rows_ptr [BM, 1]. FMA: loaded as
+    [BM, BN, BK], each row repeated BN times (a zero stride; the repeats are L1 hits), so the
+    product takes the weight tile's own register layout: a [BM, 1, BK] operand makes the
+    compiler move every weight tile through shared memory into the rows' layout instead.
+    Tensor cores: [BM, BK]."""
+    if MODE == 0:
+        zero = tl.zeros([1, BLOCK_N, 1], dtype=tl.int32)
+        return tl.load(rows_ptr[:, :, None] + zero + kk[None, None, :],
+                       mask=(rvalid[:, None, None] & kmask[None, None, :]) | (zero != 0),
+                       other=0.0)
+    else:
+        return tl.load(rows_ptr + kk[None, :], mask=rvalid[:, None] & kmask[None, :],
+                       other=0.0)
+
+
+@triton.jit
+def _acc_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              MODE: tl.constexpr):
+    if MODE == 0:
+        return tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+
+@triton.jit
+def _acc_step(acc, a, w, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc += rows a x weights w^T (elementwise products for FMA, reduced in _acc_done)."""
+    if MODE == 0:
+        acc += a.to(tl.float32) * w.to(tl.float32)          # [BM, BN, BK] * [1, BN, BK]
+    else:
+        acc = tl.dot(a.to(w.dtype), tl.trans(w), acc=acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _acc_done(acc, MODE: tl.constexpr):
+    """-> [BM, BN] fp32."""
+    if MODE == 0:
+        return tl.sum(acc, axis=2)
+    else:
+        return acc
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, g_ptr, u_ptr, ids_ptr, h_ptr,
+    N, first, E, D, I,
+    stride_xt,                             # x [T, D], unit stride along D
+    stride_ge, stride_gi, stride_gd,       # gate [E, I, D]
+    stride_ue, stride_ui, stride_ud,       # up [E, I, D]
+    stride_hp,                             # h [N, I], unit stride along I
+    TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    lead, e, same, rank, count = _pair_group(ids_ptr, tl.program_id(0), N, first, E, BLOCK_P)
+    if not lead:                           # not this expert's first pair, or not local
+        return
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < I
+    e64 = e.to(tl.int64)
+    g_rows = g_ptr + e64 * stride_ge + n.to(tl.int64)[:, None] * stride_gi      # [BN, 1]
+    u_rows = u_ptr + e64 * stride_ue + n.to(tl.int64)[:, None] * stride_ui
+    for c0 in range(0, count, BLOCK_M):
+        pair, rvalid = _chunk_pairs(same, rank, c0, count, BLOCK_M, BLOCK_P)
+        x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_xt        # [BM, 1]
+        acc_g = _acc_init(BLOCK_M, BLOCK_N, BLOCK_K, MODE)
+        acc_u = _acc_init(BLOCK_M, BLOCK_N, BLOCK_K, MODE)
+        for k0 in range(0, D, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            kmask = kk < D
+            wg = _w_tile(g_rows, kk, stride_gd, nmask, kmask, MODE)
+            wu = _w_tile(u_rows, kk, stride_ud, nmask, kmask, MODE)
+            xt = _row_tile(x_rows, kk, rvalid, kmask, BLOCK_N, MODE)
+            acc_g = _acc_step(acc_g, xt, wg, MODE, DOT_PRECISION)
+            acc_u = _acc_step(acc_u, xt, wu, MODE, DOT_PRECISION)
+        g = _acc_done(acc_g, MODE)
+        h = g * tl.sigmoid(g) * _acc_done(acc_u, MODE)                    # silu(g) * u, fp32
+        tl.store(h_ptr + pair.to(tl.int64)[:, None] * stride_hp + n[None, :],
+                 h.to(h_ptr.dtype.element_ty), mask=rvalid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _combine(y_ptr, ids_ptr, out_ptr, T, first, E, n, nmask,
+             stride_ys, stride_yp, stride_ot,
+             TOPK: tl.constexpr, K_SPLITS: tl.constexpr, FROM_L2: tl.constexpr,
+             BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t, n] = sum_j sum_s y[s, t*k + j, n] over t's local pairs (fixed order), all t."""
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tmask = t < T
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            pr = t.to(tl.int64) * TOPK + j
+            e = tl.load(ids_ptr + pr, mask=tmask, other=-1) - first
+            ok = (tmask & (e >= 0) & (e < E))[:, None] & nmask[None, :]
+            for s in tl.static_range(K_SPLITS):
+                ptrs = y_ptr + s * stride_ys + pr[:, None] * stride_yp + n[None, :]
+                if FROM_L2:
+                    acc += tl.load(ptrs, mask=ok, other=0.0, cache_modifier=".cg")
+                else:
+                    acc += tl.load(ptrs, mask=ok, other=0.0)
+        tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_ot + n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, d_ptr, w_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr,
+    N, T, first, E, D, I, k_chunk,
+    stride_hp,                             # h [N, I], unit stride along I
+    stride_de, stride_dd, stride_di,       # down [E, D, I]
+    stride_ys, stride_yp,                  # y [K_SPLITS, N, D] fp32, unit stride along D
+    stride_ot,                             # out [T, D]
+    TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, K_SPLITS: tl.constexpr, MODE: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    nb = tl.program_id(1)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < D
+    lead, e, same, rank, count = _pair_group(ids_ptr, tl.program_id(0), N, first, E, BLOCK_P)
+    if lead:
+        ks = tl.program_id(2)
+        k_lo = ks * k_chunk
+        k_hi = tl.minimum(k_lo + k_chunk, I)
+        d_rows = d_ptr + e.to(tl.int64) * stride_de + n.to(tl.int64)[:, None] * stride_dd
+        for c0 in range(0, count, BLOCK_M):
+            pair, rvalid = _chunk_pairs(same, rank, c0, count, BLOCK_M, BLOCK_P)
+            h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_hp                 # [BM, 1]
+            acc = _acc_init(BLOCK_M, BLOCK_N, BLOCK_K, MODE)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                kmask = kk < k_hi
+                wd = _w_tile(d_rows, kk, stride_di, nmask, kmask, MODE)
+                ht = _row_tile(h_rows, kk, rvalid, kmask, BLOCK_N, MODE)
+                acc = _acc_step(acc, ht, wd, MODE, DOT_PRECISION)
+            wgt = tl.load(w_ptr + pair, mask=rvalid, other=0.0).to(tl.float32)      # [BM]
+            y = _acc_done(acc, MODE) * wgt[:, None]
+            tl.store(y_ptr + ks * stride_ys + pair.to(tl.int64)[:, None] * stride_yp
+                     + n[None, :], y, mask=rvalid[:, None] & nmask[None, :])
+    if FUSED_COMBINE:
+        # Every program of this feature block counts itself (leaders after their stores); the
+        # last to arrive sums the block for every token. Ordering as in triton_decode's fused
+        # merge: CTA barrier, one acq_rel GPU-scope atomic, partials read through L2 (.cg),
+        # the counter reset by the summing program. Which program sums does not change the
+        # result: the order of the sum is fixed.
+        tl.debug_barrier()
+        cnt = cnt_ptr + nb
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) * tl.num_programs(2) - 1:
+            _combine(y_ptr, ids_ptr, out_ptr, T, first, E, n, nmask, stride_ys, stride_yp,
+                     stride_ot, TOPK, K_SPLITS, True, BLOCK_T, BLOCK_N)
+            tl.store(cnt, 0)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, ids_ptr, out_ptr, T, first, E, D, stride_ys, stride_yp, stride_ot,
+                    TOPK: tl.constexpr, K_SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _combine(y_ptr, ids_ptr, out_ptr, T, first, E, n, n < D, stride_ys, stride_yp, stride_ot,
+             TOPK, K_SPLITS, False, BLOCK_T, BLOCK_N)
+
+
+# -- launch configuration -------------------------------------------------------------------------
+
+MOE_TUNABLES = ("mode", "BLOCK_M", "up_BLOCK_N", "up_BLOCK_K", "down_BLOCK_N", "down_BLOCK_K",
+                "K_SPLITS", "FUSED_COMBINE", "num_warps", "num_stages")
+
+
+def _feature_block(width: int, experts: int, lo: int, target: int) -> int:
+    """Features per program: 64, halved (down to lo) while the programs of the experts that
+    can be hit, experts * cdiv(width, BLOCK_N), fall short of target."""
+    bn = max(lo, min(64, pow2(width)))
+    while bn > lo and experts * -(-width // bn) < target:
+        bn //= 2
+    return bn
+
+
+def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype: torch.dtype,
+                      sm_count: int = 132, config: dict | None = None) -> dict:
+    """Static launch parameters (shapes only). Defaults before measuring (profiling/
+    bench_step_kernels.py compares the alternatives on the GPU): tensor cores for any row
+    count (an FMA GEMV spends ~2.5 instructions per weight element: bf16 -> fp32 conversions
+    of both operands and the FMA; tl.dot streams the same bytes in ~6x fewer), feature blocks
+    narrowed until ~4 programs per SM can stream, split-K of the down projection while its
+    programs fall short of that, the k-sum fused into the down launch."""
+    cfg = dict(config or {})
+    unknown = set(cfg) - set(MOE_TUNABLES)
+    if unknown:
+        raise ValueError(f"unknown MoE decode tunables {sorted(unknown)}; known: {MOE_TUNABLES}")
+    mode = cfg.pop("mode", "dot")
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} not in {tuple(MODES)}")
+    hit = max(1, min(T * k, n_local))            # experts that can have rows
+    target = 4 * sm_count
+    block_m = cfg.pop("BLOCK_M", 1 if mode == "fma" else 16)
+    # K tile: 512 B of a weight row per step (FMA), 128 B (tensor cores: operands via smem)
+    bk = (256 if mode == "fma" else 64) * 2 // dtype.itemsize
+    # FMA accumulators live in registers: BM x BN x BK fp32 products <= 32 per thread
+    cap = max(1, 4096 // (block_m * bk)) if mode == "fma" else 64
+    lo = min(cap, 16 if mode == "dot" else 4)
+    up_bn = cfg.pop("up_BLOCK_N", min(cap, _feature_block(inter, hit, lo, target)))
+    down_bn = cfg.pop("down_BLOCK_N", min(cap, _feature_block(dim, hit, lo, target)))
+    programs = hit * -(-dim // down_bn)
+    splits = cfg.pop("K_SPLITS", max(1, min(8, pow2(-(-target // programs)))))
+    return dict(MODE=MODES[mode], BLOCK_M=block_m,
+                up=dict(BLOCK_N=up_bn, BLOCK_K=cfg.pop("up_BLOCK_K", bk)),
+                down=dict(BLOCK_N=down_bn, BLOCK_K=cfg.pop("down_BLOCK_K", bk)),
+                K_SPLITS=splits, FUSED_COMBINE=cfg.pop("FUSED_COMBINE", True),
+                num_warps=cfg.pop("num_warps", 4),
+                num_stages=cfg.pop("num_stages", 2 if dtype == torch.float32 else 3))
+
+
+def moe_decode(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+               weights: torch.Tensor, ids: torch.Tensor, first: int,
+               config: dict | None = None) -> torch.Tensor:
+    """fused_moe's contract for T * k <= MAX_PAIRS: x [T, D]; gate, up [E, I, D]; down
+    [E, D, I]; weights [T, k]; ids [T, k] global ids -> [T, D] in x.dtype. `config` overrides
+    any of MOE_TUNABLES."""
+    T, D = x.shape
+    E, I, _ = gate.shape
+    k = ids.shape[1]
+    N = T * k
+    assert N <= MAX_PAIRS, (T, k)
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    ids_flat = ids.reshape(-1)                                        # [N], pair p = t*k + j
+    w_flat = weights.reshape(-1)
+    cfg = moe_decode_config(T, k, E, I, D, gate.dtype, sm_count_of(x.device), config)
+    mode, bm = cfg["MODE"], cfg["BLOCK_M"]
+    precision = "ieee" if gate.dtype == torch.float32 else "tf32"
+    # BLOCK_P: one binary for every N <= 64
+    common = dict(TOPK=k, BLOCK_P=max(64, pow2(N)), BLOCK_M=bm, MODE=mode,
+                  DOT_PRECISION=precision, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    h = torch.empty((N, I), dtype=x.dtype, device=x.device)            # by pair
+    c1 = cfg["up"]
+    run_kernel(_gate_up_kernel, (N, triton.cdiv(I, c1["BLOCK_N"])),
+               x, gate, up, ids_flat, h, N, first, E, D, I, x.stride(0),
+               *gate.stride(), *up.stride(), h.stride(0), **common, **c1)
+    splits, c2 = cfg["K_SPLITS"], cfg["down"]
+    y = torch.empty((splits, N, D), dtype=torch.float32, device=x.device)
+    k_chunk = triton.cdiv(triton.cdiv(I, splits), c2["BLOCK_K"]) * c2["BLOCK_K"]
+    blocks = triton.cdiv(D, c2["BLOCK_N"])
+    fused = cfg["FUSED_COMBINE"]
+    counters = arrival_counters(x.device, blocks) if fused else y
+    block_t = min(16, pow2(T))
+    run_kernel(_down_kernel, (N, blocks, splits),
+               h, down, w_flat, ids_flat, y, out, counters, N, T, first, E, D, I, k_chunk,
+               h.stride(0), *down.stride(), y.stride(0), y.stride(1), out.stride(0),
+               K_SPLITS=splits, FUSED_COMBINE=fused, BLOCK_T=block_t, **common, **c2)
+    if not fused:
+        bn = min(256, pow2(D))
+        run_kernel(_combine_kernel, (triton.cdiv(D, bn),), y, ids_flat, out, T, first, E, D,
+                   y.stride(0), y.stride(1), out.stride(0), TOPK=k, K_SPLITS=splits,
+                   BLOCK_T=block_t, BLOCK_N=bn, num_warps=4)
+    return out

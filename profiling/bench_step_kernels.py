@@ -1,0 +1,380 @@
+"""The decode step's kernels on one GPU: router, MoE experts, few-heads MLA, and whole
+DeepSeek-V2-Lite steps, old kernels against new, with the copy rate measured in the same run.
+
+  (a) router: the previous torch router (cast, GEMM, softmax / sigmoid, top-k: ~7 launches),
+      route_torch (the lowest-id tie rule in torch), GEMM + the Triton selection kernel, and
+      the fused kernel (GEMM + selection in one launch), for DeepSeek-V2-Lite (64 experts,
+      fp32 router), DeepSeek-V3 (256, sigmoid, groups) and Qwen3-235B (128, bf16) at batch 1, 8.
+  (b) MoE experts: fused_moe's v1 (sorted, two kernels + torch routing) against the decode
+      kernels' variants (helix.layers.moe_decode tunables), DeepSeek-V2-Lite (64 x 1408 x 2048,
+      top-6) and Qwen3-235B (128 x 1536 x 4096, top-8) layers, batch 1/2/4/8: time, bytes read
+      (the hit experts' weights), fraction of the copy rate.
+  (c) MLA, 16 heads (DeepSeek-V2-Lite rank) at 1K / 32K / 128K, batch 1 and 8: triton_mla's
+      kernel against triton_mla_few's variants; fraction of the KV-read floor.
+  (d) whole DeepSeek-V2-Lite decode steps (27 layers, bf16, graphs, synthetic prefix), batch 1
+      x 1K / 32K / 128K and 8 x 32K: step time, kernels per step, the top kernels, the
+      weight + KV read floor; "before" (previous router, MoE v1, triton_mla), "after" (the
+      new kernels' defaults, few-heads MLA on) and optionally "after-nofew" (triton_mla).
+
+Times are CUDA-graph replays with L2 flushed (a)-(c), or the engine's step (d).
+
+    python profiling/bench_step_kernels.py --out profiling/results/step_kernels_h200.json
+    python profiling/bench_step_kernels.py --parts b --quick --out moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from helix.attention import triton_mla, triton_mla_few  # noqa: E402
+from helix.layers import fused_moe as fm  # noqa: E402
+from helix.layers import router as rt  # noqa: E402
+from helix.layers import triton_router as tr  # noqa: E402
+from profiling.roofline import L2Flush, copy_bandwidth, graph_time_us  # noqa: E402
+
+DEVICE = "cuda"
+ROUTERS = {  # name: (spec, experts, hidden, router weight dtype)
+    "deepseek-v2-lite": (tr.RouteSpec(6, False, 1, 1, "none", False, 1.0), 64, 2048, torch.float32),
+    "deepseek-v3": (tr.RouteSpec(8, True, 8, 4, "top2", True, 2.5), 256, 7168, torch.float32),
+    "qwen3-235b": (tr.RouteSpec(8, False, 1, 1, "none", True, 1.0), 128, 4096, torch.bfloat16),
+}
+EXPERTS = {  # name: (experts, moe width, hidden, top-k)
+    "deepseek-v2-lite": (64, 1408, 2048, 6),
+    "qwen3-235b": (128, 1536, 4096, 8),
+}
+MOE_VARIANTS = [  # (name, fused_moe variant, moe_decode config)
+    ("v1", "v1", None),
+    ("dot", "decode", dict(mode="dot")),
+    ("dot-bn32", "decode", dict(mode="dot", up_BLOCK_N=32, down_BLOCK_N=32)),
+    ("dot-bk128-s4", "decode", dict(mode="dot", up_BLOCK_K=128, down_BLOCK_K=128, num_stages=4)),
+    ("dot-ks2", "decode", dict(mode="dot", K_SPLITS=2)),
+    ("dot-2launch", "decode", dict(mode="dot", FUSED_COMBINE=False)),
+    ("fma", "decode", dict(mode="fma")),
+    ("fma-m2", "decode", dict(mode="fma", BLOCK_M=2)),
+]
+MLA_VARIANTS = [  # (name, kernel, config)
+    ("triton_mla", "mla", None),
+    ("few-swap", "few", dict(SWAP=True)),
+    ("few-plain", "few", dict(SWAP=False)),
+    ("few-plain-bn32-s3", "few", dict(SWAP=False, BLOCK_N=32, num_stages=3)),
+    ("few-swap-2waves", "few", dict(SWAP=True, split_policy="2waves")),
+    ("few-swap-w8", "few", dict(SWAP=True, num_warps=8)),
+]
+
+
+def legacy_router(x, weight, bias, spec):
+    """The router's torch code before the Triton router (helix.layers.router at 9783d9b)."""
+    logits = F.linear(x.to(weight.dtype), weight).float()
+    k = spec.k
+    if spec.sigmoid:
+        scores = logits.sigmoid()
+        choice = scores + bias.float()
+        if spec.groups > 1:
+            T, E = choice.shape
+            grouped = choice.view(T, spec.groups, E // spec.groups)
+            gs = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(gs, dtype=torch.bool)
+            keep.scatter_(1, gs.topk(spec.topk_group, dim=-1).indices, True)
+            keep = keep.unsqueeze(-1).expand(T, spec.groups, E // spec.groups).reshape(T, E)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        ids = choice.topk(k, dim=-1).indices
+        w = scores.gather(1, ids)
+        if spec.norm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    else:
+        w, ids = logits.softmax(dim=-1).topk(k, dim=-1)
+        if spec.norm:
+            w = w / w.sum(-1, keepdim=True)
+    return (w * spec.scaling).to(x.dtype), ids
+
+
+def bench_router(args, flush) -> list[dict]:
+    recs = []
+    for name, (spec, E, D, wdt) in ROUTERS.items():
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        weight = (torch.randn(E, D, generator=g, device=DEVICE) / D ** 0.5).to(wdt)
+        bias = torch.randn(E, generator=g, device=DEVICE) * 0.1 if spec.sigmoid else None
+        for T in (1, 8):
+            x = torch.randn(T, D, generator=g, device=DEVICE).bfloat16()
+            logits = F.linear(x.to(wdt), weight).float()
+            ref_w, ref_ids = rt.route_torch(logits, bias, spec)
+            paths = {
+                "torch-legacy": lambda: legacy_router(x, weight, bias, spec),
+                "torch-tie-rule": lambda: rt.route_torch(
+                    F.linear(x.to(wdt), weight).float(), bias, spec),
+                "gemm+select": lambda: tr.route_select_triton(
+                    F.linear(x.to(wdt), weight).float(), bias, spec, x.dtype),
+                "fused": lambda: tr.route_fused_triton(x, weight, bias, spec),
+            }
+            for path, fn in paths.items():
+                w, ids = fn()
+                same = (ids == ref_ids).all(-1).float().mean().item()
+                recs.append(dict(part="router", model=name, batch=T, path=path,
+                                 ids_equal_rows=same,
+                                 w_err=(w.float() - ref_w).abs().max().item(),
+                                 time_us=graph_time_us(fn, args.iters, flush)))
+                print(json.dumps(recs[-1]), flush=True)
+    return recs
+
+
+def _routing(T, E, k, gen):
+    """ids [T, k]: k distinct experts per token, uniform; weights [T, k] bf16."""
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(DEVICE)
+    return torch.rand(T, k, generator=gen).bfloat16().to(DEVICE), ids
+
+
+def bench_moe(args, flush, copy_bw) -> list[dict]:
+    recs = []
+    variants = MOE_VARIANTS[:4] if args.quick else MOE_VARIANTS
+    for name, (E, I, D, k) in EXPERTS.items():
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+        gate = (torch.randn(E, I, D, generator=g, device=DEVICE, dtype=torch.bfloat16) / D ** .5)
+        up = (torch.randn(E, I, D, generator=g, device=DEVICE, dtype=torch.bfloat16) / D ** .5)
+        down = (torch.randn(E, D, I, generator=g, device=DEVICE, dtype=torch.bfloat16) / I ** .5)
+        for T in args.moe_batches:
+            cpu = torch.Generator().manual_seed(T)
+            w, ids = _routing(T, E, k, cpu)
+            x = torch.randn(T, D, generator=cpu).bfloat16().to(DEVICE)
+            hit = int(torch.unique(ids).numel())
+            nbytes = hit * 3 * I * D * 2
+            ref = fm.fused_moe_torch(x, gate, up, down, w, ids, 0).float()
+            for vname, variant, cfg in variants:
+                def fn(v=variant, c=cfg):
+                    return fm.fused_moe(x, gate, up, down, w, ids, 0, variant=v, config=c)
+                err = (fn().float() - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)
+                us = graph_time_us(fn, args.iters, flush)
+                recs.append(dict(part="moe", shape=name, batch=T, variant=vname, config=cfg,
+                                 experts_hit=hit, bytes=nbytes, time_us=us, rel_err=err,
+                                 copy_rate_frac=nbytes / (us * 1e-6) / copy_bw))
+                print(json.dumps(recs[-1]), flush=True)
+        del gate, up, down
+        torch.cuda.empty_cache()
+    return recs
+
+
+MLA_SHAPE = (16, 512, 64, 64)            # heads, latent, rope, page: DeepSeek-V2-Lite's rank
+
+
+def bench_mla(args, flush, copy_bw) -> list[dict]:
+    recs = []
+    H, Dl, Dr, page = MLA_SHAPE
+    variants = MLA_VARIANTS[:3] if args.quick else MLA_VARIANTS
+    for B in (1, 8):
+        for ctx in args.mla_contexts:
+            pages = B * ctx // page
+            g = torch.Generator(device=DEVICE).manual_seed(2)
+            kv = torch.randn(pages, page, Dl + Dr, generator=g, device=DEVICE).bfloat16()
+            bt = torch.arange(pages, dtype=torch.int32, device=DEVICE).view(B, ctx // page)
+            lens = torch.full((B,), ctx, dtype=torch.int32, device=DEVICE)
+            ql = torch.randn(B, H, Dl, generator=g, device=DEVICE).bfloat16()
+            qr = torch.randn(B, H, Dr, generator=g, device=DEVICE).bfloat16()
+            scale = 192 ** -0.5
+            nbytes = kv.numel() * 2
+            ref = None
+            for vname, kern, cfg in variants:
+                if kern == "mla":
+                    fn = lambda: triton_mla.mla_decode(ql, qr, kv, bt, lens, scale)  # noqa: E731
+                else:
+                    fn = lambda c=cfg: triton_mla_few.mla_decode_few(  # noqa: E731
+                        ql, qr, kv, bt, lens, scale, config=c)
+                o, _ = fn()
+                ref = o.float() if ref is None else ref
+                us = graph_time_us(fn, args.iters, flush)
+                recs.append(dict(part="mla", batch=B, context=ctx, heads=H, variant=vname,
+                                 config=cfg, time_us=us, bytes=nbytes,
+                                 max_err_vs_triton_mla=(o.float() - ref).abs().max().item(),
+                                 floor_frac=nbytes / copy_bw / (us * 1e-6)))
+                print(json.dumps(recs[-1]), flush=True)
+            del kv
+            torch.cuda.empty_cache()
+    return recs
+
+
+def _floor_bytes(llm, batch: int, context: int) -> float:
+    """Bytes one decode step must read: every parameter except the embedding table (batch rows)
+    and the routed experts (only the expected hit ones), plus the KV of batch x context."""
+    cfg = llm.cfg
+    model = llm.engine.model
+    total = routed = 0
+    for name, p in model.named_parameters():
+        n = p.numel() * p.element_size()
+        if "embed_tokens" in name:
+            n = batch * p.shape[-1] * p.element_size()
+        elif name.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj")):
+            routed += n
+            continue
+        total += n
+    E, k = cfg.num_experts, cfg.experts_per_token
+    hit_frac = 1 - (1 - k / E) ** batch if E else 0.0
+    kv = sum(c.element_size() * c.shape[-1] for caches in llm.engine.caches for c in caches)
+    return total + routed * hit_frac + batch * context * kv
+
+
+STEP_MODES = ("before", "after", "after-nofew")
+
+
+def set_kernels(mode: str) -> None:
+    """'before': the previous router, MoE v1, triton_mla; 'after': the new defaults with the
+    few-heads MLA kernel on; 'after-nofew': the same with triton_mla."""
+    if mode not in STEP_MODES:
+        raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
+    after = mode != "before"
+    rt.Router.forward = _NEW_FORWARD if after else _legacy_forward
+    fm.VARIANT = "auto" if after else "v1"
+    triton_mla_few.ENABLED = mode == "after"
+
+
+_NEW_FORWARD = rt.Router.forward
+
+
+def _legacy_forward(self, x):
+    return legacy_router(x, self.weight, self.e_score_correction_bias, self.spec)
+
+
+def bench_steps(args, copy_bw) -> list[dict]:
+    from helix.commands import profile as prof_cmd
+    from helix.commands import trace_tables as tt
+    from helix.config import Layout
+    from helix.runtime.sampling import SamplingParams
+    from helix.sweep import Sweep, open_llm
+    recs = []
+    points = [(1, c) for c in args.step_contexts] + [(8, args.step_contexts[len(
+        args.step_contexts) // 2])]
+    steps = args.step_steps
+    cuda = DEVICE == "cuda"
+    sweep = Sweep(name="step", models=(args.step_model,), layouts=(Layout(),),
+                  batches=(1, 8), contexts=tuple(args.step_contexts),
+                  runtime=dict(device=DEVICE, dtype="bfloat16" if cuda else "float32",
+                               layers=args.step_layers, cuda_graphs=True,
+                               attention_backend="triton" if cuda else "torch", page_size=64,
+                               seed=0),
+                  decode_steps=2 * steps + 4, warmup_steps=3,
+                  max_batch_tokens=max(b * c for b, c in points))
+    for mode in args.step_modes:
+        set_kernels(mode)
+        t0 = time.perf_counter()
+        with open_llm(sweep, args.step_model, Layout()) as llm:
+            build_s = time.perf_counter() - t0
+            for batch, context in points:
+                g = torch.Generator().manual_seed(0)
+                params = SamplingParams(max_new_tokens=3 + 2 * steps + 4, ignore_eos=True)
+                for _ in range(batch):
+                    llm.add_request(torch.randint(0, llm.cfg.vocab_size, (1,), generator=g)
+                                    .tolist(), params, synthetic_prefix=context - 1)
+                for _ in range(4):
+                    llm.step()
+                walls = [llm.step().seconds for _ in range(steps)]
+                events = prof_cmd._profiled(llm, 3, cuda, None)
+                ops, _ = prof_cmd._ops_of_steps(events, 3)
+                table = tt.kernel_table(ops, 3)
+                while llm.has_unfinished():
+                    llm.step()
+                floor_ms = _floor_bytes(llm, batch, context) / copy_bw * 1e3
+                step_ms = 1e3 * statistics.median(walls)
+                recs.append(dict(part="step", mode=mode, batch=batch, context=context,
+                                 step_ms=step_ms, floor_ms=floor_ms, vs_floor=step_ms / floor_ms,
+                                 kernel_ms=sum(o.dur for o in ops) / 3e3,
+                                 kernels_per_step=len(ops) / 3, engine_build_s=build_s,
+                                 top_kernels=[{k: (round(v, 2) if isinstance(v, float) else v)
+                                               for k, v in r.items()} for r in table[:15]]))
+                print(json.dumps(recs[-1]), flush=True)
+        del llm
+        if cuda:
+            torch.cuda.empty_cache()
+    set_kernels("after")
+    return recs
+
+
+def summary(records: list[dict]) -> str:
+    lines = []
+    router = [r for r in records if r["part"] == "router"]
+    if router:
+        lines.append("(a) router us (graph replay): model batch | " + " | ".join(
+            dict.fromkeys(r["path"] for r in router)))
+        for key in dict.fromkeys((r["model"], r["batch"]) for r in router):
+            row = [r for r in router if (r["model"], r["batch"]) == key]
+            lines.append(f"  {key[0]:>17} {key[1]:>2} | " + " | ".join(
+                f"{r['time_us']:6.1f}{'' if r['ids_equal_rows'] == 1 else '*'}" for r in row))
+    moe = [r for r in records if r["part"] == "moe"]
+    if moe:
+        lines.append("(b) MoE us / copy-rate fraction: shape batch | " + " | ".join(
+            dict.fromkeys(r["variant"] for r in moe)))
+        for key in dict.fromkeys((r["shape"], r["batch"]) for r in moe):
+            row = [r for r in moe if (r["shape"], r["batch"]) == key]
+            lines.append(f"  {key[0]:>17} {key[1]:>2} | " + " | ".join(
+                f"{r['time_us']:6.1f} {r['copy_rate_frac']:.2f}" for r in row))
+    mla = [r for r in records if r["part"] == "mla"]
+    if mla:
+        lines.append("(c) MLA 16 heads us / floor fraction: batch context | " + " | ".join(
+            dict.fromkeys(r["variant"] for r in mla)))
+        for key in dict.fromkeys((r["batch"], r["context"]) for r in mla):
+            row = [r for r in mla if (r["batch"], r["context"]) == key]
+            lines.append(f"  {key[0]:>2} {key[1]:>7} | " + " | ".join(
+                f"{r['time_us']:7.1f} {r['floor_frac']:.2f}" for r in row))
+    steps = [r for r in records if r["part"] == "step"]
+    if steps:
+        lines.append("(d) DeepSeek-V2-Lite step: mode batch context | step ms, floor ms, x floor,"
+                     " kernels/step")
+        for r in steps:
+            lines.append(f"  {r['mode']:>6} {r['batch']:>2} {r['context']:>7} | "
+                         f"{r['step_ms']:7.3f} {r['floor_ms']:7.3f} {r['vs_floor']:5.2f}x "
+                         f"{r['kernels_per_step']:7.0f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON file for the records")
+    ap.add_argument("--parts", default="a,b,c,d", help="comma list of a, b, c, d")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="fewer variants")
+    ap.add_argument("--moe-batches", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[1, 2, 4, 8])
+    ap.add_argument("--mla-contexts", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[1024, 32768, 131072])
+    ap.add_argument("--step-contexts", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[1024, 32768, 131072])
+    ap.add_argument("--step-modes", type=lambda s: s.split(","), default=["before", "after"],
+                    help=f"comma list of {', '.join(STEP_MODES)}")
+    ap.add_argument("--step-steps", type=int, default=10)
+    ap.add_argument("--step-model", default="deepseek-v2-lite")
+    ap.add_argument("--step-layers", type=int, default=0, help="first n layers (0: all)")
+    args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    t0 = time.perf_counter()
+    copy_bw = copy_bandwidth()
+    flush = L2Flush()
+    print(f"copy rate {copy_bw / 1e9:.0f} GB/s", flush=True)
+    records = []
+    for part, fn in (("a", lambda: bench_router(args, flush)),
+                     ("b", lambda: bench_moe(args, flush, copy_bw)),
+                     ("c", lambda: bench_mla(args, flush, copy_bw)),
+                     ("d", lambda: bench_steps(args, copy_bw))):
+        if part in parts:
+            t = time.perf_counter()
+            records += fn()
+            print(f"# part {part}: {time.perf_counter() - t:.0f} s", flush=True)
+            meta = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else DEVICE,
+                    "torch": torch.__version__,
+                    "copy_bw": copy_bw, "args": vars(args),
+                    "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                             capture_output=True, text=True).stdout.strip()}
+            with open(args.out, "w") as f:               # after every part: a kill keeps data
+                json.dump({"meta": meta, "records": records}, f, indent=1)
+    print(f"# total {time.perf_counter() - t0:.0f} s")
+    print(summary(records))
+
+
+if __name__ == "__main__":
+    main()

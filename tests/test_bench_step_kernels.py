@@ -1,0 +1,67 @@
+"""profiling/bench_step_kernels.py end to end on CPU before it costs GPU time: every part with
+tiny shapes (kernels in Triton's interpreter, timing and the copy rate stubbed), records and the
+summary; the old / new kernel switch of part (d)."""
+
+import json
+
+import torch
+
+from triton_mode import ON_GPU  # first: chooses the interpreter before triton loads
+
+import pytest  # noqa: E402
+
+from helix.layers import fused_moe as fm  # noqa: E402
+from helix.layers import router as rt  # noqa: E402
+from helix.layers import triton_router as tr  # noqa: E402
+from helix.attention import triton_mla_few  # noqa: E402
+from profiling import bench_step_kernels as bench  # noqa: E402
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs the real bench")
+def test_bench_runs_on_cpu(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(bench, "L2Flush", lambda: None)
+    monkeypatch.setattr(bench, "graph_time_us", lambda fn, iters, flush: (fn(), 10.0)[1])
+    monkeypatch.setattr(bench, "ROUTERS", {
+        "v3-like": (tr.RouteSpec(2, True, 4, 2, "top2", True, 2.5), 8, 32, torch.float32)})
+    monkeypatch.setattr(bench, "EXPERTS", {"tiny": (4, 16, 32, 2)})
+    monkeypatch.setattr(bench, "MOE_VARIANTS", [bench.MOE_VARIANTS[0], bench.MOE_VARIANTS[6]])
+    monkeypatch.setattr(bench, "MLA_SHAPE", (4, 16, 16, 16))
+    monkeypatch.setattr(bench, "MLA_VARIANTS", [bench.MLA_VARIANTS[1]])
+    monkeypatch.setattr(rt.Router, "forward", rt.Router.forward)       # restored afterwards
+    monkeypatch.setattr(fm, "VARIANT", fm.VARIANT)
+    monkeypatch.setattr(triton_mla_few, "ENABLED", triton_mla_few.ENABLED)
+    out = tmp_path / "r.json"
+    bench.main(["--out", str(out), "--iters", "1", "--moe-batches", "1,3",
+                "--mla-contexts", "32", "--step-contexts", "32,64", "--step-steps", "2",
+                "--step-model", "tiny-deepseek-v3", "--step-layers", "2"])
+    recs = json.loads(out.read_text())["records"]
+    parts = [r["part"] for r in recs]
+    assert parts.count("router") == 2 * 4 and parts.count("moe") == 2 * 2
+    assert parts.count("mla") == 2 and parts.count("step") == 2 * 3
+    assert all(r["ids_equal_rows"] == 1.0 for r in recs if r["part"] == "router")
+    assert all(r["rel_err"] < 2e-2 for r in recs if r["part"] == "moe" and r["variant"] != "v1")
+    steps = [r for r in recs if r["part"] == "step"]
+    assert all(r["kernels_per_step"] > 0 and r["floor_ms"] > 0 for r in steps)
+    assert [(r["mode"], r["batch"]) for r in steps] == [("before", 1), ("before", 1),
+                                                        ("before", 8), ("after", 1),
+                                                        ("after", 1), ("after", 8)]
+    text = capsys.readouterr().out
+    assert "(a) router" in text and "(d) DeepSeek-V2-Lite step" in text
+
+
+def test_kernel_switch(monkeypatch):
+    monkeypatch.setattr(rt.Router, "forward", rt.Router.forward)
+    monkeypatch.setattr(fm, "VARIANT", fm.VARIANT)
+    monkeypatch.setattr(triton_mla_few, "ENABLED", triton_mla_few.ENABLED)
+    bench.set_kernels("before")
+    assert fm.VARIANT == "v1" and not triton_mla_few.ENABLED
+    assert rt.Router.forward is bench._legacy_forward
+    bench.set_kernels("after-nofew")
+    assert fm.VARIANT == "auto" and not triton_mla_few.ENABLED
+    assert rt.Router.forward is bench._NEW_FORWARD
+    bench.set_kernels("after")
+    assert triton_mla_few.ENABLED
+    with pytest.raises(SystemExit):
+        bench.set_kernels("later")

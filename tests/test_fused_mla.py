@@ -1,0 +1,158 @@
+"""helix.layers.fused_mla against the MLA layer's previous torch formulas: the latent cache row
+(RMS norm + RoPE + concat in one kernel) and the W_UV absorption into o_proj's contiguous input;
+fp32 / fp16 / bf16 (the interpreter made to round fp32 -> bf16 like the GPU), interleaved and
+half-split RoPE, strided weight views; grids from shapes only (meta tensors).
+
+Without CUDA the kernels run through Triton's interpreter (bf16 dot products are wrong there, so
+absorb_v runs in fp32 / fp16 only on CPU)."""
+
+import torch
+
+from triton_mode import DEV, ON_GPU  # first: chooses the interpreter before triton loads
+
+from unittest import mock  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from helix.layers import fused_mla as fmla  # noqa: E402
+from helix.layers.rope import RotaryEmbedding  # noqa: E402
+from helix.config import RopeConfig  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def gpu_rounding():
+    """Interpreter only: fp32 -> bf16 casts round to nearest even, as on the GPU."""
+    if ON_GPU:
+        yield
+        return
+    from triton.runtime import interpreter as it
+    import triton.language as tl
+    real = it.InterpreterBuilder.create_fp_trunc
+
+    def rtne(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            f32 = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            bits = f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return it.TensorHandle(bits.reshape(np.shape(src.data)), dst_type.scalar)
+        return real(self, src, dst_type)
+
+    with mock.patch.object(it.InterpreterBuilder, "create_fp_trunc", rtne):
+        yield
+
+
+def ulps(a, b) -> int:
+    ibits, mask = {torch.float32: (torch.int32, 0x7FFFFFFF), torch.float16: (torch.int16, 0x7FFF),
+                   torch.bfloat16: (torch.int16, 0x7FFF)}[a.dtype]
+
+    def ordered(t):
+        i = t.detach().cpu().contiguous().view(ibits).long()
+        return torch.where(i < 0, -(i & mask), i)
+    return int((ordered(a) - ordered(b)).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dims,interleave", [((512, 64), True), ((48, 16), False)],
+                         ids=["deepseek-interleaved", "small-halves"])
+def test_kv_row_matches_torch(dims, interleave, dtype):
+    Dl, Dr = dims
+    g = torch.Generator().manual_seed(Dl)
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0, interleave=interleave), Dr, 64)
+    ckv = (torch.randn(5, Dl + Dr + 8, generator=g) * 3).to(dtype)[:, 4:4 + Dl + Dr]  # strided
+    w = (torch.rand(Dl, generator=g) + 0.5).to(dtype)
+    pos = torch.tensor([0, 7, 63, 2, 40])
+    ref = fmla.mla_kv_row_torch(ckv, w, 1e-6, rope.cos, rope.sin, pos, interleave)
+    out = fmla.mla_kv_row_triton(ckv.to(DEV), w.to(DEV), 1e-6, rope.cos.to(DEV),
+                                 rope.sin.to(DEV), pos.to(DEV), interleave)
+    assert out.dtype == dtype and out.shape == (5, Dl + Dr) and out.is_contiguous()
+    assert ulps(out[:, Dl:].cpu(), ref[:, Dl:]) == 0                  # RoPE: bitwise
+    # the norm's sum order differs from torch's: fp32 within a few ulps, half types within one
+    assert ulps(out[:, :Dl].cpu(), ref[:, :Dl]) <= (8 if dtype == torch.float32 else 1)
+    if dtype != torch.float32:                               # nearly all bitwise equal
+        assert (out[:, :Dl].cpu() == ref[:, :Dl]).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("T", [1, 7])
+def test_absorb_v_matches_einsum(T, dtype):
+    """The W_UV slice is a strided view of kv_b_proj ([h, nope + v, Dl] -> [:, nope:]), the
+    merged heads a slice of the local heads (m0 offset)."""
+    g = torch.Generator().manual_seed(T)
+    H, nope, V, Dl = 6, 16, 24, 80
+    w = (torch.randn(H, nope + V, Dl, generator=g) / 9).to(dtype)
+    w_uv = w[:, nope:][2:5]                                            # [3, V, Dl], strided
+    o = torch.randn(T, 3, Dl, generator=g).to(dtype)
+    ref = fmla.absorb_v_torch(o.float(), w_uv.float())
+    out = fmla.absorb_v_triton(o.to(DEV), w_uv.to(DEV))
+    assert out.shape == (T, 3 * V) and out.dtype == dtype and out.is_contiguous()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=tol, atol=tol)
+
+
+def test_dispatch_falls_back_off_cuda_and_for_prefill():
+    """CPU tensors take the torch formulas (the layer's previous code, unchanged)."""
+    g = torch.Generator().manual_seed(0)
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0), 8, 16)
+    ckv, w = torch.randn(3, 24, generator=g), torch.rand(16, generator=g)
+    pos = torch.tensor([1, 2, 3])
+    assert torch.equal(fmla.mla_kv_row(ckv, w, 1e-6, rope.cos, rope.sin, pos, False),
+                       fmla.mla_kv_row_torch(ckv, w, 1e-6, rope.cos, rope.sin, pos, False))
+    o, wv = torch.randn(fmla.ABSORB_MAX_ROWS + 1, 2, 16), torch.randn(2, 8, 16)
+    assert torch.equal(fmla.absorb_v(o, wv), fmla.absorb_v_torch(o, wv))
+
+
+def test_launch_grids_from_shapes():
+    m = dict(device="meta")
+    grids = []
+    with mock.patch.object(fmla, "run_kernel", lambda k, grid, *a, **kw: grids.append(grid)):
+        out = fmla.mla_kv_row_triton(torch.empty(4, 576, dtype=torch.bfloat16, **m),
+                                     torch.empty(512, dtype=torch.bfloat16, **m),
+                                     1e-6, torch.empty(100, 32, **m), torch.empty(100, 32, **m),
+                                     torch.empty(4, dtype=torch.int64, **m), True)
+        assert out.shape == (4, 576)
+        out = fmla.absorb_v_triton(torch.empty(4, 16, 512, dtype=torch.bfloat16, **m),
+                                   torch.empty(16, 128, 512, dtype=torch.bfloat16, **m))
+        assert out.shape == (4, 2048)
+    assert grids == [(4,), (16, 8)]                 # 16-wide value blocks: 128 programs
+
+
+_COMPILE_SCRIPT = """
+import json
+from unittest import mock
+import torch
+from helix.layers import fused_mla as fmla
+from profiling.kernel_resources import compile_sm90
+m = dict(device="meta")
+launches = []
+with mock.patch.object(fmla, "run_kernel", lambda k, g, *a, **kw: launches.append((k, a, kw))):
+    bf = torch.bfloat16
+    fmla.mla_kv_row_triton(torch.empty(8, 576, dtype=bf, **m), torch.empty(512, dtype=bf, **m),
+                           1e-6, torch.empty(100, 32, **m), torch.empty(100, 32, **m),
+                           torch.empty(8, dtype=torch.int64, **m), True)
+    fmla.absorb_v_triton(torch.empty(8, 16, 512, dtype=bf, **m),
+                         torch.empty(16, 256, 512, dtype=bf, **m)[:, 128:])
+print(json.dumps([compile_sm90(k, a, kw) for k, a, kw in launches]))
+"""
+
+
+def test_kernels_compile_for_sm90(tmp_path):
+    """DeepSeek-V2-Lite's shapes (bf16) compile for sm_90 without spills."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import triton
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
+        pytest.skip("this triton wheel ships no ptxas / cuobjdump")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=os.pathsep.join([root] + sys.path))
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True,
+                         timeout=600, env=env, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [r["kernel"] for r in recs] == ["_kv_row_kernel", "_absorb_v_kernel"]
+    assert all(r["local_loads"] == 0 and r["stack_bytes"] == 0 for r in recs), recs
+    assert recs[1]["hmma"] > 0, recs[1]

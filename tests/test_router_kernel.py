@@ -1,0 +1,273 @@
+"""The MoE router: route_torch (the tie rule) against the router's previous torch code, and the
+Triton kernels (selection only; GEMM + selection in one launch) against route_torch, in every
+routing mode (softmax greedy, DeepSeek-V2 group_limited_greedy, DeepSeek-V3 sigmoid noaux_tc
+with and without groups, norm_topk_prob on / off, scaling); exact ties; the Router's path
+choice; the fused launch's memory ordering in its sm_90 PTX.
+
+Without CUDA the kernels run through Triton's interpreter (TRITON_INTERPRET=1, set by
+triton_mode before triton is imported)."""
+
+import os
+
+import torch
+
+from triton_mode import DEV, ON_GPU  # first: chooses the interpreter before triton loads
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from helix.layers import router as rt  # noqa: E402
+from helix.layers import triton_router as tr  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (name, spec, experts): every routing rule of the supported models
+MODES = [
+    ("qwen3-softmax-norm", tr.RouteSpec(8, False, 1, 1, "none", True, 1.0), 128),
+    ("v2lite-softmax-greedy", tr.RouteSpec(6, False, 1, 1, "none", False, 1.0), 64),
+    ("v2-group-limited", tr.RouteSpec(6, False, 8, 3, "max", False, 16.0), 160),
+    ("v2-group-limited-norm", tr.RouteSpec(4, False, 4, 2, "max", True, 1.0), 24),
+    ("v3-sigmoid-groups", tr.RouteSpec(8, True, 8, 4, "top2", True, 2.5), 256),
+    ("v3-sigmoid-groups-no-norm", tr.RouteSpec(2, True, 4, 2, "top2", False, 1.0), 8),
+    ("v3-sigmoid-no-groups", tr.RouteSpec(4, True, 1, 1, "none", True, 1.5), 40),
+]
+IDS = [m[0] for m in MODES]
+
+
+def _legacy_route(logits, bias, spec):
+    """The router's torch code before the Triton router (the oracle of route_torch)."""
+    def group_mask(scores, n_group, topk_group, v3):
+        T, E = scores.shape
+        grouped = scores.view(T, n_group, E // n_group)
+        gs = grouped.topk(2, dim=-1).values.sum(-1) if v3 else grouped.max(-1).values
+        keep = torch.zeros_like(gs, dtype=torch.bool)
+        keep.scatter_(1, gs.topk(topk_group, dim=-1).indices, True)
+        return keep.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+
+    k = spec.k
+    if spec.sigmoid:
+        scores = logits.sigmoid()
+        choice = scores + bias.float()
+        if spec.groups > 1:
+            choice = choice.masked_fill(~group_mask(choice, spec.groups, spec.topk_group, True),
+                                        float("-inf"))
+        ids = choice.topk(k, dim=-1).indices
+        w = scores.gather(1, ids)
+        if spec.norm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * spec.scaling, ids
+    scores = logits.softmax(dim=-1)
+    if spec.group_rule == "max":
+        scores = scores.masked_fill(~group_mask(scores, spec.groups, spec.topk_group, False), 0.0)
+    w, ids = scores.topk(k, dim=-1)
+    if spec.norm:
+        w = w / w.sum(-1, keepdim=True)
+    return w * spec.scaling, ids
+
+
+def _problem(E, T, sigmoid, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g) * 2
+    bias = (torch.randn(E, generator=g) * 0.5) if sigmoid else None
+    return logits, bias
+
+
+@pytest.mark.parametrize("name,spec,E", MODES, ids=IDS)
+def test_route_torch_matches_previous_router(name, spec, E):
+    """Without ties the tie rule changes nothing: same ids in the same order, same weights."""
+    logits, bias = _problem(E, 33, spec.sigmoid, seed=E)
+    w, ids = rt.route_torch(logits, bias, spec)
+    w0, ids0 = _legacy_route(logits, bias if bias is not None else torch.zeros(E), spec)
+    assert torch.equal(ids, ids0)
+    torch.testing.assert_close(w, w0, rtol=1e-6, atol=0)
+
+
+def _close_weights(w, ref, dtype):
+    tol = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(w.float().cpu(), ref.float(), rtol=tol, atol=tol * 1e-3)
+
+
+@pytest.mark.parametrize("name,spec,E", MODES, ids=IDS)
+def test_select_kernel_matches_torch(name, spec, E):
+    """T = 11 rows: several programs of BLOCK_T rows and a partial last one."""
+    logits, bias = _problem(E, 11, spec.sigmoid, seed=E + 1)
+    ref_w, ref_ids = rt.route_torch(logits, bias, spec)
+    dev = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    w, ids = tr.route_select_triton(dev(logits), dev(bias), spec, torch.float32)
+    assert ids.dtype == torch.int64 and w.shape == (11, spec.k)
+    assert torch.equal(ids.cpu(), ref_ids)
+    _close_weights(w, ref_w, torch.float32)
+
+
+FUSED = [MODES[1], MODES[2], MODES[4], MODES[6]]
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name,spec,E", FUSED, ids=[m[0] for m in FUSED])
+def test_fused_kernel_matches_torch(name, spec, E, wdtype, T):
+    """GEMM + routing in one launch against F.linear + route_torch: x in fp16 cast to the
+    router's dtype (fp32 for DeepSeek; fp16 logits rounded like F.linear's output)."""
+    g = torch.Generator().manual_seed(T * E)
+    D = 96
+    x = (torch.randn(T, D, generator=g)).half()
+    weight = (torch.randn(E, D, generator=g) / D ** 0.5).to(wdtype)
+    bias = (torch.randn(E, generator=g) * 0.5) if spec.sigmoid else None
+    logits = F.linear(x.to(wdtype).float(), weight.float()).to(wdtype).float()
+    ref_w, ref_ids = rt.route_torch(logits, bias, spec)
+    w, ids = tr.route_fused_triton(x.to(DEV), weight.to(DEV), None if bias is None else
+                                   bias.to(DEV), spec, config=dict(BLOCK_D=32))
+    assert w.dtype == torch.float16
+    assert torch.equal(ids.cpu(), ref_ids)
+    _close_weights(w, ref_w.half(), torch.float16)
+    # the arrival counter is back to zero: the next launch starts clean
+    from helix.attention.triton_splits import arrival_counters
+    assert int(arrival_counters(DEV, 1)[0]) == 0
+
+
+def test_ties_lowest_expert_first():
+    """Equal scores: the lowest expert id first, in both paths; equal group scores: the
+    lowest group; -inf (other groups) never above a kept expert, even when k exceeds the
+    finite candidates."""
+    E = 16
+    logits = torch.zeros(4, E)
+    logits[1, [3, 7, 11]] = 1.0                       # three equal maxima
+    logits[2] = torch.tensor([0.5, 2.0] * 8)          # eight equal maxima: 1, 3, 5, ...
+    logits[3, 9] = -1.0
+    cases = [
+        (tr.RouteSpec(4, False, 1, 1, "none", False, 1.0), None),
+        (tr.RouteSpec(4, False, 4, 2, "max", False, 1.0), None),
+        (tr.RouteSpec(4, True, 4, 2, "top2", True, 1.0), torch.zeros(E)),
+        (tr.RouteSpec(6, True, 8, 1, "top2", True, 1.0), torch.zeros(E)),  # k > kept experts
+    ]
+    for spec, bias in cases:
+        w, ids = rt.route_torch(logits, bias, spec)
+        kw, kids = tr.route_select_triton(logits.to(DEV), None if bias is None else bias.to(DEV),
+                                          spec, torch.float32)
+        assert torch.equal(kids.cpu(), ids), (spec, kids, ids)
+        _close_weights(kw, w, torch.float32)
+    w, ids = rt.route_torch(logits, None, cases[0][0])
+    assert ids.tolist() == [[0, 1, 2, 3], [3, 7, 11, 0], [1, 3, 5, 7], [0, 1, 2, 3]]
+    _, ids = rt.route_torch(logits, None, cases[1][0])
+    # group scores (max logit) of row 1: groups 0, 1, 2 tie at 1.0 -> keep groups 0 and 1
+    assert ids[1].tolist() == [3, 7, 0, 1]
+    _, ids = rt.route_torch(logits, torch.zeros(E), cases[3][0])
+    assert ids[0].tolist()[:2] == [0, 1] and ids[0].tolist()[2:] == [2, 3, 4, 5]
+
+
+def test_topk_lowest_id_orders_like_floats():
+    key = torch.tensor([[-0.0, 0.0, -1.5, float("-inf"), 3.0, -1.5, 1e-30, -1e-30]])
+    ids = rt.topk_lowest_id(key, 8)
+    assert ids.tolist() == [[4, 6, 0, 1, 7, 2, 5, 3]]
+
+
+def test_router_path_choice(monkeypatch):
+    cfg = SimpleNamespace(arch="qwen3_moe", num_experts=8, hidden_size=16, scoring="softmax",
+                          experts_per_token=2, topk_method="greedy", n_group=1, topk_group=1,
+                          norm_topk_prob=True, routed_scaling_factor=1.0)
+    router = rt.Router(cfg)
+    cuda = lambda T: SimpleNamespace(is_cuda=True, shape=(T, 16))  # noqa: E731
+    assert router.path(torch.zeros(2, 16)) == "torch"                # CPU
+    assert router.path(cuda(tr.MAX_FUSED_ROWS)) == "fused"
+    assert router.path(cuda(tr.MAX_FUSED_ROWS + 1)) == "select"
+    monkeypatch.setattr(rt, "KERNEL", "select")
+    assert router.path(cuda(1)) == "select"
+    monkeypatch.setattr(rt, "KERNEL", "torch")
+    assert router.path(cuda(1)) == "torch"
+
+
+def test_router_module_on_cpu_uses_route_torch():
+    cfg = SimpleNamespace(arch="deepseek_v3", num_experts=8, hidden_size=16, scoring="sigmoid",
+                          experts_per_token=2, topk_method="noaux_tc", n_group=4, topk_group=2,
+                          norm_topk_prob=True, routed_scaling_factor=2.5)
+    router = rt.Router(cfg, torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(8, 16, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(8, generator=g))
+    x = torch.randn(3, 16, generator=g).bfloat16()
+    w, ids = router(x)
+    ref_w, ref_ids = _legacy_route(F.linear(x.float(), router.weight),
+                                   router.e_score_correction_bias, router.spec)
+    assert w.dtype == torch.bfloat16 and torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w.bfloat16())
+
+
+_COMPILE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from unittest import mock
+    import torch
+    from helix.layers import triton_router as tr
+    from profiling.kernel_resources import compile_sm90
+    m = dict(device="meta")
+    launches = []
+    with mock.patch.object(tr, "run_kernel", lambda k, g, *a, **kw: launches.append((k, a, kw))), \\
+            mock.patch.object(tr, "arrival_counters",
+                              lambda d, n: torch.empty(4096, dtype=torch.int32, **m)):
+        for spec, E, D, wdt, T in [
+                (tr.RouteSpec(8, True, 8, 4, "top2", True, 2.5), 256, 7168, torch.float32, 8),
+                (tr.RouteSpec(8, False, 1, 1, "none", True, 1.0), 128, 4096, torch.bfloat16, 1)]:
+            b = torch.empty(E, **m) if spec.sigmoid else None
+            tr.route_fused_triton(torch.empty(T, D, dtype=torch.bfloat16, **m),
+                                  torch.empty(E, D, dtype=wdt, **m), b, spec)
+        tr.route_select_triton(torch.empty(64, 256, **m), torch.empty(256, **m),
+                               tr.RouteSpec(8, True, 8, 4, "top2", True, 2.5), torch.bfloat16)
+    print(json.dumps([compile_sm90(k, a, kw) for k, a, kw in launches]))
+""")
+
+
+def test_router_kernels_compile_for_sm90(tmp_path):
+    """DeepSeek-V3 (batch 8) and Qwen3 (batch 1) routers compile for sm_90 without spills, and
+    the fused launch orders its workspace (the interpreter runs programs one at a time, so
+    this is checked in the PTX): a CTA barrier between the logits stores and the one
+    acq_rel GPU-scope atomic, and the last program reads the logits through L2 (.cg)."""
+    import triton
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
+        pytest.skip("this triton wheel ships no ptxas / cuobjdump")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=os.pathsep.join([ROOT] + sys.path))
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True,
+                         timeout=600, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [r["kernel"] for r in recs] == ["_route_fused_kernel"] * 2 + ["_route_select_kernel"]
+    for r in recs:
+        assert r["stack_bytes"] == 0 and r["local_loads"] == 0, r
+    ptxs = [p.read_text() for p in (tmp_path / "cache").rglob("_route_fused_kernel.ptx")]
+    assert len(ptxs) == 2
+    for ptx in ptxs:
+        lines = [ln.strip() for ln in ptx.splitlines()]
+        atoms = [i for i, ln in enumerate(lines) if "atom." in ln]
+        assert len(atoms) == 1 and "atom.global.gpu.acq_rel.add" in lines[atoms[0]], atoms
+        before = lines[:atoms[0]]
+        last_store = max(i for i, ln in enumerate(before) if "st.global" in ln)
+        last_bar = max(i for i, ln in enumerate(before) if ln.startswith("bar.sync"))
+        assert last_store < last_bar
+        assert any("ld.global.cg" in ln for ln in lines[atoms[0]:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_fused_router_bf16_gpu():
+    """bf16 router weights (Qwen3) on the GPU: the fused launch against cuBLAS + route_torch;
+    the logits' accumulation orders differ, so only weights agree to rounding and ids agree
+    where the top-k is separated by more than the logits' rounding."""
+    spec = tr.RouteSpec(8, False, 1, 1, "none", True, 1.0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4096, generator=g).bfloat16().cuda()
+    w = (torch.randn(128, 4096, generator=g) / 64).bfloat16().cuda()
+    kw, kids = tr.route_fused_triton(x, w, None, spec)
+    logits = F.linear(x, w).float()
+    rw, rids = rt.route_torch(logits, None, spec)
+    top = logits.sort(-1, descending=True).values
+    separated = (top[:, 7] - top[:, 8]) > 0.05
+    assert torch.equal(kids[separated], rids[separated])
+    torch.testing.assert_close(kw[separated].float(), rw[separated], rtol=2e-2, atol=1e-3)
