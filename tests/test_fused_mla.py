@@ -57,7 +57,7 @@ def ulps(a, b) -> int:
 def test_kv_row_matches_torch(dims, interleave, dtype):
     Dl, Dr = dims
     g = torch.Generator().manual_seed(Dl)
-    rope = RotaryEmbedding(RopeConfig(theta=10000.0, interleave=interleave), Dr, 64)
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0, adjacent_pairs=interleave), Dr, 64)
     ckv = (torch.randn(5, Dl + Dr + 8, generator=g) * 3).to(dtype)[:, 4:4 + Dl + Dr]  # strided
     w = (torch.rand(Dl, generator=g) + 0.5).to(dtype)
     pos = torch.tensor([0, 7, 63, 2, 40])

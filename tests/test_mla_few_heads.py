@@ -37,7 +37,7 @@ def _meta(lens, page, num_pages, gen):
         block_tables=perm.int().to(DEV), kv_lens=torch.tensor(lens, dtype=torch.int32, device=DEV),
         cu_q=torch.arange(B + 1, dtype=torch.int32, device=DEV),
         q_pos=torch.tensor([max(0, n - 1) for n in lens], dtype=torch.int64, device=DEV),
-        kvp_rank=0, kvp=1, interleave=1, page_size=page, is_decode=True)
+        kvp_rank=0, kvp=1, interleave=1, page_size=page, num_decode=len(lens))
 
 
 CASES = [  # (B, H, Dl, Dr, page, lens, splits, config)

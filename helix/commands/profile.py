@@ -84,14 +84,14 @@ def add_parser(subparsers) -> None:
 def _point(args):
     """-> (single-point Sweep, model, layout, batch, context)."""
     from helix.config import Layout, RuntimeConfig
-    from helix.sweep import Sweep, _points, load_sweep
+    from helix.sweep import Sweep, load_sweep, points
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError("--steps must be >= 1 and --warmup >= 0")
     extra = 3 * args.steps + 2              # timed, profiled and eager-phase steps (+ slack)
     if args.sweep:
         sweep = load_sweep(args.sweep)
         points = [(m, lay, b, c) for m in sweep.models for lay in sweep.layouts
-                  for b, c in _points(sweep)]
+                  for b, c in points(sweep)]
         if not 0 <= args.point < len(points):
             raise ConfigError(f"--point {args.point} is not among the {len(points)} points of "
                               f"{args.sweep}: give 0 .. {len(points) - 1}")
