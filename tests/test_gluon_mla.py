@@ -178,7 +178,7 @@ def test_reference_matches_torch_attention():
     meta = LocalKVMeta(slots=torch.full((4,), -1), block_tables=bt, kv_lens=kl,
                        cu_q=torch.arange(5, dtype=torch.int32),
                        q_pos=torch.tensor([max(n - 1, 0) for n in lens]), kvp_rank=0, kvp=1,
-                       interleave=1, page_size=page, is_decode=True)
+                       interleave=1, page_size=page, num_decode=len(lens))
     ro, rl = TorchAttention().attend_mla(q[..., :512], q[..., 512:], kv, 512, meta, 0.05)
     torch.testing.assert_close(o, ro, atol=1e-5, rtol=1e-5)
     assert torch.equal(torch.isinf(lse), torch.isinf(rl))

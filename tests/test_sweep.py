@@ -211,7 +211,7 @@ def test_cli_rejects_an_invalid_layout_before_running(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("helix: error:") and "divisible" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("helix: error:") and "use one of 1, 2, 4, 8" in lines[0]
     assert "Traceback" not in res.stderr and res.stdout == ""
 
 

@@ -29,7 +29,7 @@ def _meta(lens: list[int], page: int, num_pages: int, gen: torch.Generator) -> L
         block_tables=perm.int().to(DEV), kv_lens=torch.tensor(lens, dtype=torch.int32, device=DEV),
         cu_q=torch.arange(B + 1, dtype=torch.int32, device=DEV),
         q_pos=torch.tensor([n - 1 for n in lens], dtype=torch.int64, device=DEV).clamp(min=0),
-        kvp_rank=0, kvp=1, interleave=1, page_size=page, is_decode=True)
+        kvp_rank=0, kvp=1, interleave=1, page_size=page, num_decode=len(lens))
 
 
 def _check(o, lse, ro, rl, dtype):
