@@ -2,6 +2,7 @@
 
   helix demo                         a Helix decode of a small default model (GPU if present)
   helix generate --model M --prompt-ids 5,17,42 [--prompt-ids ...] --max-new-tokens N [--json]
+  helix serve MODEL [--port 8000]    an OpenAI-compatible HTTP server (helix.serving)
   helix models                       the model presets and their shapes
   helix sweep FILE [--out r.json]    decode latency sweeps (configs/sweeps/)
   helix profile --model M ...        a profiler trace and per-kernel / per-phase tables
@@ -19,10 +20,10 @@ import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from helix.commands import demo, generate, models, plan, profile, sweep
+from helix.commands import demo, generate, models, plan, profile, serve, sweep
 from helix.errors import EngineDeadError, HelixError
 
-COMMANDS = (generate, demo, models, sweep, profile, plan)
+COMMANDS = (generate, serve, demo, models, sweep, profile, plan)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Terminated(Exception):
-    """SIGTERM, raised in the main thread so `with LLM(...)` blocks close their workers."""
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so `with LLM(...)` blocks close their workers. A
+    BaseException, like KeyboardInterrupt, so no `except Exception` (a step's fault confinement)
+    takes it for a failure."""
 
 
 def _on_sigterm(signum, frame):

@@ -135,6 +135,7 @@ print(json.dumps([compile_sm90(k, a, kw) for k, a, kw in launches]))
 """
 
 
+@pytest.mark.sm90
 def test_kernels_compile_for_sm90(tmp_path):
     """DeepSeek-V2-Lite's shapes (bf16) compile for sm_90 without spills."""
     import json

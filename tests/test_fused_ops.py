@@ -479,6 +479,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.sm90
 def test_kernels_compile_for_sm90(tmp_path):
     import triton
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

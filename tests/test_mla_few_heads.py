@@ -113,6 +113,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.sm90
 def test_few_heads_compiles_for_sm90(tmp_path):
     """DeepSeek-V2-Lite's rank (16 heads, Dl 512, Dr 64, bf16): both orientations compile for
     sm_90 without spills within one block's shared memory; swapped, the products are wgmma."""

@@ -315,13 +315,21 @@ def test_no_room_for_the_kv_cache_is_a_clear_error():
 # -- signals -----------------------------------------------------------------------------------
 
 def _children(pid: int) -> set[int]:
+    """Every descendant of pid (workers are children of the fork server, a child of the driver)."""
     out = set()
-    for task in os.listdir(f"/proc/{pid}/task"):
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for task in tasks:
         try:
             with open(f"/proc/{pid}/task/{task}/children") as f:
-                out |= {int(c) for c in f.read().split()}
+                kids = {int(c) for c in f.read().split()}
         except OSError:
-            pass
+            continue
+        out |= kids
+        for k in kids:
+            out |= _children(k)
     return out
 
 
@@ -339,21 +347,25 @@ def test_signal_ends_a_two_rank_run_promptly(sig, code, line):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "helix.cli", "generate", "--model", "tiny-llama",
                              "--kvp", "2", "--prompt-ids", "1,2,3", "--max-new-tokens", "100000",
-                             "--max-context", "8000", "--ignore-eos", "--device", "cpu"],
+                             "--max-context", "2048", "--ignore-eos", "--device", "cpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    err_lines: list[str] = []
+    reader = threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True)
+    reader.start()
     try:
-        started = time.time()
-        workers = set()
-        while time.time() - started < 60 and not workers:
-            time.sleep(0.5)
-            workers = {c for c in _children(proc.pid) if _alive(c)}
-        time.sleep(4)                          # into the decode loop
+        started = time.time()                  # the pool line is logged once every rank is built
+        while time.time() - started < 60 and not any("KV pool" in ln for ln in err_lines):
+            time.sleep(0.2)
+        workers = {c for c in _children(proc.pid) if _alive(c)}
+        time.sleep(1)                          # into the decode loop
         proc.send_signal(sig)
         t0 = time.time()
-        _, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+        reader.join(timeout=5)
         assert time.time() - t0 < 10
     finally:
         proc.kill()
+    err = "".join(err_lines)
     assert proc.returncode == code
     lines = [ln for ln in err.strip().splitlines() if not ln.startswith("helix: KV pool")]
     assert lines == [line], err

@@ -222,6 +222,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.sm90
 def test_router_kernels_compile_for_sm90(tmp_path):
     """DeepSeek-V3 (batch 8) and Qwen3 (batch 1) routers compile for sm_90 without spills, and
     the fused launch orders its workspace (the interpreter runs programs one at a time, so

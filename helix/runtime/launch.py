@@ -2,8 +2,10 @@
 calling process); under torchrun (RANK/WORLD_SIZE set, multi-node included) every rank is already
 running and ranks > 0 enter the worker loop.
 
-A spawned worker ignores SIGINT (the driver, which a terminal's Ctrl-C also reaches, shuts it
-down) and dies with its parent (PR_SET_PDEATHSIG), so no worker outlives a killed driver."""
+Local workers start from a fork server (torch imported once) and take the driver's environment.
+A worker ignores SIGINT (the driver, which a terminal's Ctrl-C also reaches, shuts it down) and
+dies with its parent, the fork server (PR_SET_PDEATHSIG), which exits with the driver: no worker
+outlives a killed driver."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from helix.config import Layout, RuntimeConfig
 from helix.errors import HelixError
@@ -91,6 +94,17 @@ def rendezvous(addr: str, port: int, rank: int, world: int, timeout_s: float, de
     return store
 
 
+def worker_context():
+    """The multiprocessing context that starts local workers: a fork server that has imported
+    torch and the runtime once (a 4-rank world then starts in ~0.5 s instead of ~4 s; it never
+    touches CUDA, so forked workers initialise their own), or spawn where there is none."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["helix.runtime.launch", "helix.runtime.worker"])
+    return ctx
+
+
 def _die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -99,8 +113,11 @@ def _die_with_parent() -> None:
 
 
 def worker_main(rank: int, world: int, model_ref: str, layout: Layout, runtime: RuntimeConfig,
-                addr: str, port: int, threads: int) -> None:
-    """Entry point of a spawned local worker (ranks 1..N-1)."""
+                addr: str, port: int, threads: int, env: dict[str, str]) -> None:
+    """Entry point of a spawned local worker (ranks 1..N-1). env: the driver's environment when
+    it started the world (a fork server's own is older)."""
+    os.environ.clear()
+    os.environ.update(env)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)

@@ -3,12 +3,13 @@ the same commands in the same order, every rank plans the same steps.
 
 Pages are counted as KVP rank 0 holds them (it owns at least as many positions of any sequence as
 any other rank), so a plan that fits rank 0's pool fits every rank's. A request holds the pages of
-the positions it has written, not its worst case: admission needs room for its first chunk (plus
-one page per running request, so decodes can grow), pages are taken as sequences grow, and when a
-decode row finds the pool full the newest running request is preempted: its pages are freed and it
-goes back to the head of the queue, to be recomputed (prompt and generated tokens prefilled again)
-when it is re-admitted. A request may overtake a queue head that does not fit, at most
-`MAX_OVERTAKES` times per head; then the head blocks the queue until it fits.
+the positions it has written, not its worst case: admission needs room for its first chunk plus
+one page per running request (so their decodes can grow; with nothing running, the whole pool),
+pages are taken as sequences grow, and when a decode row finds the pool full the newest running
+request is preempted: its pages are freed and it goes back to the head of the queue, to be
+recomputed (prompt and generated tokens prefilled again) when it is re-admitted. A request may
+overtake a queue head that does not fit, at most `MAX_OVERTAKES` times per head; then the head
+blocks the queue until it fits.
 
 Each step: one decode row per running request that has finished its prefill, then prefill chunks
 of at most `max_prefill_tokens` tokens in all (running requests still prefilling first, then
@@ -152,7 +153,8 @@ class Scheduler:
             if r.pending:                  # preempted with a token still on its way: next step
                 continue
             start, ids, _ = r.chunk(budget)
-            fits = self._fit(r, start, len(ids), self.free_pages() - len(self.running) - 1)
+            # a page of headroom per running request, so their decodes can grow
+            fits = self._fit(r, start, len(ids), self.free_pages() - len(self.running))
             if fits == 0:
                 if head_blocked is None:
                     head_blocked = r
