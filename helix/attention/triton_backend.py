@@ -1,6 +1,12 @@
-"""The Triton attention backend: paged split-KV decode (GQA and absorbed MLA), KV append, and the
-Helix exchange's pack / merge, each one kernel launch with no host sync (CUDA-graph capturable).
-Prefill (several query tokens per sequence, causal) falls back to the torch reference.
+"""The Triton attention backend: paged split-KV decode (GQA and absorbed MLA), flash prefill (GQA
+and absorbed MLA, causal by global position), KV append, and the Helix exchange's pack / merge,
+each one kernel launch with no host sync (CUDA-graph capturable).
+
+GQA prefill may instead run torch's own flash attention over K/V gathered from the pages
+(helix.attention.torch_prefill: kvp == 1, 16-bit, eager steps only), chosen per device by
+measurement: `prefill` = "auto" (default; env HELIX_PREFILL) takes it for chunks of at least
+TORCH_PREFILL_FROM[device name] query tokens per sequence, "torch" wherever it applies,
+"triton" never.
 
 On CPU the kernels run only through Triton's interpreter (TRITON_INTERPRET=1, set before triton
 is imported); tests use that path."""
@@ -11,11 +17,17 @@ import os
 
 import torch
 
-from helix.attention import triton_append, triton_decode, triton_merge, triton_mla
+from helix.attention import (torch_prefill, triton_append, triton_decode, triton_merge,
+                             triton_mla, triton_prefill)
 from helix.attention.backend import AttentionBackend
-from helix.attention.torch_ref import TorchAttention
 from helix.errors import ConfigError
 from helix.kv.manager import LocalKVMeta
+
+PREFILL_IMPLS = ("auto", "triton", "torch")
+# Query tokens per sequence (meta.max_q) from which torch's flash attention beats the Triton
+# prefill kernel, by device name: profiling/bench_prefill.py part (a) measures it (its "choice"
+# records and summary). A device not listed runs the Triton kernel under "auto".
+TORCH_PREFILL_FROM: dict[str, int] = {}
 
 
 def _check_device(t: torch.Tensor) -> None:
@@ -28,8 +40,11 @@ class TritonAttention(AttentionBackend):
     name = "triton"
     graph_safe = True          # decode needs no host sync: capturable (helix.runtime.decode_graphs)
 
-    def __init__(self):
-        self.reference = TorchAttention()      # prefill until the flash kernel lands
+    def __init__(self, prefill: str | None = None):
+        self.prefill = prefill or os.environ.get("HELIX_PREFILL", "auto")
+        if self.prefill not in PREFILL_IMPLS:
+            raise ConfigError(f"HELIX_PREFILL must be one of {', '.join(PREFILL_IMPLS)}, got "
+                              f"{self.prefill!r}")
 
     def append_kv(self, cache, rows, slots):
         _check_device(cache)
@@ -46,7 +61,20 @@ class TritonAttention(AttentionBackend):
                                         scale)
 
     def prefill_gqa(self, q, k_cache, v_cache, meta: LocalKVMeta, scale):
-        return self.reference.prefill_gqa(q, k_cache, v_cache, meta, scale)
+        """q [T, Hq, d] -> o [T, Hq, dv], lse [T, Hq]; several queries per sequence, causal."""
+        _check_device(q)
+        if self.torch_prefill(q, k_cache, v_cache, meta):
+            return torch_prefill.prefill_gqa(q, k_cache, v_cache, meta, scale)
+        return triton_prefill.gqa_prefill(q, k_cache, v_cache, meta, scale)
+
+    def torch_prefill(self, q, k_cache, v_cache, meta: LocalKVMeta) -> bool:
+        """Whether this GQA prefill call runs torch's flash attention (see the module doc)."""
+        if self.prefill == "triton" or not torch_prefill.usable(q, k_cache, v_cache, meta):
+            return False
+        if self.prefill == "torch":
+            return True
+        start = TORCH_PREFILL_FROM.get(torch.cuda.get_device_name(q.device))
+        return start is not None and meta.max_q >= start
 
     def decode_mla(self, q_latent, q_rope, kv_cache, kv_lora_rank, meta: LocalKVMeta, scale):
         """q_latent [B, H, Dl], q_rope [B, H, Dr] -> o [B, H, Dl], lse [B, H]."""
@@ -56,7 +84,9 @@ class TritonAttention(AttentionBackend):
                                      scale)
 
     def prefill_mla(self, q_latent, q_rope, kv_cache, kv_lora_rank, meta: LocalKVMeta, scale):
-        return self.reference.prefill_mla(q_latent, q_rope, kv_cache, kv_lora_rank, meta, scale)
+        """Absorbed MLA prefill: o [T, H, Dl] in latent space, lse [T, H]."""
+        _check_device(q_latent)
+        return triton_prefill.mla_prefill(q_latent, q_rope, kv_cache, kv_lora_rank, meta, scale)
 
     def pack_partials(self, o, lse, n):
         _check_device(o)

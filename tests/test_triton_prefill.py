@@ -1,0 +1,347 @@
+"""The flash prefill kernel (helix/attention/triton_prefill.py) against the torch reference, the
+torch flash-attention path's glue (helix/attention/torch_prefill.py), the backend's choice
+between them, the MLA prefill forms (helix/layers/mla_prefill.py), and the Triton backend end to
+end on prompts several chunks long.
+
+Metadata comes from KVManager itself (prefixes cached by an earlier prepare, ragged chunks,
+partial pages, KVP ranks with interleave 1 / 4 / page, shards holding none of a sequence). The
+pool is NaN outside the slots the chunks may read and the outputs are poisoned first, so a read
+past a length or a row left unwritten shows. Without CUDA the kernels run in Triton's
+interpreter, whose bf16 dot products are wrong (triton 3.9): fp32 and fp16 here."""
+
+import os
+
+import torch
+
+from triton_mode import DEV, ON_GPU  # first: chooses the interpreter before triton loads
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+import pytest  # noqa: E402
+
+from helix import LLM, Layout, RuntimeConfig, SamplingParams  # noqa: E402
+from helix.attention import torch_prefill, triton_backend, triton_prefill  # noqa: E402
+from helix.attention.torch_ref import TorchAttention  # noqa: E402
+from helix.kv.manager import KVManager, LocalKVMeta  # noqa: E402
+from helix.layers import mla_prefill  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+TOL = {torch.float32: 3e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+POOL = 48
+
+
+def _meta(chunks, page, kvp=1, rank=0, interleave=1) -> LocalKVMeta:
+    """chunks: (cached prefix, new tokens) per sequence -> this rank's metadata of the step that
+    prefills the new tokens (the prefixes written by an earlier step)."""
+    kv = KVManager(POOL, page, rank, kvp, interleave)
+    cached = [(i, 0, p) for i, (p, _) in enumerate(chunks) if p]
+    if cached:
+        kv.prepare(cached, "cpu")
+    meta = kv.prepare([(i, p, n) for i, (p, n) in enumerate(chunks)], "cpu")
+    return LocalKVMeta(**{k: (v.to(DEV) if torch.is_tensor(v) else v) for k, v in vars(meta).items()})
+
+
+def _pool(meta, inner, dtype, gen):
+    """A pool [POOL, page, *inner]: random in every sequence's first kv_len local slots, NaN
+    elsewhere (other pages, the tail of partial pages)."""
+    page = meta.page_size
+    pool = torch.full((POOL * page, *inner), float("nan"))
+    for s, n in enumerate(meta.kv_lens.tolist()):
+        j = torch.arange(n)
+        slots = meta.block_tables[s].long().cpu()[j // page] * page + j % page
+        pool[slots] = torch.randn(n, *inner, generator=gen)
+    return pool.view(POOL, page, *inner).to(DEV, dtype)
+
+
+def _poisoned(T, H, dv, dtype):
+    return (torch.full((T, H, dv), float("nan"), dtype=dtype, device=DEV),
+            torch.full((T, H), float("nan"), device=DEV))
+
+
+def _check(o, lse, ref_o, ref_lse, dtype):
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    tol = TOL[dtype]
+    torch.testing.assert_close(o.float(), ref_o.float(), atol=tol, rtol=tol)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-4, rtol=1e-4)
+    assert torch.all(o[~fin] == 0)
+
+
+# (chunks, page, kvp, rank, interleave): ragged batches, cached prefixes, partial pages, shards
+LAYOUTS = {
+    "ragged-prefix": ([(0, 13), (5, 20), (30, 3)], 8, 1, 0, 1),
+    "kvp2-i1-r1": ([(0, 13), (6, 19)], 8, 2, 1, 1),
+    "kvp3-i4-r2": ([(9, 22), (0, 5)], 4, 3, 2, 4),           # seq 1: rank 2 holds none of it
+    "kvp2-ipage-r0": ([(17, 30), (0, 2)], 8, 2, 0, 8),
+    "kvp4-ipage-r3-empty": ([(0, 7), (3, 9)], 4, 4, 3, 4),   # rank 3 holds nothing at all
+}
+GQA_SHAPES = {  # (Hq, Hkv, d, dv, config)
+    "g4-d16": (8, 2, 16, 16, None),
+    "g3-d24-dv8": (6, 2, 24, 8, None),                       # group 3, d = 16 + 8, dv != d
+    "mha-d32-bn8": (4, 4, 32, 32, dict(BLOCK_N=8)),          # tiles smaller than a page
+    "g8-hblocks": (16, 2, 16, 16, dict(BLOCK_H=4, BLOCK_Q=4, BLOCK_N=32)),  # 2 head blocks
+}
+
+
+@pytest.mark.parametrize("shape", list(GQA_SHAPES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gqa_prefill(layout, shape):
+    chunks, page, kvp, rank, inter = LAYOUTS[layout]
+    hq, hkv, d, dv, config = GQA_SHAPES[shape]
+    dtype = DTYPES[(len(layout) + len(shape)) % len(DTYPES)]
+    gen = torch.Generator().manual_seed(len(layout) * 31 + hq)
+    meta = _meta(chunks, page, kvp, rank, inter)
+    T = meta.q_pos.shape[0]
+    k, v = _pool(meta, (hkv, d), dtype, gen), _pool(meta, (hkv, dv), dtype, gen)
+    q = torch.randn(T, hq, 2 * d, generator=gen).to(DEV, dtype)[..., ::2]      # strided view
+    out = _poisoned(T, hq, dv, dtype)
+    o, lse = triton_prefill.gqa_prefill(q, k, v, meta, d ** -0.5, config=config, out=out)
+    assert o is out[0] and lse is out[1]
+    _check(o, lse, *TorchAttention().prefill_gqa(q, k, v, meta, d ** -0.5), dtype)
+
+
+MLA_SHAPES = {  # (H, Dl, Dr, config)
+    "h4-dl32-dr8": (4, 32, 8, None),
+    "h6-dl64-dr16-bn32": (6, 64, 16, dict(BLOCK_N=32)),
+}
+
+
+@pytest.mark.parametrize("shape", list(MLA_SHAPES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_mla_prefill(layout, shape):
+    chunks, page, kvp, rank, inter = LAYOUTS[layout]
+    H, dl, dr, config = MLA_SHAPES[shape]
+    dtype = DTYPES[len(layout) % len(DTYPES)]
+    gen = torch.Generator().manual_seed(len(layout) * 7 + H)
+    meta = _meta(chunks, page, kvp, rank, inter)
+    T = meta.q_pos.shape[0]
+    kv = _pool(meta, (dl + dr,), dtype, gen)
+    q = torch.randn(T, H, dl + dr, generator=gen).to(DEV, dtype)
+    ql, qr = q.split([dl, dr], dim=-1)                                        # strided views
+    out = _poisoned(T, H, dl, dtype)
+    o, lse = triton_prefill.mla_prefill(ql, qr, kv, dl, meta, 0.3, config=config, out=out)
+    _check(o, lse, *TorchAttention().prefill_mla(ql, qr, kv, dl, meta, 0.3), dtype)
+
+
+def test_prefill_config_validated():
+    cfg = triton_prefill.prefill_config(4, 128, 0, 128, torch.bfloat16)
+    assert cfg["BLOCK_Q"] * cfg["BLOCK_H"] == 128 and cfg["BLOCK_H"] == 4
+    wide = triton_prefill.prefill_config(128, 512, 64, 512, torch.bfloat16)
+    assert wide["BLOCK_H"] == 64 and wide["BLOCK_Q"] == 1
+    with pytest.raises(ValueError, match="unknown prefill tunables"):
+        triton_prefill.prefill_config(4, 128, 0, 128, torch.bfloat16, dict(BLOCKN=32))
+
+
+_BIG_POOL = textwrap.dedent("""
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from helix.attention import triton_prefill
+    from helix.kv.manager import LocalKVMeta
+    # a [P, 16, 32] fp16 pool of > 2^31 elements; only the last pages are touched
+    page, d, n = 16, 32, 40
+    P = 2**31 // (page * d) + 8
+    kv = torch.empty((P, page, 1, d), dtype=torch.float16)
+    pages = (P - 1 - torch.arange(3)).int()
+    rows = torch.randn(n, d).half()
+    for j in range(n):
+        kv[pages[j // page], j % page, 0] = rows[j]
+    T = 4
+    meta = LocalKVMeta(slots=torch.full((T,), -1), block_tables=pages.view(1, 3),
+                       kv_lens=torch.tensor([n], dtype=torch.int32),
+                       cu_q=torch.tensor([0, T], dtype=torch.int32),
+                       q_pos=torch.arange(n - T, n), kvp_rank=0, kvp=1, interleave=1,
+                       page_size=page, num_decode=0, max_q=T)
+    q = torch.randn(T, 2, d).half()
+    o, lse = triton_prefill.gqa_prefill(q, kv, kv, meta, 0.25)
+    r = rows.float()
+    for t in range(T):
+        s = q[t].float() @ r[:n - T + t + 1].T * 0.25
+        assert (o[t].float() - torch.softmax(s, -1) @ r[:n - T + t + 1]).abs().max() < 2e-3
+        assert (lse[t] - torch.logsumexp(s, -1)).abs().max() < 1e-3
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU: the pool only reserves address space")
+def test_pool_over_2_31_elements():
+    """Page ids are widened before they multiply a stride (a subprocess: 32-bit offsets would
+    read wild addresses)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, "-c", _BIG_POOL], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+# -- torch's flash attention over gathered pages ---------------------------------------------
+
+def _fake_flash(padded_lse: bool):
+    """torch_prefill.flash_varlen's contract in plain torch: varlen, causal aligned to the
+    bottom right in local index space, GQA, LSE [Hq, T] (or [S, Hq, max_q], older torch)."""
+    def flash(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        T, hq, _ = q.shape
+        group = hq // k.shape[1]
+        o = torch.zeros_like(q)
+        lse = torch.full((len(cu_q) - 1, hq, max_q) if padded_lse else (hq, T), float("inf"))
+        for s in range(len(cu_q) - 1):
+            a, b, c0, c1 = cu_q[s].item(), cu_q[s + 1].item(), cu_k[s].item(), cu_k[s + 1].item()
+            kk = k[c0:c1].float().repeat_interleave(group, 1)
+            vv = v[c0:c1].float().repeat_interleave(group, 1)
+            sc = torch.einsum("qhd,khd->hqk", q[a:b].float(), kk) * scale
+            i, j = torch.arange(b - a)[:, None], torch.arange(c1 - c0)[None, :]
+            sc = sc.masked_fill(j > (c1 - c0) - (b - a) + i, float("-inf"))
+            ls = torch.logsumexp(sc, -1)                                        # [hq, q]
+            o[a:b] = torch.einsum("hqk,khd->qhd", torch.softmax(sc, -1), vv).to(q.dtype)
+            if padded_lse:
+                lse[s, :, :b - a] = ls
+            else:
+                lse[:, a:b] = ls
+        return o, lse
+    return flash
+
+
+@pytest.mark.parametrize("padded_lse", [False, True], ids=["lse-hq-t", "lse-padded"])
+def test_torch_path_glue(monkeypatch, padded_lse):
+    """Gather of the pages, cu_seqlens, LSE layout: equal to the reference at kvp 1."""
+    monkeypatch.setattr(torch_prefill, "flash_varlen", _fake_flash(padded_lse))
+    gen = torch.Generator().manual_seed(3)
+    meta = _meta(LAYOUTS["ragged-prefix"][0], 8)
+    T = meta.q_pos.shape[0]
+    k, v = _pool(meta, (2, 16), torch.float32, gen), _pool(meta, (2, 16), torch.float32, gen)
+    q = torch.randn(T, 8, 16, generator=gen).to(DEV)
+    o, lse = torch_prefill.prefill_gqa(q, k, v, meta, 0.25)
+    _check(o, lse, *TorchAttention().prefill_gqa(q, k, v, meta, 0.25), torch.float32)
+
+
+def test_backend_prefill_choice(monkeypatch):
+    """auto: torch's kernel from the measured query count of the device on; triton: never;
+    torch: wherever it applies (never at kvp > 1, never on CPU)."""
+    q = torch.zeros(1, 4, 16)
+    kv = torch.zeros(2, 4, 1, 16)
+    meta = _meta([(0, 64)], 4)
+    assert not triton_backend.TritonAttention("torch").torch_prefill(q, kv, kv, meta)  # CPU
+    monkeypatch.setattr(torch_prefill, "usable", lambda q, k, v, m: m.kvp == 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "H")
+    monkeypatch.setattr(triton_backend, "TORCH_PREFILL_FROM", {"H": 64})
+    assert triton_backend.TritonAttention("auto").torch_prefill(q, kv, kv, meta)
+    assert not triton_backend.TritonAttention("auto").torch_prefill(q, kv, kv,
+                                                                    _meta([(0, 63)], 4))
+    assert not triton_backend.TritonAttention("triton").torch_prefill(q, kv, kv, meta)
+    assert not triton_backend.TritonAttention("torch").torch_prefill(q, kv, kv,
+                                                                     _meta([(0, 9)], 4, 2))
+    monkeypatch.setattr(triton_backend, "TORCH_PREFILL_FROM", {})
+    assert not triton_backend.TritonAttention("auto").torch_prefill(q, kv, kv, meta)
+    with pytest.raises(Exception, match="HELIX_PREFILL"):
+        triton_backend.TritonAttention("flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("layout", ["ragged-prefix"])
+def test_torch_path_on_gpu(layout):
+    """The real torch flash kernel: bottom-right causal alignment, LSE base and layout."""
+    if not torch_prefill.usable(torch.zeros(1, 8, 64, device=DEV, dtype=torch.bfloat16),
+                                torch.zeros(1, 8, 2, 64, device=DEV, dtype=torch.bfloat16),
+                                torch.zeros(1, 8, 2, 64, device=DEV, dtype=torch.bfloat16),
+                                _meta([(0, 1)], 8)):
+        pytest.skip("torch's flash attention is not available here")
+    gen = torch.Generator().manual_seed(4)
+    meta = _meta(LAYOUTS[layout][0], 8)
+    T = meta.q_pos.shape[0]
+    k = _pool(meta, (2, 64), torch.bfloat16, gen)
+    v = _pool(meta, (2, 64), torch.bfloat16, gen)
+    q = torch.randn(T, 8, 64, generator=gen).to(DEV, torch.bfloat16)
+    o, lse = torch_prefill.prefill_gqa(q, k, v, meta, 0.125)
+    _check(o, lse, *TorchAttention().prefill_gqa(q, k, v, meta, 0.125), torch.bfloat16)
+
+
+# -- MLA prefill forms ------------------------------------------------------------------------
+
+def test_mla_form_rule():
+    """The FLOP rule of helix/layers/mla_prefill.py with DeepSeek's dims: decompressed for big
+    chunks over any prefix and for short prefixes, absorbed for short chunks over long ones."""
+    dims = mla_prefill.MLADims(512, 64, 128, 128)
+    f = mla_prefill.prefill_flops
+
+    def cheaper(T, P):
+        pairs = mla_prefill.causal_pairs([T], [P + T], 1)
+        assert pairs == T * P + T * (T + 1) // 2
+        return f("decompressed", pairs, P + T, T, 16, dims) < f("absorbed", pairs, P + T, T, 16,
+                                                               dims)
+    assert cheaper(8192, 0) and cheaper(8192, 120 * 1024) and cheaper(172, 10 ** 7)
+    assert cheaper(16, 0) and not cheaper(16, 100_000) and not cheaper(170, 10 ** 7)
+    big = mla_prefill.causal_pairs([8192], [128 * 1024], 1)
+    ratio = f("absorbed", big, 128 * 1024, 8192, 16, dims) / f("decompressed", big, 128 * 1024,
+                                                               8192, 16, dims)
+    assert 3.0 < ratio < 3.5
+
+
+@pytest.mark.parametrize("layout", ["ragged-prefix", "kvp2-i1-r1", "kvp3-i4-r2"])
+def test_mla_decompressed_equals_absorbed(monkeypatch, layout):
+    """Per rank: the decompressed form's partial is W_UV (absorbed partial), same LSE; head
+    blocks (a small DECOMPRESS_BYTES) change nothing."""
+    monkeypatch.setattr(mla_prefill, "DECOMPRESS_BYTES", 1)                 # one head a block
+    chunks, page, kvp, rank, inter = LAYOUTS[layout]
+    H, dl, dr, dn, dv = 3, 32, 8, 16, 12
+    gen = torch.Generator().manual_seed(11)
+    meta = _meta(chunks, page, kvp, rank, inter)
+    T = meta.q_pos.shape[0]
+    kv = _pool(meta, (dl + dr,), torch.float32, gen)
+    w_kv = torch.randn(H, dn + dv, dl, generator=gen).to(DEV) * 0.2
+    q_nope = torch.randn(T, H, dn, generator=gen).to(DEV)
+    q_rope = torch.randn(T, H, dr, generator=gen).to(DEV)
+    ref = TorchAttention()
+    o, lse = mla_prefill.decompressed_attention(q_nope, q_rope, kv, w_kv, meta,
+                                                meta.kv_lens.tolist(), ref, 0.3)
+    q_latent = torch.einsum("thn,hnc->thc", q_nope, w_kv[:, :dn])
+    lat, lse_abs = ref.prefill_mla(q_latent, q_rope, kv, dl, meta, 0.3)
+    want = torch.einsum("thc,hvc->thv", lat, w_kv[:, dn:])
+    _check(o, lse, want, lse_abs, torch.float32)
+
+
+# -- the Triton backend end to end --------------------------------------------------------------
+
+def _generate(model, backend, layout=Layout(), **runtime):
+    rt = RuntimeConfig(device="cpu", max_context=128, max_batch=4, page_size=4, layers=2,
+                       max_prefill_tokens=16, attention_backend=backend, **runtime)
+    with LLM(model, layout, rt) as llm:
+        a = llm.add_request(list(range(3, 50)), SamplingParams(max_new_tokens=3, ignore_eos=True))
+        llm.step()
+        b = llm.add_request([9, 8, 7, 6, 5], SamplingParams(max_new_tokens=5, ignore_eos=True))
+        while llm.has_unfinished():
+            llm.step()
+        return llm.outputs[a], llm.outputs[b]
+
+
+@pytest.mark.parametrize("model,form", [("tiny-llama", "auto"), ("tiny-deepseek-v3", "auto"),
+                                        ("tiny-deepseek-v3", "decompressed")])
+def test_triton_backend_tokens_equal_torch(monkeypatch, model, form):
+    """A 47-token prompt in 16-token chunks (a second request decoding beside its last chunks):
+    the Triton backend (prefill kernel, decode kernels) gives the torch backend's tokens, in
+    both MLA prefill forms."""
+    monkeypatch.setattr(mla_prefill, "FORM", form)
+    assert _generate(model, "triton") == _generate(model, "torch")
+
+
+def test_mla_decompressed_matches_transformers(monkeypatch, hf_checkpoint):
+    """The decompressed form, prompt in 16-token chunks, against Hugging Face: prefill logits
+    and greedy tokens (torch backend: the form's own code, not the kernels)."""
+    from hf_fixtures import SMALL, hf_greedy, hf_prefill_logits
+    monkeypatch.setattr(mla_prefill, "FORM", "decompressed")
+    path, hf = hf_checkpoint("deepseek_v2")
+    prompt = list(range(3, 43))
+    rt = RuntimeConfig(**{**SMALL, "max_prefill_tokens": 16})
+    with LLM(path, Layout(), rt) as llm:
+        r = llm.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+        first = None
+        while llm.has_unfinished():
+            llm.step()
+            if first is None and llm.outputs[r]:
+                first = llm.engine.last_logits[0].clone()
+        tokens = llm.outputs[r]
+    want = hf_prefill_logits(hf, prompt)
+    assert ((first - want).abs().max() / want.abs().max()).item() < 1e-4
+    assert tokens == hf_greedy(hf, prompt, 4)[0]
