@@ -1,10 +1,13 @@
-"""Multi-head latent attention (DeepSeek-V2/V3) in the absorbed form, Helix layout.
+"""Multi-head latent attention (DeepSeek-V2/V3), Helix layout.
 
 Every rank holds the latent KV rows [kv_lora | rope key] of the positions it owns (one latent
 "head": tpa = 1, all H query heads per rank), or all positions and H/N heads in the TP baseline
-(kvp = 1). q_nope is absorbed through W_UK into latent space; attention returns the latent output
-and LSE; the exchange merges to H/N heads; W_UV maps those to v dims; o_proj is row-parallel
-over N ranks + all-reduce.
+(kvp = 1). Decode rows run the absorbed form: q_nope is absorbed through W_UK into latent space;
+attention returns the latent output and LSE; the exchange merges to H/N heads; W_UV maps those to
+v dims; o_proj is row-parallel over N ranks + all-reduce. A step's prefill chunks run the
+absorbed or the decompressed form, whichever costs fewer FLOPs (helix/layers/mla_prefill.py);
+decompressed rows come out of attention in value space, so their exchange merges v-dim
+partials and no W_UV follows.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from helix.layers.exchange import KVPExchange
 from helix.layers.hopb import overlapped
 from helix.layers.fused_mla import absorb_v, mla_kv_row
 from helix.layers.linear import ColumnShardLinear, ReplicatedLinear, RowShardLinear
+from helix.layers.mla_prefill import MLADims, decompress_plan, decompressed_attention
 from helix.layers.norm import RMSNorm
 from helix.layers.regions import region
 from helix.layers.rope import RotaryEmbedding
@@ -64,12 +68,17 @@ class MLAAttention(nn.Module):
         self.cp = ContextParallel(comm)
         self.rope = rope
         self.scale = cfg.softmax_scale
+        self.dims = MLADims(self.lora, self.rdim, self.nope, self.vdim)
 
     def kv_cache_shape(self, num_pages: int, page_size: int) -> list[tuple[int, ...]]:
         return [(num_pages, page_size, self.lora + self.rdim)]
 
+    def _w_kv(self):
+        """kv_b_proj of the local heads: [h, nope + v, Dl] (W_UK rows, then W_UV rows)."""
+        return self.kv_b_proj.weight.view(self.hq, self.nope + self.vdim, self.lora)
+
     def _w_uk_uv(self):
-        w = self.kv_b_proj.weight.view(self.hq, self.nope + self.vdim, self.lora)
+        w = self._w_kv()
         return w[:, :self.nope], w[:, self.nope:]             # [h, nope, Dl], [h, v, Dl]
 
     def exchange_rows(self) -> tuple[int, int]:
@@ -80,29 +89,39 @@ class MLAAttention(nn.Module):
     def forward(self, x, pos, meta, cache, backend, ctx=None):
         """x [T, D] replicated, pos [T] -> [T, D] replicated. With a pass-KV plan (meta.cp)
         this rank projects only the decode rows and the chunk positions it owns."""
+        T = x.shape[0]
         cp = meta.cp
         if cp is not None:
             x, pos = x[cp.rows], pos[cp.rows]
         R = x.shape[0]
+        D = meta.num_decode
+        plan = None       # the chunks' local key counts when they run the decompressed form
+        if cp is None and not meta.is_decode:
+            plan = decompress_plan(meta.split()[1] if D else meta, self.hq, self.dims)
+        w_uk, w_uv = self._w_uk_uv()
         with phase("qkv"):
             q = (self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora
                  else self.q_proj(x))
             q = q.view(R, self.hq, self.nope + self.rdim)
             q_nope, q_rope = q.split([self.nope, self.rdim], dim=-1)
             q_rope = self.rope(q_rope, pos)
-            w_uk, w_uv = self._w_uk_uv()
-            q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)         # absorbed: [R, h, Dl]
+            A = R if plan is None else D          # rows in the absorbed form
+            q_latent = torch.einsum("thn,hnc->thc", q_nope[:A], w_uk)        # [A, h, Dl]
             ckv = self.kv_a_proj_with_mqa(x)                               # [R, Dl + Dr]
             norm, rope = self.kv_a_layernorm, self.rope
             row = mla_kv_row(ckv, norm.weight, norm.eps, rope.cos, rope.sin, pos,
                              rope.adjacent_pairs)    # [normed latent | roped key]: [R, Dl + Dr]
         (kv_cache,) = cache
-        slots = meta.slots if cp is None else meta.slots[cp.rows]
+        slots = meta.slots
 
         def attend_rows(a, b, m):
             return backend.attend_mla(q_latent[a:b], q_rope[a:b], kv_cache, self.lora, m,
                                       self.scale)
 
+        w_uv = w_uv[self.merged_first:self.merged_first + self.merged_heads]
+        if plan is not None:
+            return self._decompressed(q_nope, q_rope, row, slots, kv_cache, meta, plan,
+                                      attend_rows, backend, w_uv, ctx)
         if cp is None and meta.micro_batches > 1:                   # HOP-B (decode steps)
             with phase("attn"):
                 backend.append_kv(kv_cache, row, slots)
@@ -118,20 +137,56 @@ class MLAAttention(nn.Module):
                 o, lse = region(ctx, "attention", attend)
             o = self.exchange(o, lse, backend)                                # [T, H/N, Dl]
         else:
-            with phase("attn"):
-                backend.append_kv(kv_cache, row, slots)       # decode rows + own positions
-            D = cp.num_decode
-            parts = []
-            if D:                                             # decode rows: pass-Q
-                with phase("attn"):
-                    o, lse = attend_rows(0, D, meta.split(D)[0])
-                parts.append(self.exchange(o, lse, backend))                  # [D, H/N, Dl]
-            with phase("attn.cp"):
-                own = self.cp.attend(lambda kv, m: backend.prefill_mla(
-                    q_latent[D:], q_rope[D:], kv[0], self.lora, m, self.scale), [kv_cache], cp)
-            with phase("a2a.cp"):
-                parts.append(self.cp.to_heads(own, cp))                       # [Tc, H/N, Dl]
-            o = torch.cat(parts)
+            o = region(ctx, "attention", lambda: self._attend_cp(q_latent, q_rope, row, meta,
+                                                                 kv_cache, backend, T))
         with phase("oproj"):
-            w_uv = w_uv[self.merged_first:self.merged_first + self.merged_heads]
             return self.o_proj(absorb_v(o, w_uv))                             # [T, H/N * v]
+
+    def _attend_cp(self, q_latent, q_rope, row, meta, kv_cache, backend, T):
+        """Pass-KV (meta.cp): append this rank's rows, attend its decode rows the Helix way and
+        its own chunk queries over the whole causal prefix -> o [T, H/N, Dl] in step order.
+        Under a captured prefill step this is the eager break "attention", run on the step's
+        plan: the inputs [R', ...] may hold padding rows past the plan's R, and o is padded
+        with zero rows to T."""
+        cp = meta.cp
+        R, D = cp.host_rows.numel(), cp.num_decode
+        with phase("attn"):                                   # decode rows + own positions
+            backend.append_kv(kv_cache, row[:R], meta.slots[cp.rows[:R]])
+        o_decode = None
+        if D:                                                 # decode rows: pass-Q
+            with phase("attn"):
+                o, lse = backend.attend_mla(q_latent[:D], q_rope[:D], kv_cache, self.lora,
+                                            meta.split(D)[0], self.scale)
+            o_decode = self.exchange(o, lse, backend)                         # [D, H/N, Dl]
+        with phase("attn.cp"):
+            own = self.cp.attend(lambda kv, m: backend.prefill_mla(
+                q_latent[D:R], q_rope[D:R], kv[0], self.lora, m, self.scale), [kv_cache], cp)
+        with phase("a2a.cp"):
+            return self.cp.to_heads(own, cp, o_decode, T)                     # [T, H/N, Dl]
+
+    def _decompressed(self, q_nope, q_rope, row, slots, kv_cache, meta, kv_lens, attend_rows,
+                      backend, w_uv, ctx):
+        """A pass-Q step whose chunks run the decompressed form: decode rows [:D] absorbed
+        (latent partials), chunk rows [D:] over expanded K/V (value-space partials); one
+        exchange each."""
+        D = meta.num_decode
+        dec, pre = meta.split() if D else (None, meta)
+        w_kv = self._w_kv()
+
+        def attend():
+            backend.append_kv(kv_cache, row, slots)
+            latent = attend_rows(0, D, dec) if D else None
+            return latent, decompressed_attention(q_nope[D:], q_rope[D:], kv_cache, w_kv, pre,
+                                                  kv_lens, backend, self.scale)
+
+        with phase("attn"):
+            latent, values = region(ctx, "attention", attend)
+        parts = []
+        if D:
+            o = self.exchange(*latent, backend)                               # [D, H/N, Dl]
+            with phase("oproj"):
+                parts.append(absorb_v(o, w_uv))                               # [D, H/N * v]
+        o = self.exchange(*values, backend)                                   # [Tc, H/N, v]
+        parts.append(o.reshape(o.shape[0], -1))
+        with phase("oproj"):
+            return self.o_proj(torch.cat(parts) if D else parts[0])           # [T, D]
