@@ -100,6 +100,22 @@ class KVManager:
                                f"new sequence")
         self._grow(seq_id, length)
 
+    def import_prefix(self, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take positions [0, length) of a new sequence as written by a KV import: this rank's
+        pages for them are allocated; returns the positions it owns [n] and their slots [n]."""
+        self.assume_prefix(seq_id, length)
+        pos = torch.arange(length)
+        slots = self._slots(self.pages[seq_id], pos)
+        mine = slots >= 0
+        return pos[mine], slots[mine]
+
+    def owned(self, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions [n], slots [n]) of [0, length) of a sequence this rank holds (KV export)."""
+        pos = torch.arange(min(length, self.lengths.get(seq_id, 0)))
+        slots = self._slots(self.pages.get(seq_id, []), pos)
+        mine = slots >= 0
+        return pos[mine], slots[mine]
+
     def free(self, seq_id: int) -> None:
         self.alloc.free(self.pages.pop(seq_id, []))
         self.lengths.pop(seq_id, None)

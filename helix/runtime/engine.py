@@ -27,6 +27,7 @@ from helix.graphs import BucketLadder
 from helix.kv.context_parallel import pass_kv_cheaper, plan_pass_kv
 from helix.kv.manager import KVManager, upload
 from helix.kv.ownership import KVSharding
+from helix.layers.attention_gqa import kv_head_range
 from helix.layers.hopb import micro_batches
 from helix.loader import build_and_load
 from helix.parallel.comm import Comm
@@ -121,6 +122,10 @@ class Engine:
                 self.scheduler.add(req)
             elif cmd[0] == "abort":
                 self.scheduler.abort(cmd[1])
+            elif cmd[0] == "kv":                # the prompt's KV of the request just added
+                _, req_id, kv = cmd
+                req = next(r for r in self.scheduler.waiting if r.id == req_id)
+                req.attach_kv(kv, min(kv.length, len(req.prompt) - 1))
 
     def _stop_ids(self, p: SamplingParams) -> set[int]:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.cfg.eos_token_ids))
@@ -139,6 +144,9 @@ class Engine:
         plan = self.scheduler.schedule()
         for r in plan.preempted:
             self.kv.free(r.id)
+        for c in plan.prefill:
+            if c.req.imported_kv is not None:         # admitted with KV from a prefill server
+                self._write_imported(c.req, c.start)
         launched = self._launch_confined(plan) if plan else None
         try:
             tokens = self._resolve(self.inflight) if self.inflight is not None else {}
@@ -270,6 +278,34 @@ class Engine:
         meta.cp = plan_pass_kv(self.kv, batch, num_decode, self._layer_page_bytes,
                                self.runtime.cp_gather_mb << 20, self.device)
         self.prefill_tokens += meta.cp.rows.numel() - num_decode
+
+    # -- KV transfer (helix/kv/transfer.py) ----------------------------------------------------
+    def _kv_heads(self) -> tuple[int, int] | None:
+        """KV heads this rank holds (GQA), None for MLA (every rank keeps whole latent rows)."""
+        if self.cfg.is_mla:
+            return None
+        return kv_head_range(self.cfg, self.layout.tpa, self.comm.mesh.tpa_rank)
+
+    def _write_imported(self, req: Request, length: int) -> None:
+        """Write positions [0, length) of an imported KV into the request's pages: only the
+        positions this rank owns, only its KV heads."""
+        kv, req.imported_kv = req.imported_kv, None
+        pos, slots = self.kv.import_prefix(req.id, length)
+        slots = slots.to(self.device)
+        heads = self._kv_heads()
+        for layer, cache in enumerate(self.caches):
+            for c, rows in zip(cache, kv.rows(layer, pos, heads)):
+                c.view(-1, *c.shape[2:])[slots] = rows.to(self.device, c.dtype)
+
+    def export_kv(self, req_id: int, length: int) -> dict:
+        """This rank's part of a sequence's KV, positions [0, length): the positions it owns [n],
+        its KV heads (None: whole rows) and per layer the rows, on the CPU
+        (helix.kv.transfer.assemble joins the parts)."""
+        pos, slots = self.kv.owned(req_id, length)
+        slots = slots.to(self.device)
+        layers = [tuple(c.view(-1, *c.shape[2:])[slots].cpu() for c in cache)
+                  for cache in self.caches]
+        return {"positions": pos, "heads": self._kv_heads(), "layers": layers}
 
     def _resolve(self, step: _Launched) -> dict[int, int]:
         """Wait for a queued step's tokens; append them and apply stop and length rules.

@@ -203,12 +203,50 @@ class LLM:
             raise EngineDeadError(f"the engine stopped earlier: {self._dead}; start a new LLM")
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None,
-                    synthetic_prefix: int = 0) -> int:
+                    synthetic_prefix: int = 0, kv=None) -> int:
         """Queue a request; it joins the batch at the next step. Returns its id.
         synthetic_prefix: positions of arbitrary KV placed before the prompt, with no prefill
-        (long-context decode benchmarks: the KV is read at full cost, its values are noise)."""
+        (long-context decode benchmarks: the KV is read at full cost, its values are noise).
+        kv: the KV of the prompt's positions 0..T-1 from a prefill server (a dict or a
+        safetensors file, format in helix/kv/transfer.py); those positions are not prefilled,
+        each rank keeps the ones it owns."""
         self._check_open()
-        return self._queue(*self._check_request(prompt_ids, params, synthetic_prefix))
+        checked = self._check_request(prompt_ids, params, synthetic_prefix)
+        imported = None if kv is None else self._check_kv(kv, checked[0], synthetic_prefix)
+        rid = self._queue(*checked)
+        if imported is not None:
+            self._pending.append(("kv", rid, imported))
+        return rid
+
+    def _check_kv(self, kv, prompt: list[int], prefix: int):
+        from helix.kv.transfer import check_kv
+        if prefix:
+            raise RequestError("kv and synthetic_prefix exclude each other: give one")
+        imported = check_kv(kv, self.cfg)
+        if imported.length > len(prompt):
+            raise RequestError(f"kv covers {imported.length} positions, the prompt has "
+                               f"{len(prompt)} tokens: give the KV of the prompt's positions "
+                               f"0..T-1, T <= {len(prompt)}")
+        return imported
+
+    def export_kv(self, request_id: int, length: int | None = None) -> dict:
+        """The KV of a running request's positions [0, length) (default: all it has written),
+        gathered from every rank, in helix/kv/transfer.py's format: what a decode server
+        takes as add_request(..., kv=). Export after its prefill, before it finishes."""
+        from helix.kv.transfer import assemble
+        self._check_open()
+        if request_id not in self.outputs:
+            raise RequestError(f"no request {request_id!r}")
+        held = self.engine.kv.lengths.get(request_id, 0)    # global length, the same on all ranks
+        if not held:
+            raise RequestError(f"request {request_id} holds no KV now (waiting, preempted or "
+                               f"finished): export it while it runs, after its prefill")
+        length = held if length is None else length
+        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= held:
+            raise RequestError(f"length must be an integer in [1, {held}], got {length!r}")
+        parts = self._gather("export_kv", lambda: self.engine.export_kv(request_id, length),
+                             request_id, length)
+        return assemble(parts, self.cfg, length)
 
     def _check_request(self, prompt_ids, params, prefix: int = 0
                        ) -> tuple[list[int], SamplingParams, int, int]:
@@ -264,6 +302,14 @@ class LLM:
             raise RequestError(f"no request {request_id!r}")
         self._pending.append(("abort", request_id))
 
+    def release(self, request_id: int) -> None:
+        """Forget a finished request (its outputs, finish reason, error): a long-running server
+        calls this for every request it has answered, or these dicts would only grow."""
+        if request_id in self.outputs and request_id not in self.finish_reasons:
+            raise RequestError(f"request {request_id} has not finished: abort() it first")
+        for d in (self.outputs, self.finish_reasons, self.errors):
+            d.pop(request_id, None)
+
     def has_unfinished(self) -> bool:
         return bool(self._pending) or any(r not in self.finish_reasons for r in self.outputs)
 
@@ -304,11 +350,11 @@ class LLM:
             self.step()
         return [self.outputs[i] for i in ids]
 
-    def _gather(self, what: str, local) -> list:
+    def _gather(self, what: str, local, *args) -> list:
         """A control-plane query answered by every rank."""
         if not self._multi:
             return [local()]
-        self._guarded(self.engine.comm.broadcast_object, (what,))
+        self._guarded(self.engine.comm.broadcast_object, (what, *args))
         return self._guarded(self.engine.comm.gather_object, local())
 
     def kv_tokens_per_rank(self) -> list[int]:

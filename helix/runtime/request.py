@@ -90,7 +90,14 @@ class Request:
             return pos, forced[k], -1
         return pos, 0, self.pending_row
 
+    def attach_kv(self, kv, length: int) -> None:
+        """Positions [0, length) of its prompt arrive as KV from a prefill server (written into
+        its pages when its first chunk is planned) instead of being prefilled."""
+        self.imported_kv, self.computed = kv, length
+
     def reset_kv(self) -> None:
-        """Its KV was dropped (preempted): everything it knows is prefilled again on resume."""
+        """Its KV was dropped (preempted): everything it knows is prefilled again on resume (an
+        import included: it was written once, its positions are recomputed)."""
         self.computed = self.prefix
+        self.imported_kv = None
         self.preemptions += 1

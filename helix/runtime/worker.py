@@ -39,6 +39,8 @@ def serve(model_ref: str, layout: Layout, runtime: RuntimeConfig, device: torch.
                 comm.gather_object(engine.stats())
             elif msg[0] == "prefill_tokens":
                 comm.gather_object(engine.prefill_tokens)
+            elif msg[0] == "export_kv":
+                comm.gather_object(engine.export_kv(*msg[1:]))
             elif msg[0] == "shutdown":
                 break
     except (HelixError, RuntimeError) as e:   # the driver stopped, or this rank's step failed
