@@ -1,0 +1,236 @@
+"""The OpenAI-compatible HTTP API over an AsyncLLM (Starlette): /v1/completions and
+/v1/chat/completions (JSON, or server-sent events with "stream": true), /v1/models, /health,
+/metrics (Prometheus text).
+
+Errors are OpenAI-shaped, {"error": {"message", "type", "param", "code"}}: 400 for a bad field
+(named in "param"), 404 for an unknown model, 429 when the server holds as many requests as it
+accepts, 503 when the engine is dead (the message names the rank) or shutting down. A client
+that disconnects (streaming or not) aborts its request, which frees its KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from helix.errors import CapacityError, EngineDeadError, RequestError
+from helix.serving.async_engine import AsyncLLM, OverloadedError
+from helix.serving.protocol import FieldError, parse_chat, parse_completion
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
+               (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+def error(status: int, message: str, kind: str, param: str | None = None,
+          code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": code}}, status_code=status)
+
+
+def _refusal(e: Exception) -> JSONResponse:
+    """The response for an exception raised while taking a request."""
+    if isinstance(e, FieldError):
+        return error(400, str(e), "invalid_request_error", e.param)
+    if isinstance(e, CapacityError):           # "request needs N pages ...: <CLI advice>"
+        fact = str(e).split(":")[0]
+        return error(400, f"{fact}: lower max_tokens or shorten the prompt",
+                     "invalid_request_error", "max_tokens")
+    if isinstance(e, RequestError):
+        field = str(e).split(" ", 1)[0]
+        return error(400, str(e), "invalid_request_error",
+                     field if field.isidentifier() else None)
+    if isinstance(e, OverloadedError):
+        return error(429, str(e), "overloaded_error", code="overloaded")
+    if isinstance(e, EngineDeadError):
+        return error(503, str(e), "engine_dead", code="engine_dead")
+    raise e
+
+
+async def _disconnected(receive) -> None:
+    """Returns when the client has gone (the request body is read already)."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class EventStream(Response):
+    """Server-sent events from an async iterator of bytes; a client that disconnects cancels
+    the iteration and aborts the request."""
+
+    def __init__(self, events, stream):
+        self.events, self.stream = events, stream
+        self.background = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+
+        async def pump():
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        sender = asyncio.ensure_future(pump())
+        watcher = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (sender, watcher):
+                t.cancel()
+            self.stream.abort()                       # no-op when it finished
+        if sender.done() and not sender.cancelled():
+            exc = sender.exception()
+            if exc is not None and not isinstance(exc, OSError):   # OSError: the client left
+                raise exc
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class OpenAIServer:
+    """The routes; one per served model name."""
+
+    def __init__(self, engine: AsyncLLM, name: str, kv_dir: str | None = None):
+        self.engine, self.name, self.kv_dir = engine, name, kv_dir
+        self.created = int(time.time())
+        self.vocab = engine.info["vocab_size"]
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ])
+
+    # -- plain routes -------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.name, "object": "model", "created": self.created, "owned_by": "helix",
+            "max_model_len": self.engine.info["max_context"]}]})
+
+    async def health(self, request: Request) -> Response:
+        why = self.engine.health()
+        if why is not None:
+            return error(503, why, "engine_dead", code="engine_dead")
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        up = self.engine.health() is None
+        if up:
+            try:
+                await asyncio.wait_for(self.engine.stats(), timeout=1.0)
+            except (asyncio.TimeoutError, EngineDeadError):
+                up = self.engine.health() is None      # stale stats, still rendered
+        return PlainTextResponse(self.engine.metrics.render(self.engine.in_flight, up),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # -- generation ---------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_completion, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, parse_chat, chat=True)
+
+    async def _generate(self, request: Request, parse, chat: bool) -> Response:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError) as e:
+            return error(400, f"the request body is not valid JSON: {e}", "invalid_request_error")
+        if isinstance(body, dict) and body.get("model") not in (None, self.name):
+            return error(404, f"model {body.get('model')!r} not found: this server serves "
+                              f"{self.name!r}", "invalid_request_error", "model",
+                         "model_not_found")
+        try:
+            parsed = parse(body, self.engine.tokenizer, self.vocab, self.kv_dir)
+            stream = await self.engine.submit(parsed.prompt_ids, parsed.params, parsed.kv)
+        except (RequestError, CapacityError, OverloadedError, EngineDeadError) as e:
+            return _refusal(e)
+        fmt = _Format(chat, self.name, len(parsed.prompt_ids))
+        if parsed.stream:
+            return EventStream(fmt.events(stream, parsed.include_usage), stream)
+        return await self._complete(request, stream, fmt)
+
+    async def _complete(self, request: Request, stream, fmt: "_Format") -> Response:
+        done = asyncio.ensure_future(stream.result())
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not done.done():                           # the client went away: free its pages
+            done.cancel()
+            stream.abort()
+            return Response(status_code=499)
+        out = done.result()
+        if out.finish_reason == "error":
+            dead = self.engine.health()
+            if dead is not None:
+                return error(503, out.error or dead, "engine_dead", code="engine_dead")
+            return error(500, out.error or "the request failed", "server_error")
+        return JSONResponse(fmt.whole(out))
+
+
+class _Format:
+    """OpenAI response bodies for one request."""
+
+    def __init__(self, chat: bool, model: str, prompt_tokens: int):
+        self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def usage(self, n: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
+                "total_tokens": self.prompt_tokens + n}
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, out) -> dict:
+        choice = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None,
+                  "token_ids": out.token_ids}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": out.text}
+        else:
+            choice["text"] = out.text
+        return {**self._head(self.object), "choices": [choice],
+                "usage": self.usage(len(out.token_ids))}
+
+    def chunk(self, text: str, ids: list[int], finish: str | None, first: bool = False) -> bytes:
+        choice = {"index": 0, "finish_reason": finish, "logprobs": None, "token_ids": ids}
+        if self.chat:
+            choice["delta"] = ({"role": "assistant", "content": text} if first
+                               else {"content": text} if text or finish is None else {})
+            obj = "chat.completion.chunk"
+        else:
+            choice["text"] = text
+            obj = "text_completion"
+        return _sse({**self._head(obj), "choices": [choice]})
+
+    async def events(self, stream, include_usage: bool):
+        """The SSE body: chunks as tokens arrive, an error event if the request failed, the
+        usage chunk if asked for, then [DONE]."""
+        if self.chat:
+            yield self.chunk("", [], None, first=True)
+        n = 0
+        async for out in stream:
+            n += len(out.token_ids)
+            if out.finish_reason == "error":
+                if out.token_ids or out.text:
+                    yield self.chunk(out.text, out.token_ids, None)
+                yield _sse({"error": {"message": out.error or "the request failed",
+                                      "type": "server_error", "param": None, "code": None}})
+                break
+            yield self.chunk(out.text, out.token_ids, out.finish_reason)
+        if include_usage:
+            obj = "chat.completion.chunk" if self.chat else "text_completion"
+            yield _sse({**self._head(obj), "choices": [], "usage": self.usage(n)})
+        yield b"data: [DONE]\n\n"

@@ -1,0 +1,180 @@
+"""The engine side of AsyncLLM: one process that owns the `LLM` (rank 0, the driver; it spawns the
+other ranks) and runs its step loop, talking to the server over a pipe.
+
+Why a process and not a thread of the server: a decode step is ~1 ms on a GPU, and the host's
+share of it is Python (schedule, prepare, launch). In one process the HTTP side (parsing, JSON,
+socket writes for every client) would hold the GIL while a step waits to be launched; in its own
+process the step loop never waits for the server.
+
+Messages (tuples, pickled by multiprocessing's Connection):
+
+  server -> engine   ("add", key, prompt_ids, SamplingParams, kv | None)
+                     ("abort", key)        ("stats",)        ("direct", key, prompts, params)
+                     ("shutdown",)
+  engine -> server   ("ready", info) | ("failed", message)          once, at start
+                     ("added", key) | ("rejected", key, kind, message)   kind: request | capacity
+                     ("out", [(key, token_ids, finish_reason, error)], (seconds, fed tokens))
+                                                                     once per step with tokens
+                     ("stats", LLM.stats() + steps)                  every STATS_INTERVAL_S, and
+                                                                     on ("stats",)
+                     ("direct", key, result)   ("dead", message)   ("closed",)
+
+Keys are the server's request ids; the LLM's own ids never leave this process. A finished request
+is released from the LLM at once (a server runs for weeks).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+
+from helix.errors import CapacityError, EngineDeadError, HelixError, RequestError
+
+STATS_INTERVAL_S = 1.0      # engine stats pushed at least this often (also a liveness probe)
+
+
+class EngineLoop:
+    def __init__(self, llm, conn):
+        self.llm, self.conn = llm, conn
+        self.rid: dict[int, int] = {}       # server key -> LLM request id
+        self.key: dict[int, int] = {}       # LLM request id -> server key
+        self.stopping = False
+        self.steps = 0
+        self.last_stats = 0.0
+
+    def run(self) -> None:
+        """Serve until ("shutdown",), the server's end of the pipe closing, or a dead engine."""
+        try:
+            while not self.stopping:
+                busy = self.llm.has_unfinished()
+                wait = 0 if busy else max(0.0, self.last_stats + STATS_INTERVAL_S
+                                          - time.monotonic())
+                if self.conn.poll(wait):
+                    self._drain()
+                if self.stopping:
+                    break
+                if self.llm.has_unfinished():
+                    self._step()
+                if time.monotonic() - self.last_stats >= STATS_INTERVAL_S:
+                    self._send_stats()
+        except EngineDeadError as e:
+            self._send(("dead", str(e)))
+        except (EOFError, OSError, BrokenPipeError):   # the server is gone: just stop
+            pass
+
+    def _send(self, msg) -> None:
+        try:
+            self.conn.send(msg)
+        except (OSError, BrokenPipeError):
+            self.stopping = True
+
+    def _drain(self) -> None:
+        while not self.stopping and self.conn.poll():
+            msg = self.conn.recv()
+            getattr(self, "_on_" + msg[0])(*msg[1:])
+
+    # -- commands ---------------------------------------------------------------------------
+    def _on_add(self, key: int, prompt, params, kv) -> None:
+        try:
+            rid = self.llm.add_request(prompt, params, kv=kv)
+        except CapacityError as e:
+            self._send(("rejected", key, "capacity", str(e)))
+            return
+        except RequestError as e:
+            self._send(("rejected", key, "request", str(e)))
+            return
+        self.rid[key], self.key[rid] = rid, key
+        self._send(("added", key))
+
+    def _on_abort(self, key: int) -> None:
+        rid = self.rid.get(key)
+        if rid is not None and rid not in self.llm.finish_reasons:
+            self.llm.abort(rid)
+
+    def _on_stats(self) -> None:
+        self._send_stats()
+
+    def _on_shutdown(self) -> None:
+        self.stopping = True
+
+    def _on_direct(self, key: int, prompts, params) -> None:
+        """Run `prompts` straight through the LLM, nothing else running (benchmarks: the
+        engine's own tokens/s for the same requests the server is then given)."""
+        llm = self.llm
+        ids = [llm.add_request(p, params) for p in prompts]
+        t0, steps, tokens = time.perf_counter(), 0, 0
+        first = None
+        while any(i not in llm.finish_reasons for i in ids):
+            out = llm.step()
+            steps += 1
+            tokens += sum(1 for i in out.tokens if i in ids)
+            if first is None and out.tokens:
+                first = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        outputs = [llm.outputs[i] for i in ids]
+        for i in ids:
+            llm.release(i)
+        self._send(("direct", key, {"tokens": tokens, "seconds": seconds, "steps": steps,
+                                    "first_token_s": first, "outputs": outputs}))
+
+    # -- steps ------------------------------------------------------------------------------
+    def _step(self) -> None:
+        llm = self.llm
+        out = llm.step()
+        self.steps += 1
+        items = {}
+        for rid, tok in out.tokens.items():
+            key = self.key.get(rid)
+            if key is not None:
+                items[rid] = [key, [tok], None, None]
+        for rid, why in out.finished.items():
+            key = self.key.pop(rid, None)
+            if key is None:
+                continue
+            self.rid.pop(key, None)
+            item = items.setdefault(rid, [key, [], None, None])
+            item[2] = why
+            item[3] = (out.errors or {}).get(rid)
+            llm.release(rid)
+        if items:
+            self._send(("out", [tuple(i) for i in items.values()],
+                        (out.seconds, out.num_tokens)))
+
+    def _send_stats(self) -> None:
+        self.last_stats = time.monotonic()
+        stats = self.llm.stats()
+        stats["steps"] = self.steps
+        self._send(("stats", stats))
+
+
+def engine_main(conn, model: str, layout, runtime) -> None:
+    """Entry point of the engine process: build the LLM, say ready (or why not), serve."""
+    from helix.runtime.launch import _die_with_parent
+    _die_with_parent()                                  # no engine outlives a killed server
+    signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C reaches us too: the server decides
+    log = logging.getLogger("helix")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("helix: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    from helix.runtime.llm import LLM
+    try:
+        llm = LLM(model, layout, runtime)
+    except HelixError as e:
+        conn.send(("failed", str(e)))
+        return
+    except Exception as e:
+        conn.send(("failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+        return
+    try:
+        conn.send(("ready", {"vocab_size": llm.cfg.vocab_size, "max_context": llm.max_context,
+                             "world_size": layout.world_size, "num_pages": llm.stats()["num_pages"]}))
+        EngineLoop(llm, conn).run()
+    finally:
+        llm.close()
+        try:
+            conn.send(("closed",))
+        except (OSError, BrokenPipeError):
+            pass

@@ -1,0 +1,213 @@
+"""The OpenAI request bodies of /v1/completions and /v1/chat/completions -> (prompt ids,
+SamplingParams, stream options), every field checked: a bad one raises FieldError naming it
+(HTTP 400). Extensions (as vLLM's): top_k, stop_token_ids, ignore_eos, kv_file (a KV import,
+helix/kv/transfer.py, under the server's --kv-dir). Every choice also carries its "token_ids".
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from helix.errors import RequestError
+from helix.runtime.sampling import SamplingParams
+
+
+class FieldError(RequestError):
+    """A request field that is wrong; `param` names it."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Parsed:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    kv: str | None = None            # a KV import file
+
+
+# fields a client may send that Helix does not implement: refused unless left at the default
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+               "suffix": (None, ""), "best_of": (None, 1), "presence_penalty": (None, 0),
+               "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+               "logit_bias": (None,), "tools": (None,), "functions": (None,),
+               "stop": (None, [], ""), "min_tokens": (None, 0)}
+
+
+def _int(body: dict, name: str, default, lo: int, hi: int | None = None):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise FieldError(name, f"{name} must be an integer, got {v!r}")
+    if v < lo or (hi is not None and v > hi):
+        raise FieldError(name, f"{name} must be {'>= ' + str(lo) if hi is None else f'in [{lo}, {hi}]'}"
+                               f", got {v}")
+    return v
+
+
+def _num(body: dict, name: str, default: float) -> float:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise FieldError(name, f"{name} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise FieldError(name, f"{name} must be true or false, got {v!r}")
+    return v
+
+
+def _ids(value, name: str, vocab: int) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise FieldError(name, f"{name} must be a non-empty list of token ids")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise FieldError(name, f"{name} must hold integers, got {t!r}")
+        if not 0 <= t < vocab:
+            raise FieldError(name, f"{name}: token id {t} is outside the vocabulary [0, {vocab})")
+    return value
+
+
+def _check_unsupported(body: dict) -> None:
+    for name, defaults in UNSUPPORTED.items():
+        if name in body and body[name] not in defaults:
+            fix = " (use stop_token_ids)" if name == "stop" else ""
+            raise FieldError(name, f"{name} is not supported by this server{fix}: leave it out")
+    n = body.get("n", 1)
+    if n not in (None, 1):
+        raise FieldError("n", f"n must be 1 (one choice per request), got {n!r}")
+
+
+def sampling(body: dict, vocab: int, max_tokens_field: str = "max_tokens") -> SamplingParams:
+    """The sampling fields -> SamplingParams (OpenAI defaults: temperature 1, max_tokens 16)."""
+    max_tokens = _int(body, max_tokens_field, None, 1)
+    if max_tokens is None and max_tokens_field != "max_tokens":
+        max_tokens = _int(body, "max_tokens", None, 1)
+    top_k = _int(body, "top_k", 0, -1)
+    stop_ids = body.get("stop_token_ids") or []
+    try:
+        return SamplingParams(
+            max_new_tokens=16 if max_tokens is None else max_tokens,
+            temperature=_num(body, "temperature", 1.0),
+            top_p=_num(body, "top_p", 1.0),
+            top_k=0 if top_k == -1 else top_k,
+            seed=_int(body, "seed", None, 0, 2**63 - 1),
+            stop_token_ids=tuple(_ids(stop_ids, "stop_token_ids", vocab)) if stop_ids else (),
+            ignore_eos=_bool(body, "ignore_eos"))
+    except FieldError:
+        raise
+    except RequestError as e:               # SamplingParams' own checks name their field
+        field = str(e).split(" ", 1)[0]
+        name = {"max_new_tokens": max_tokens_field}.get(field, field)
+        raise FieldError(name, str(e).replace("max_new_tokens", name)) from None
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not isinstance(opts, dict):
+        raise FieldError("stream_options", "stream_options must be an object")
+    return stream, _bool(opts, "include_usage") if stream else False
+
+
+def _kv_file(body: dict, kv_dir: str | None) -> str | None:
+    path = body.get("kv_file")
+    if path is None:
+        return None
+    if kv_dir is None:
+        raise FieldError("kv_file", "kv_file: this server takes no KV imports: start it with "
+                                    "--kv-dir DIR")
+    if not isinstance(path, str):
+        raise FieldError("kv_file", f"kv_file must be a path, got {path!r}")
+    root = os.path.realpath(kv_dir)
+    full = os.path.realpath(os.path.join(root, path))
+    if os.path.commonpath([root, full]) != root:
+        raise FieldError("kv_file", f"kv_file must lie under the server's --kv-dir {kv_dir}")
+    return full
+
+
+def parse_completion(body, tokenizer, vocab: int, kv_dir: str | None = None) -> Parsed:
+    """A /v1/completions body (prompt: text, or a list of token ids)."""
+    body = _object(body)
+    _check_unsupported(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]                     # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise FieldError("prompt", "prompt is empty: give some text or token ids")
+        if tokenizer is None:
+            raise FieldError("prompt", "prompt: this model has no tokenizer (a preset): send "
+                                       "the prompt as a list of token ids")
+        ids = tokenizer.encode(prompt)
+        if not ids:
+            raise FieldError("prompt", "prompt encodes to no tokens: give some text")
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise FieldError("prompt", "prompt: give one prompt per request (a string or a list "
+                                   "of token ids)")
+    elif prompt is None:
+        raise FieldError("prompt", "prompt is required: a string or a list of token ids")
+    else:
+        ids = _ids(prompt, "prompt", vocab)
+    stream, usage = _stream(body)
+    return Parsed(ids, sampling(body, vocab), stream, usage, _kv_file(body, kv_dir))
+
+
+def _text(content, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):                 # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise FieldError(f"messages[{i}].content", f"messages[{i}].content: only text "
+                                                           f"parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise FieldError(f"messages[{i}].content", f"messages[{i}].content must be a string")
+
+
+def parse_chat(body, tokenizer, vocab: int, kv_dir: str | None = None) -> Parsed:
+    """A /v1/chat/completions body, rendered through the checkpoint's chat template."""
+    body = _object(body)
+    _check_unsupported(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise FieldError("messages", "messages must be a non-empty list of {role, content}")
+    rendered = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise FieldError(f"messages[{i}]", f"messages[{i}] must be an object with a role "
+                                               f"and content")
+        rendered.append({"role": m["role"], "content": _text(m.get("content"), i)})
+    if tokenizer is None:
+        raise FieldError("messages", "messages: this model has no tokenizer (a preset): use "
+                                     "/v1/completions with token ids")
+    try:
+        ids = tokenizer.chat(rendered)
+    except RequestError as e:
+        raise FieldError("messages", str(e)) from None
+    stream, usage = _stream(body)
+    return Parsed(ids, sampling(body, vocab, "max_completion_tokens"), stream, usage,
+                  _kv_file(body, kv_dir))
+
+
+def _object(body) -> dict:
+    if not isinstance(body, dict):
+        raise FieldError(None, "the request body must be a JSON object")
+    return body

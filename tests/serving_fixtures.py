@@ -1,0 +1,49 @@
+"""A tiny word-level tokenizer saved next to a tiny HF checkpoint (tests/hf_fixtures.py), so text
+tests run without downloads: 128 tokens (the fixtures' vocabulary), whitespace pre-tokenizer, a
+chat template of plain words."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+SPECIAL = ["<unk>", "<|end|>"]
+WORDS = ("user assistant system : . , ? ! the a an and or but if then so of to in on at by for "
+         "with from up down out over under again once here there when where why how all any both "
+         "each few more most other some such no nor not only own same than too very can will just "
+         "should now cat dog bird fish tree river stone cloud rain snow wind fire light dark red "
+         "blue green gold silver small large old new good bad fast slow high low hot cold happy "
+         "sad run walk jump swim fly sing read write speak think know see hear feel make take "
+         "give find tell ask work play rest sleep eat drink house road city sea sky sun moon "
+         "star day night").split()
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+                 "{% if add_generation_prompt %}assistant :{% endif %}")
+
+
+def vocab(size: int = 128) -> dict[str, int]:
+    words = SPECIAL + WORDS
+    assert len(set(words)) == len(words) and len(words) >= size, len(words)
+    return {w: i for i, w in enumerate(words[:size])}
+
+
+def save_tokenizer(path: str, size: int = 128) -> str:
+    """tokenizer.json + tokenizer_config.json (with the chat template) in `path`."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(WordLevel(vocab(size), unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                   eos_token="<|end|>", chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(path)
+    return path
+
+
+def checkpoint_with_tokenizer(src: str, dst: str) -> str:
+    """A copy of the checkpoint at `src` with the tokenizer added (the fixtures' checkpoints are
+    shared by other tests, so they stay untouched)."""
+    if not os.path.isdir(dst):
+        shutil.copytree(src, dst)
+        save_tokenizer(dst)
+    return dst

@@ -1,0 +1,291 @@
+"""`helix serve`'s HTTP API against the official `openai` client: one server for the module (two
+CPU ranks, gloo; a tight KV pool, so concurrent requests queue and get preempted), its text
+equal to transformers' greedy text, streaming equal to non-streaming, 8 concurrent clients,
+disconnects that free their pages, bad requests (400 naming the field) and overload (429) that
+leave the others untouched, Prometheus metrics, KV import by file, and (last) a killed rank
+reported as 503 naming it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+from hf_fixtures import hf_greedy
+from serving_fixtures import checkpoint_with_tokenizer
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from helix import Layout, RuntimeConfig  # noqa: E402
+from helix.kv.transfer import kv_from_hf, save_kv  # noqa: E402
+from helix.serving.async_engine import AsyncLLM  # noqa: E402
+from helix.serving.server import HTTPServer, listen  # noqa: E402
+from helix.serving.tokenizer import load_tokenizer  # noqa: E402
+
+NAME = "tiny"
+# 12 pages of 4 positions per rank (kvp 2): 96 positions in all, so 8 clients of ~20 positions
+# each do not fit at once; a request of more than 96 positions never fits
+RT = RuntimeConfig(page_size=4, max_context=128, max_batch=8, num_pages=12,
+                   max_prefill_tokens=32)
+MAX_IN_FLIGHT = 12
+TEXTS = ["the cat and the dog run fast .", "red fish swim under the old bridge",
+         "a small bird can sing", "the sun and the moon", "cold wind and rain",
+         "old house by the sea", "blue sky over the city", "happy dog"]
+
+
+class Served:
+    def __init__(self, path, hf, tok, engine, server, kv_dir):
+        self.path, self.hf, self.tok = path, hf, tok
+        self.engine, self.server, self.kv_dir = engine, server, kv_dir
+        self.url = server.url
+
+    def client(self, cls=None):
+        return (cls or openai.OpenAI)(base_url=self.url + "/v1", api_key="none", max_retries=0,
+                                      timeout=60)
+
+    def want(self, ids: list[int], n: int) -> str:
+        """Transformers' greedy text for the prompt ids."""
+        return self.tok.decode(hf_greedy(self.hf, ids, n)[0])
+
+    def stats(self) -> dict:
+        async def get():
+            return await self.engine.stats()
+        return asyncio.run_coroutine_threadsafe(get(), self.engine._loop).result(30)
+
+
+@pytest.fixture(scope="module")
+def served(hf_checkpoint, tmp_path_factory):
+    src, hf = hf_checkpoint("llama")
+    root = tmp_path_factory.mktemp("serve")
+    path = checkpoint_with_tokenizer(src, str(root / "llama-tok"))
+    kv_dir = root / "kv"
+    kv_dir.mkdir()
+    tok = load_tokenizer(path)
+    engine = AsyncLLM(path, Layout(kvp=2), RT, tok, max_in_flight=MAX_IN_FLIGHT)
+    server = HTTPServer(engine, NAME, listen("127.0.0.1", 0), str(kv_dir)).start()
+    yield Served(path, hf, tok, engine, server, str(kv_dir))
+    server.stop()
+    engine.close()
+
+
+def wait_idle(served, timeout=20.0) -> dict:
+    """The engine's stats once nothing runs or waits and no page is held."""
+    deadline = time.time() + timeout
+    while True:
+        s = served.stats()
+        if (s["running"], s["queued"], served.engine.in_flight) == (0, 0, 0) and \
+                not any(s["kv_pages_used"]):
+            return s
+        assert time.time() < deadline, s
+        time.sleep(0.05)
+
+
+def test_models_and_health(served):
+    models = served.client().models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert models.data[0].max_model_len == 128
+    import urllib.request
+    with urllib.request.urlopen(served.url + "/health") as r:
+        assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+
+
+def test_completion_text_equals_transformers(served):
+    c = served.client()
+    ids = served.tok.encode(TEXTS[0])
+    want = served.want(ids, 12)
+    r = c.completions.create(model=NAME, prompt=TEXTS[0], max_tokens=12, temperature=0)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 12)
+    r2 = c.completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0)
+    assert r2.choices[0].text == want                                  # token ids in
+    assert r2.choices[0].model_extra["token_ids"] == served.tok.encode(want)
+
+
+def test_streaming_equals_non_streaming(served):
+    c = served.client()
+    chunks = list(c.completions.create(model=NAME, prompt=TEXTS[1], max_tokens=10,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == served.want(served.tok.encode(TEXTS[1]), 10)
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 10
+    msgs = [{"role": "user", "content": TEXTS[2]}]
+    whole = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=8, temperature=0)
+    parts = list(c.chat.completions.create(model=NAME, messages=msgs, max_tokens=8,
+                                           temperature=0, stream=True))
+    assert parts[0].choices[0].delta.role == "assistant"
+    streamed = "".join(p.choices[0].delta.content or "" for p in parts)
+    assert streamed == whole.choices[0].message.content == served.want(
+        served.tok.chat(msgs), 8)
+    assert whole.choices[0].message.role == "assistant"
+
+
+def test_eight_concurrent_clients(served):
+    """8 clients at once, half streaming, through a pool that holds about half of them: every
+    text is transformers'; afterwards no page is held."""
+    async def one(c, i):
+        kw = dict(model=NAME, prompt=TEXTS[i], max_tokens=12, temperature=0)
+        if i % 2:
+            s = await c.completions.create(stream=True, **kw)
+            return "".join([ch.choices[0].text async for ch in s])
+        return (await c.completions.create(**kw)).choices[0].text
+
+    async def main():
+        async with served.client(openai.AsyncOpenAI) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(8)))
+    got = asyncio.run(main())
+    assert got == [served.want(served.tok.encode(t), 12) for t in TEXTS]
+    wait_idle(served)
+
+
+def _raw_post(served, path: str, body: bytes) -> socket.socket:
+    host, port = served.server.host, served.server.port
+    s = socket.create_connection((host, port))
+    s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/"
+              b"json\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return s
+
+
+def test_disconnect_mid_stream_aborts_and_frees_pages(served):
+    c = served.client()
+    before = served.engine.metrics.requests.get("abort", 0)
+    s = c.completions.create(model=NAME, prompt=TEXTS[3], max_tokens=90, temperature=0,
+                             stream=True)
+    for i, _ in enumerate(s):
+        if i == 2:
+            break
+    s.close()                                        # the client goes away mid-stream
+    body = json.dumps({"model": NAME, "prompt": TEXTS[4], "max_tokens": 90}).encode()
+    raw = _raw_post(served, "/v1/completions", body)  # non-streaming, then gone
+    time.sleep(0.3)
+    raw.close()
+    wait_idle(served, timeout=10)
+    assert served.engine.metrics.requests.get("abort", 0) == before + 2
+    r = c.completions.create(model=NAME, prompt=TEXTS[3], max_tokens=6, temperature=0)
+    assert r.choices[0].text == served.want(served.tok.encode(TEXTS[3]), 6)
+
+
+BAD = [
+    (dict(max_tokens=0), 400, "max_tokens"),
+    (dict(temperature=-1), 400, "temperature"),
+    (dict(top_p=2), 400, "top_p"),
+    (dict(n=2), 400, "n"),
+    (dict(logprobs=2), 400, "logprobs"),
+    (dict(prompt=[1, 128]), 400, "prompt"),
+    (dict(prompt=""), 400, "prompt"),
+    (dict(prompt="the cat", max_tokens=120), 400, "max_tokens"),       # never fits the pool
+    (dict(prompt=list(range(5, 125)) + [3] * 10), 400, "prompt"),       # over max_context
+    (dict(extra_body={"kv_file": "../../etc/passwd"}), 400, "kv_file"),
+    (dict(model="gpt-4"), 404, "model"),
+]
+
+
+@pytest.mark.parametrize("change,status,param", BAD, ids=[b[2] + str(i) for i, b in enumerate(BAD)])
+def test_bad_request_names_the_field(served, change, status, param):
+    kw = dict(model=NAME, prompt="the cat", max_tokens=4)
+    kw.update(change)
+    with pytest.raises(openai.APIStatusError) as e:
+        served.client().completions.create(**kw)
+    assert e.value.status_code == status
+    assert e.value.body["param"] == param, e.value.body
+    assert e.value.body["message"]
+
+
+def test_bad_bodies_and_chat_fields(served):
+    s = _raw_post(served, "/v1/chat/completions", b"{not json")
+    reply = b""
+    while b"}}" not in reply:
+        reply += s.recv(65536)
+    reply = reply.decode()
+    s.close()
+    assert reply.startswith("HTTP/1.1 400") and "not valid JSON" in reply
+    c = served.client()
+    for msgs, param in (([], "messages"), ([{"content": "x"}], "messages[0]"),
+                        ([{"role": "user", "content": 5}], "messages[0].content")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=NAME, messages=msgs)
+        assert e.value.body["param"] == param
+
+
+def test_overload_is_429_and_the_others_finish(served):
+    """More requests at once than the server accepts: the extra ones get 429 with the reason,
+    every accepted one its exact text."""
+    ids = served.tok.encode(TEXTS[5])
+    want = served.want(ids, 16)
+
+    async def one(c):
+        try:
+            r = await c.completions.create(model=NAME, prompt=TEXTS[5], max_tokens=16,
+                                           temperature=0)
+            return r.choices[0].text
+        except openai.RateLimitError as e:
+            return e
+
+    async def main():
+        async with served.client(openai.AsyncOpenAI) as c:
+            return await asyncio.gather(*(one(c) for _ in range(MAX_IN_FLIGHT + 6)))
+    got = asyncio.run(main())
+    refused = [g for g in got if isinstance(g, Exception)]
+    assert refused and all("limit" in g.body["message"] for g in refused)
+    assert [g for g in got if not isinstance(g, Exception)] == [want] * (len(got) - len(refused))
+    wait_idle(served)
+
+
+def test_metrics_are_prometheus_text(served):
+    import urllib.request
+    with urllib.request.urlopen(served.url + "/metrics") as r:
+        assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+        text = r.read().decode()
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert samples["helix_up"] == "1"
+    assert samples['helix_kv_pages_used{rank="1"}'] == "0"
+    assert samples['helix_kv_pages_free{rank="0"}'] == "12"
+    assert int(samples["helix_time_to_first_token_seconds_count"]) >= 8
+    assert int(samples['helix_requests_total{finish_reason="length"}']) >= 8
+    assert int(samples['helix_requests_rejected_total{reason="overloaded"}']) >= 1
+    for line in text.splitlines():
+        assert line.startswith("# ") or len(line.rsplit(" ", 1)) == 2, line
+
+
+def test_kv_import_by_file(served):
+    """A prefill server's KV (here transformers' cache) in a file under --kv-dir: the same
+    text as prefilling the prompt."""
+    import torch
+    ids = served.tok.encode(TEXTS[6])
+    with torch.no_grad():
+        cache = served.hf(torch.tensor([ids]), use_cache=True).past_key_values
+    save_kv(kv_from_hf(cache), os.path.join(served.kv_dir, "p.safetensors"))
+    r = served.client().completions.create(model=NAME, prompt=ids, max_tokens=10,
+                                           temperature=0, extra_body={"kv_file": "p.safetensors"})
+    assert r.choices[0].text == served.want(ids, 10)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def test_killed_rank_is_503_naming_it(served):
+    """Last: rank 1 is killed. /health says so within the engine's liveness interval, and a
+    request gets 503 naming the rank; the server process lives on."""
+    (worker,) = _children(served.engine._proc.pid)
+    os.kill(worker, signal.SIGKILL)
+    t0 = time.time()
+    c = served.client()
+    with pytest.raises(openai.InternalServerError) as e:
+        c.completions.create(model=NAME, prompt=TEXTS[7], max_tokens=30, temperature=0)
+    assert e.value.status_code == 503 and "rank 1" in e.value.body["message"]
+    import urllib.error
+    import urllib.request
+    with pytest.raises(urllib.error.HTTPError) as h:
+        urllib.request.urlopen(served.url + "/health")
+    assert h.value.code == 503 and "rank 1" in json.loads(h.value.read())["error"]["message"]
+    assert time.time() - t0 < 15
