@@ -232,7 +232,7 @@ def set_kernels(mode: str) -> None:
     after = mode != "before"
     rt.Router.forward = _NEW_FORWARD if after else _legacy_forward
     fm.VARIANT = "auto" if after else "v1"
-    triton_mla_few.ENABLED = mode == "after"
+    triton_mla_few.MODE = "" if mode == "after" else "0"
 
 
 _NEW_FORWARD = rt.Router.forward

@@ -31,7 +31,7 @@ def test_bench_runs_on_cpu(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "MLA_VARIANTS", [bench.MLA_VARIANTS[1]])
     monkeypatch.setattr(rt.Router, "forward", rt.Router.forward)       # restored afterwards
     monkeypatch.setattr(fm, "VARIANT", fm.VARIANT)
-    monkeypatch.setattr(triton_mla_few, "ENABLED", triton_mla_few.ENABLED)
+    monkeypatch.setattr(triton_mla_few, "MODE", triton_mla_few.MODE)
     out = tmp_path / "r.json"
     bench.main(["--out", str(out), "--iters", "1", "--moe-batches", "1,3",
                 "--mla-contexts", "32", "--step-contexts", "32,64", "--step-steps", "2",
@@ -54,14 +54,14 @@ def test_bench_runs_on_cpu(monkeypatch, tmp_path, capsys):
 def test_kernel_switch(monkeypatch):
     monkeypatch.setattr(rt.Router, "forward", rt.Router.forward)
     monkeypatch.setattr(fm, "VARIANT", fm.VARIANT)
-    monkeypatch.setattr(triton_mla_few, "ENABLED", triton_mla_few.ENABLED)
+    monkeypatch.setattr(triton_mla_few, "MODE", triton_mla_few.MODE)
     bench.set_kernels("before")
-    assert fm.VARIANT == "v1" and not triton_mla_few.ENABLED
+    assert fm.VARIANT == "v1" and not triton_mla_few.routes(16)
     assert rt.Router.forward is bench._legacy_forward
     bench.set_kernels("after-nofew")
-    assert fm.VARIANT == "auto" and not triton_mla_few.ENABLED
+    assert fm.VARIANT == "auto" and not triton_mla_few.routes(16)
     assert rt.Router.forward is bench._NEW_FORWARD
     bench.set_kernels("after")
-    assert triton_mla_few.ENABLED
+    assert triton_mla_few.routes(16)
     with pytest.raises(SystemExit):
         bench.set_kernels("later")

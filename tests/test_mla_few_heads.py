@@ -83,9 +83,9 @@ def test_plan_and_routing(monkeypatch):
     monkeypatch.setattr(triton_mla_few, "mla_decode_few", lambda *a, **k: calls.append(a) or "few")
     args = (torch.zeros(1, 16, 16), torch.zeros(1, 16, 16), torch.zeros(2, 16, 32),
             torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1)
-    monkeypatch.setattr(triton_mla_few, "ENABLED", True)
+    monkeypatch.setattr(triton_mla_few, "MODE", "")          # the default: 16 heads go there
     assert triton_mla.mla_decode(*args) == "few" and len(calls) == 1
-    monkeypatch.setattr(triton_mla_few, "ENABLED", False)
+    monkeypatch.setattr(triton_mla_few, "MODE", "0")
     triton_mla.mla_decode(*[a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args])
     assert len(calls) == 1                                        # off: the 128-head kernel
 

@@ -358,12 +358,10 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
     """q_latent [B, H, Dl], q_rope [B, H, Dr], kv_cache [P, page, Dl + Dr] (latent, rope key),
     block_tables [B, max_pages] int32, kv_lens [B] int32 -> o [B, H, Dl] in q_latent.dtype,
     lse [B, H] fp32 (natural log, -inf where kv_len == 0). `config` overrides any of
-    MLA_TUNABLES (block_n / block_h: shorthands for BLOCK_N / BLOCK_H). Few heads (<=
-    triton_mla_few.FEW_HEADS_MAX) go to triton_mla_few's kernel when it is enabled
-    (HELIX_MLA_FEW=1) and no tunable of this kernel is given."""
+    MLA_TUNABLES (block_n / block_h: shorthands for BLOCK_N / BLOCK_H). Few heads go to
+    triton_mla_few's kernel (triton_mla_few.routes) when no tunable of this kernel is given."""
     B, H, Dl = q_latent.shape
-    if (triton_mla_few.ENABLED and H <= triton_mla_few.FEW_HEADS_MAX and config is None
-            and block_n is None and block_h is None):
+    if triton_mla_few.routes(H) and config is None and block_n is None and block_h is None:
         return triton_mla_few.mla_decode_few(q_latent, q_rope, kv_cache, block_tables, kv_lens,
                                              scale, num_splits)
     Dr = q_rope.shape[-1]

@@ -14,8 +14,10 @@ tiles go through plain loads that Triton's pipeliner turns into cp.async stages 
 no tensor descriptors. Split partials merge in triton_splits.reduce_splits.
 
 Variants (FEW_TUNABLES, `mla_decode_few(config=...)`) are compared on the GPU by
-profiling/bench_step_kernels.py; triton_mla.mla_decode routes heads <= FEW_HEADS_MAX here when
-HELIX_MLA_FEW=1 (default off until that comparison picks it).
+profiling/bench_step_kernels.py. triton_mla.mla_decode routes heads <= FEW_HEADS_DEFAULT here
+(HELIX_MLA_FEW=0 turns that off, =1 extends it to FEW_HEADS_MAX): whole DeepSeek-V2-Lite
+decode steps on one H200 were faster with it at every point measured, batch 1 and 8 x 1K-128K,
+3.8 -> 5.3 ms at batch 1 x 128K (profiling/results/step_floor_1gpu/).
 """
 
 from __future__ import annotations
@@ -30,8 +32,16 @@ from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, fill_n
                                            reduce_splits, run_kernel, sm_count_of, split_range,
                                            token_rows)
 
-ENABLED = os.environ.get("HELIX_MLA_FEW", "0") not in ("0", "")
-FEW_HEADS_MAX = 64
+MODE = os.environ.get("HELIX_MLA_FEW", "")       # "" default, "0" off, anything else: up to 64
+FEW_HEADS_MAX = 64                # the kernel's limit
+FEW_HEADS_DEFAULT = 32            # routed here by default (measured: 16 heads)
+
+
+def routes(heads: int) -> bool:
+    """Whether triton_mla.mla_decode sends a launch of `heads` query heads here."""
+    if MODE == "0":
+        return False
+    return heads <= (FEW_HEADS_MAX if MODE else FEW_HEADS_DEFAULT)
 FEW_TUNABLES = ("SWAP", "BLOCK_N", "num_warps", "num_stages", "split_policy", "min_tokens",
                 "partial_dtype")
 
