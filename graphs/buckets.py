@@ -28,6 +28,31 @@ def default_buckets(max_size: int, step: int = 8) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def token_buckets(max_size: int, per_octave: int = 8, dense_from: int = 256) -> tuple[int, ...]:
+    """Token counts for prefill steps: powers of two from 16 up to `dense_from`, then
+    `per_octave` evenly spaced sizes per octave (256, 288, 320, ... 512, 576, ...), `max_size`
+    always last.
+
+    A prefill step's work grows with its tokens, so a padded token costs compute: above
+    `dense_from` the ladder bounds the padding to 1 / per_octave of the step (12.5 %). Below it a
+    step is bound by kernel launches rather than FLOPs, and doubling costs little.
+    """
+    if max_size < 1:
+        raise ValueError(f"max_size must be >= 1, got {max_size}")
+    if per_octave < 1 or dense_from < 16:
+        raise ValueError(f"per_octave must be >= 1 and dense_from >= 16, got {per_octave}, "
+                         f"{dense_from}")
+    sizes, b = [], 16
+    while b < dense_from and b < max_size:
+        sizes.append(b)
+        b *= 2
+    while b < max_size:
+        step = max(1, b // per_octave)
+        sizes += range(b, min(2 * b, max_size), step)
+        b *= 2
+    return tuple(sizes) + (max_size,)
+
+
 class BucketLadder:
     """Ascending, distinct bucket sizes; the largest is the most rows a graph holds.
 

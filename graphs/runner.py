@@ -8,9 +8,9 @@
 
 `step(bucket, buffers, ctx)` reads its inputs from `buffers.view(name, bucket)` and returns its
 outputs (tensors at fixed addresses once captured). A step needing more rows than the largest
-bucket is the caller's to run another way (eagerly). `close()` frees all graphs and the pool; do
-it before destroying process groups: a process that destroyed its NCCL group with captured graphs
-alive was seen to hang at exit.
+bucket is the caller's to run another way (eagerly). `close()` frees all graphs; do it before
+destroying process groups: a process that destroyed its NCCL group with captured graphs alive was
+seen to hang at exit. Runners handed the same `GraphPool` capture into one memory pool.
 """
 
 from __future__ import annotations
@@ -29,6 +29,22 @@ from .static import StaticBuffers
 StepFn = Callable[[int, StaticBuffers, GraphContext], Any]
 
 
+class GraphPool:
+    """One CUDA graph memory pool and capture stream, for every runner handed it. Graphs that
+    are replayed one at a time on one stream may share their intermediates (each graph's outputs
+    stay its own), so a process holds one step's activations however many graphs it captures.
+    Created at the first capture on CUDA; never on other devices."""
+
+    def __init__(self):
+        self.handle = None
+        self.stream: torch.cuda.Stream | None = None
+
+    def ensure(self, device: torch.device) -> None:
+        if self.handle is None:
+            self.handle = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(device)
+
+
 class GraphRunner:
     """Captures `fn` for every bucket of `ladder` and replays the one a step needs.
 
@@ -37,11 +53,12 @@ class GraphRunner:
     enabled: False runs every step eagerly through the same code path (also what non-CUDA
         devices do), for A/B checks of graphs against eager.
     warmup: eager runs per bucket before its capture (CUDA only).
+    pool: the pool to capture into, shared with other runners (None: one of its own).
     """
 
     def __init__(self, fn: StepFn, ladder: BucketLadder, buffers: StaticBuffers, *,
                  breaks: Iterable[str] = (), enabled: bool = True, warmup: int = 2,
-                 capture_error_mode: str = "global"):
+                 capture_error_mode: str = "global", pool: GraphPool | None = None):
         if buffers.max_rows < ladder.max:
             raise ValueError(f"static buffers hold {buffers.max_rows} rows, the largest bucket "
                              f"needs {ladder.max}: allocate StaticBuffers(ladder.max, ...)")
@@ -53,8 +70,7 @@ class GraphRunner:
         self.graphs: dict[int, BreakableGraph] = {}   # bucket -> its captured graph
         self.last_bucket: int | None = None           # bucket of the last replay
         self.capture_seconds = 0.0
-        self._pool = None
-        self._stream: torch.cuda.Stream | None = None
+        self.pool = pool if pool is not None else GraphPool()
         self._closed = False
 
     def capture_all(self) -> None:
@@ -66,14 +82,14 @@ class GraphRunner:
         self._check_open()
         t0 = time.perf_counter()
         self.buffers.fill_pads()
-        if self.use_graphs and self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-            self._stream = torch.cuda.Stream(self.device)
+        if self.use_graphs:
+            self.pool.ensure(self.device)
         for bucket in self.ladder.descending():
             if bucket in self.graphs:
                 continue
             graph = BreakableGraph(partial(self.fn, bucket, self.buffers), breaks=self.breaks,
-                                   device=self.device, pool=self._pool, stream=self._stream,
+                                   device=self.device, pool=self.pool.handle,
+                                   stream=self.pool.stream,
                                    capture_error_mode=self.capture_error_mode,
                                    eager=not self.use_graphs)
             graph.capture(self.warmup)
@@ -95,7 +111,8 @@ class GraphRunner:
         return self.graphs[bucket].replay()
 
     def close(self) -> None:
-        """Free all graphs and the shared pool (idempotent). Call before destroy_process_group."""
+        """Free all graphs (idempotent); the pool's blocks go back to the device once no runner
+        sharing it holds graphs. Call before destroy_process_group."""
         if self._closed:
             return
         self._closed = True
@@ -104,7 +121,6 @@ class GraphRunner:
         for graph in self.graphs.values():
             graph.close()
         self.graphs.clear()
-        self._pool, self._stream = None, None
         if self.use_graphs:
             torch.cuda.empty_cache()  # the pool's blocks go back to the device
 

@@ -1,10 +1,11 @@
 """Static input buffers: the tensors a captured graph reads, allocated once, never reallocated.
 
 A CUDA graph bakes in the addresses of everything it reads. Each step's inputs are therefore
-written into a host mirror (`HostStaging`) and copied *into* these buffers (stale or reallocated addresses are the top cause of silently wrong
-output under graphs). Every buffer is row-indexed: `[max_rows, *row_shape]`; a bucket of b rows
-reads the view `[:b]`. Rows past a step's real count hold the buffer's pad value (e.g. slot -1:
-no KV write; length 0: empty attention), so padded rows compute harmlessly and are ignored.
+written into a host mirror (`HostStaging`) and copied *into* these buffers (stale or reallocated
+addresses are the top cause of silently wrong output under graphs). Every buffer is row-indexed:
+`[max_rows, *row_shape]`; a bucket of b rows reads the view `[:b]`. Rows past a step's real
+count hold the buffer's pad value (e.g. slot -1: no KV write; length 0: empty attention), so
+padded rows compute harmlessly and are ignored.
 """
 
 from __future__ import annotations
