@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from helix.kv.manager import KVManager, LocalKVMeta, upload
-from helix.kv.ownership import kv_owner
+from helix.kv.ownership import KVSharding, kv_owner
+
 
 def pass_kv_cheaper(new_tokens: int, cached_tokens: int, kv_row: int, q_row: int) -> bool:
     """Meta's rule: pass-KV when T / (T + P) >= kv_row / q_row."""
@@ -40,16 +41,25 @@ def pass_kv_cheaper(new_tokens: int, cached_tokens: int, kv_row: int, q_row: int
     return total > 0 and new_tokens * q_row >= total * kv_row
 
 
+def own_counts(sharding: KVSharding, chunks: list[tuple[int, int, int]]) -> list[int]:
+    """Positions of the chunks (seq, start, n) that each KVP rank owns: the chunk rows it
+    projects under pass-KV."""
+    return [sum(sharding.local_len(s + n, k) - sharding.local_len(s, k) for _, s, n in chunks)
+            for k in range(sharding.kvp)]
+
+
 @dataclass
 class CPPlan:
     """One step's context-parallel prefill on one rank (pass-KV)."""
 
     rows: torch.Tensor           # [R] int64: rows of the step's tokens this rank projects:
-                                 # every decode row, then its own chunk rows
+                                 # every decode row, then its own chunk rows (a captured step
+                                 # reads them from a static buffer, padded past R)
+    host_rows: torch.Tensor      # [R] int64 on the host: the same rows
     num_decode: int              # the first D rows of the step (and of `rows`) are decode rows
     own_counts: list[int]        # own chunk rows of each KVP rank (the token all-to-all)
-    dest: torch.Tensor           # [kvp * M] int64: chunk row of received row (i, m); M = max
-                                 # own count; padding rows point at the extra row Tc
+    dest: torch.Tensor           # [kvp * M] int64: step row of received row (i, m); M = max
+                                 # own count; padding rows point at row D + Tc, past the step's
     num_chunk_rows: int          # Tc: chunk rows of the step
     gather_pages: torch.Tensor   # [slots] int64: this rank's page in each slot of the shared
                                  # layout (0 where it holds none)
@@ -78,12 +88,13 @@ def plan_pass_kv(kv: KVManager, batch: list[tuple[int, int, int]], num_decode: i
         cu_own.append(cu_own[-1] + mine.numel())
         t += n
     owner = torch.cat(owners) if owners else torch.zeros(0, dtype=torch.long)
-    counts = [int((owner == i).sum()) for i in range(kvp)]
+    counts = own_counts(kv.sharding, chunks)
     width = max(counts + [1])
     dest = torch.full((kvp, width), len(owner), dtype=torch.long)
     for i in range(kvp):
         idx = torch.nonzero(owner == i).flatten()
         dest[i, :idx.numel()] = idx
+    dest += num_decode
     # the slots layout: each chunk's sequence gets as many page slots as KVP rank 0 holds (the
     # most); rank r fills the first pages(end, r) of them with its pages
     slots, tables, offset = [], [], 0
@@ -109,8 +120,8 @@ def plan_pass_kv(kv: KVManager, batch: list[tuple[int, int, int]], num_decode: i
                                    kv_lens=upload(lens, device), cu_q=cu, q_pos=pos, kvp_rank=j,
                                    kvp=kvp, interleave=kv.interleave, page_size=kv.page_size,
                                    num_decode=0, max_q=max_q))
-    return CPPlan(rows=upload(torch.tensor(rows, dtype=torch.long), device),
-                  num_decode=num_decode, own_counts=counts,
-                  dest=upload(dest.flatten(), device), num_chunk_rows=len(owner),
+    host_rows = torch.tensor(rows, dtype=torch.long)
+    return CPPlan(rows=upload(host_rows, device), host_rows=host_rows, num_decode=num_decode,
+                  own_counts=counts, dest=upload(dest.flatten(), device), num_chunk_rows=len(owner),
                   gather_pages=upload(torch.tensor(slots, dtype=torch.long), device),
                   sources=sources, ring=kvp * len(slots) * page_bytes > gather_limit)

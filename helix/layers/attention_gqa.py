@@ -90,7 +90,7 @@ class GQAAttention(nn.Module):
                 qk = self.rope(q.as_strided((R, self.hq + self.hkv, self.d), q.stride()), pos)
                 q, k = qk.split([self.hq, self.hkv], dim=1)
         k_cache, v_cache = cache
-        slots = meta.slots if cp is None else meta.slots[cp.rows]
+        slots = meta.slots
 
         def attend_rows(a, b, m):
             return backend.attend_gqa(q[a:b], k_cache, v_cache, m, self.scale)
@@ -110,20 +110,30 @@ class GQAAttention(nn.Module):
                 o, lse = region(ctx, "attention", attend)
             o = self.exchange(o, lse, backend)                        # [T, H/N, d]
         else:
-            with phase("attn"):
-                backend.append_kv_pair(k_cache, v_cache, k, v, slots)  # decode rows + own positions
-            D = cp.num_decode
-            parts = []
-            if D:                                                     # decode rows: pass-Q
-                with phase("attn"):
-                    o, lse = attend_rows(0, D, meta.split(D)[0])
-                parts.append(self.exchange(o, lse, backend))          # [D, H/N, d]
-            with phase("attn.cp"):
-                own = self.cp.attend(lambda kv, m: backend.prefill_gqa(q[D:], kv[0], kv[1], m,
-                                                                       self.scale),
-                                     [k_cache, v_cache], cp)          # [T_own, H/tpa, d]
-            with phase("a2a.cp"):
-                parts.append(self.cp.to_heads(own, cp))               # [Tc, H/N, d]
-            o = torch.cat(parts)
+            o = region(ctx, "attention", lambda: self._attend_cp(q, k, v, meta, cache, backend, T))
         with phase("oproj"):
             return self.o_proj(o.reshape(T, -1))
+
+    def _attend_cp(self, q, k, v, meta, cache, backend, T):
+        """Pass-KV (meta.cp): append this rank's rows, attend its decode rows the Helix way and
+        its own chunk queries over the whole causal prefix -> o [T, H/N, d] in step order.
+        Under a captured prefill step this is the eager break "attention", run on the step's
+        plan: q, k, v [R', ...] may hold padding rows past the plan's R, and o is padded with
+        zero rows to T."""
+        cp = meta.cp
+        R, D = cp.host_rows.numel(), cp.num_decode
+        k_cache, v_cache = cache
+        with phase("attn"):                                       # decode rows + own positions
+            backend.append_kv_pair(k_cache, v_cache, k[:R], v[:R], meta.slots[cp.rows[:R]])
+        o_decode = None
+        if D:                                                     # decode rows: pass-Q
+            with phase("attn"):
+                o, lse = backend.attend_gqa(q[:D], k_cache, v_cache, meta.split(D)[0],
+                                            self.scale)
+            o_decode = self.exchange(o, lse, backend)             # [D, H/N, d]
+        with phase("attn.cp"):
+            own = self.cp.attend(lambda kv, m: backend.prefill_gqa(q[D:R], kv[0], kv[1], m,
+                                                                   self.scale),
+                                 cache, cp)                       # [T_own, H/tpa, d]
+        with phase("a2a.cp"):
+            return self.cp.to_heads(own, cp, o_decode, T)         # [T, H/N, d]

@@ -7,9 +7,10 @@ one layer that the attention modules own:
   the next and attends over what arrives, kvp - 1 times). Each source gives a partial (O, LSE);
   they are merged exactly, in source order whichever way they came.
 - `to_heads`: the bridge to the output projection. In: this rank's own tokens, all H/tpa heads
-  of its slice [T_own, H/tpa, d]. Out: every chunk token, this rank's H/N heads [Tc, H/N, d], the
-  layout the row-parallel o_proj (and after its all-reduce the FFN / MoE, unchanged) expects. One
-  all-to-all over KVP: rank k sends head chunk j of its own tokens to rank j.
+  of its slice [T_own, H/tpa, d]. Out: every token of the step, this rank's H/N heads
+  [T, H/N, d], the layout the row-parallel o_proj (and after its all-reduce the FFN / MoE,
+  unchanged) expects. One all-to-all over KVP: rank k sends head chunk j of its own tokens to
+  rank j.
 
     own tokens ──(proj QKV, append own KV)──> q_own, K/V pages ──gather / ring over kvp──>
       attend vs each source j ──LSE merge──> o_own [T_own, H/tpa, d] ──all-to-all over kvp──>
@@ -58,8 +59,11 @@ class ContextParallel(nn.Module):
         lse = torch.stack([parts[j][1] for j in range(self.kvp)])
         return merge_partials(o, lse)[0]
 
-    def to_heads(self, o_own: torch.Tensor, plan: CPPlan) -> torch.Tensor:
-        """o_own [T_own, H/tpa, d] -> [Tc, H/N, d] (the chunk's tokens in step order)."""
+    def to_heads(self, o_own: torch.Tensor, plan: CPPlan, o_decode: torch.Tensor | None,
+                 rows: int) -> torch.Tensor:
+        """o_own [T_own, H/tpa, d], o_decode [D, H/N, d] (the decode rows, merged; None when
+        D = 0) -> [rows, H/N, d]: the step's tokens in step order, then zero rows up to `rows`
+        (a captured bucket's padding)."""
         kvp = self.kvp
         t_own, h, d = o_own.shape
         width = max(plan.own_counts + [1])
@@ -67,6 +71,9 @@ class ContextParallel(nn.Module):
         send[:t_own] = o_own
         send = send.view(width, kvp, h // kvp, d).transpose(0, 1).contiguous()  # [kvp, M, H/N, d]
         recv = self.comm.all_to_all(send, "kvp")        # block i: rank i's own tokens, my heads
-        out = o_own.new_zeros(plan.num_chunk_rows + 1, h // kvp, d)
+        # one spare row past the step's: the all-to-all's padding rows land there
+        out = o_own.new_zeros(max(rows, plan.num_decode + plan.num_chunk_rows + 1), h // kvp, d)
+        if o_decode is not None:
+            out[:plan.num_decode] = o_decode
         out[plan.dest] = recv.view(kvp * width, h // kvp, d)
-        return out[:-1]
+        return out[:rows]
