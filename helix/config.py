@@ -236,10 +236,15 @@ class RuntimeConfig:
     seed: int = 0                  # random weights of presets; default sampling seed
     timeout_s: float = 300.0       # collective timeout: a dead rank ends the run with an error
     layers: int = 0                # run only the first n decoder layers (0: all; benchmarking)
-    cuda_graphs: bool = True       # decode steps through per-bucket graphs (CPU: same path, eager)
+    cuda_graphs: bool = True       # steps through per-bucket graphs (CPU: same path, eager)
     graph_buckets: tuple[int, ...] = ()   # batch buckets (empty: 1, 2, 4, 8, 16, 24, ... max_batch)
     graph_breaks: tuple[str, ...] = ()    # regions to run eagerly under graphs: attention, moe
     graph_eager: bool = False      # bucketed, padded graph path but no capture (debug: A/B vs capture)
+    prefill_graphs: bool | None = None    # steps with prompt chunks through per-bucket graphs too
+                                   # (with cuda_graphs; None: on for cuda, off for cpu)
+    prefill_graph_buckets: tuple[int, ...] = ()   # tokens a rank projects, per prefill graph
+                                   # (empty: 16 ... 256 doubling, then 8 per octave; none past
+                                   # the largest step, max_prefill_tokens + max_batch)
     overlap: bool | None = None    # prepare step N+1 on the host while step N runs on the device;
                                    # tokens are reported one step later (None: on for cuda)
 
@@ -267,6 +272,9 @@ class RuntimeConfig:
             raise ConfigError(f"unknown graph break(s) {', '.join(sorted(unknown))}: use attention, moe")
         if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.graph_buckets):
             raise ConfigError("graph buckets must be positive batch sizes")
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+               for b in self.prefill_graph_buckets):
+            raise ConfigError("prefill graph buckets must be positive token counts")
         if self.prefill_cp not in ("auto", "pass-kv", "pass-q"):
             raise ConfigError(f"prefill_cp must be auto, pass-kv or pass-q, got {self.prefill_cp!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -288,6 +296,12 @@ class RuntimeConfig:
     @property
     def resolved_overlap(self) -> bool:
         return self.device == "cuda" if self.overlap is None else bool(self.overlap)
+
+    @property
+    def resolved_prefill_graphs(self) -> bool:
+        """Whether steps with prompt chunks replay graphs (only with cuda_graphs)."""
+        on = self.device == "cuda" if self.prefill_graphs is None else bool(self.prefill_graphs)
+        return self.cuda_graphs and on
 
     @property
     def resolved_memory_utilization(self) -> float:

@@ -84,11 +84,17 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                         "(pass-kv) or all of them (pass-q); auto: the smaller message")
     g = p.add_argument_group("CUDA graphs")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="run decode steps eagerly")
+                   help="run every step eagerly (decode and prefill)")
     g.add_argument("--graph-buckets", type=token_ids, default=(),
                    help="batch buckets, e.g. 1,2,4,8 (default 1,2,4,8,16,24,... up to --max-batch)")
     g.add_argument("--graph-breaks", type=_names, default=(),
                    help="regions to run eagerly inside the graph: attention, moe")
+    g.add_argument("--no-prefill-graphs", dest="prefill_graphs", action="store_false",
+                   default=None, help="run steps with prompt chunks eagerly (default on cuda: "
+                                      "graphs)")
+    g.add_argument("--prefill-graph-buckets", type=token_ids, default=(),
+                   help="tokens per rank of the prefill graphs, e.g. 512,1024,2048 (default 16 "
+                        "... 256, then 8 per octave up to --max-prefill-tokens + --max-batch)")
     g.add_argument("--no-overlap", dest="overlap", action="store_false", default=None,
                    help="finish each step before preparing the next (default on cuda: overlap)")
 
@@ -119,7 +125,9 @@ def configs(args) -> tuple[Layout, RuntimeConfig]:
                             layers=args.layers, timeout_s=args.timeout,
                             cuda_graphs=args.cuda_graphs, graph_buckets=tuple(args.graph_buckets),
                             graph_breaks=args.graph_breaks, overlap=args.overlap,
-                            hopb=args.hopb, prefill_cp=args.prefill_cp)
+                            hopb=args.hopb, prefill_cp=args.prefill_cp,
+                            prefill_graphs=args.prefill_graphs,
+                            prefill_graph_buckets=tuple(args.prefill_graph_buckets))
     return layout, runtime
 
 

@@ -59,10 +59,20 @@ class CausalLM(nn.Module):
         return [layer.self_attn.kv_cache_shape(num_pages, page_size) for layer in self.model.layers]
 
     def forward(self, ids, pos, meta, caches, backend, last, ctx=None):
+        return self.head(*self.hidden(ids, pos, meta, caches, backend, ctx), last)
+
+    def hidden(self, ids, pos, meta, caches, backend, ctx=None):
+        """-> (h, residual) [T, D]: the last layer's output and the residual it is still to be
+        added to (None without layers). A captured prefill step ends here (helix/runtime/
+        prefill_graphs.py): the head's row count is the step's sequence count."""
         h = self.model.embed_tokens(ids)
         residual = None
         for layer, cache in zip(self.model.layers, caches):
             h, residual = layer(h, pos, meta, cache, backend, ctx, residual)
+        return h, residual
+
+    def head(self, h, residual, last):
+        """The final norm and the LM head of rows `last` (None: every row) -> logits [S, V]."""
         if last is not None and residual is None:
             h = self.model.norm(h[last])
         elif last is not None and 4 * last.shape[0] < h.shape[0]:   # prefill: gather first

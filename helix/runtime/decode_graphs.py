@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from helix.graphs import BucketLadder, GraphRunner, HostStaging, StaticBuffers
+from helix.graphs import BucketLadder, GraphPool, GraphRunner, HostStaging, StaticBuffers
 from helix.kv.manager import LocalKVMeta
 from helix.runtime.sampler import Sampler
 
@@ -29,9 +29,12 @@ from helix.runtime.sampler import Sampler
 class DecodeGraphs:
     def __init__(self, model, caches, backend, sampler: Sampler, kv_geometry: dict,
                  ladder: BucketLadder, breaks: tuple[str, ...], max_pages: int, device,
-                 enabled: bool = True, micro_batches=lambda rows: 1):
+                 enabled: bool = True, micro_batches=lambda rows: 1,
+                 pool: GraphPool | None = None):
         """kv_geometry: LocalKVMeta's rank fields (kvp_rank, kvp, interleave, page_size);
-        micro_batches(rows): HOP-B's split of a bucket (fixed per bucket, so it captures)."""
+        micro_batches(rows): HOP-B's split of a bucket (fixed per bucket, so it captures);
+        pool: the memory pool to capture into (shared with the prefill graphs)."""
+        pool = pool if pool is not None else GraphPool()
         self.model, self.caches, self.backend, self.sampler = model, caches, backend, sampler
         self.geometry = kv_geometry
         self.ladder = ladder
@@ -51,7 +54,7 @@ class DecodeGraphs:
         if not all(getattr(m, "graph_safe", True) for m in model.modules()):
             self.needed_breaks.add("moe")
         self.runner = GraphRunner(self._step, ladder, bufs, breaks=self.needed_breaks,
-                                  enabled=enabled)
+                                  enabled=enabled, pool=pool)
         self.mirrors = (HostStaging(bufs), HostStaging(bufs))   # alternate: see HostStaging
         self._flip = 0
         # the sampler (temperature / top-k / top-p rows) as its own graph per bucket, replayed
@@ -60,7 +63,7 @@ class DecodeGraphs:
             "temperature": ((), torch.float32, 0.0), "top_p": ((), torch.float32, 1.0),
             "top_k": ((), torch.int64, 0), "seed": ((), torch.int64, 0),
             "counter": ((), torch.int64, 0)})
-        self.sampling = GraphRunner(self._sample_step, ladder, sbufs, enabled=enabled)
+        self.sampling = GraphRunner(self._sample_step, ladder, sbufs, enabled=enabled, pool=pool)
         self.sampling_mirrors = (HostStaging(sbufs), HostStaging(sbufs))
         self._logits = None
 

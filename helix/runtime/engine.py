@@ -2,9 +2,10 @@
 same commands; rank 0 (the driver, see llm.py) is the only one that talks to the user.
 
 A step reads top to bottom: apply the commands -> plan (scheduler) -> launch the plan on the
-device (graph replay for decode-only steps, eager otherwise: decode rows through the decode
-kernels, prefill chunks through the prefill kernels, one forward) -> read back the previous
-step's tokens (overlap) or this one's -> retire finished requests.
+device (a decode graph's replay for decode-only steps, a prefill graph's for steps with prompt
+chunks, eager when no bucket holds the step: decode rows through the decode kernels, prefill
+chunks through the prefill kernels, one forward) -> read back the previous step's tokens
+(overlap) or this one's -> retire finished requests.
 
 A failure while launching a step stays with its requests (one rank): the KV it queued is
 rolled back, the prefill chunks of the step end with finish reason "error" and the decode rows
@@ -23,8 +24,8 @@ import torch
 from helix.attention.backend import get_backend
 from helix.config import Layout, ModelConfig, RuntimeConfig
 from helix.errors import EngineDeadError
-from helix.graphs import BucketLadder
-from helix.kv.context_parallel import pass_kv_cheaper, plan_pass_kv
+from helix.graphs import BucketLadder, GraphPool, token_buckets
+from helix.kv.context_parallel import own_counts, pass_kv_cheaper, plan_pass_kv
 from helix.kv.manager import KVManager, upload
 from helix.kv.ownership import KVSharding
 from helix.layers.attention_gqa import kv_head_range
@@ -34,6 +35,7 @@ from helix.parallel.comm import Comm
 from helix.runtime import faults
 from helix.runtime.decode_graphs import DecodeGraphs
 from helix.runtime.memory import plan_kv_pool
+from helix.runtime.prefill_graphs import LOCAL, PASS_KV, PrefillGraphs
 from helix.tracing import nvtx_range
 from helix.runtime.request import Request
 from helix.runtime.sampler import Sampler
@@ -97,19 +99,35 @@ class Engine:
         self._exchange_rows = attn.exchange_rows()
         self._layer_page_bytes = self.pool.page_bytes // cfg.num_layers
         self._failed_last = False
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
+        geometry = dict(kvp_rank=mesh.kvp_rank, kvp=layout.kvp,
+                        interleave=layout.kv_interleave, page_size=runtime.page_size)
+        pool = GraphPool()                    # one pool: prefill graphs (largest) first
+        if runtime.resolved_prefill_graphs:
+            step = runtime.max_batch + runtime.resolved_max_prefill_tokens
+            buckets = runtime.prefill_graph_buckets or token_buckets(step)
+            self.prefill_graphs = PrefillGraphs(
+                self.model, self.caches, self.backend, self.sampler, geometry,
+                BucketLadder(buckets=[b for b in buckets if b <= step] or [step]), step,
+                self._prefill_modes(), runtime.graph_breaks, device,
+                enabled=not runtime.graph_eager, pool=pool)
+            self.prefill_graphs.capture()
         if runtime.cuda_graphs:
-            geometry = dict(kvp_rank=mesh.kvp_rank, kvp=layout.kvp,
-                            interleave=layout.kv_interleave, page_size=runtime.page_size)
             self.graphs = DecodeGraphs(self.model, self.caches, self.backend, self.sampler,
                                        geometry, ladder, runtime.graph_breaks,
                                        self.sharding.max_pages(self.max_context), device,
                                        enabled=not runtime.graph_eager,
-                                       micro_batches=self._micro_batches)
+                                       micro_batches=self._micro_batches, pool=pool)
             self.graphs.capture()
 
     def _micro_batches(self, rows: int) -> int:
         return micro_batches(self.runtime.hopb, rows, self.layout.kvp)
+
+    def _prefill_modes(self) -> tuple[str, ...]:
+        """The ways a step's chunks may attend (see _pass_kv): the prefill graphs to capture."""
+        if self.layout.kvp == 1 or self.runtime.prefill_cp == "pass-q":
+            return (LOCAL,)
+        return (PASS_KV,) if self.runtime.prefill_cp == "pass-kv" else (LOCAL, PASS_KV)
 
     # -- commands (identical on every rank) --------------------------------------------------
     def apply(self, commands: list[tuple]) -> None:
@@ -221,9 +239,15 @@ class Engine:
                 last.append(len(ids) - 1)
         params = [r.params for r in sampled]
         seeds = [self.seeds[r.id] for r in sampled]
-        self.last_graphed = (self.graphs is not None and not plan.prefill
-                             and self.graphs.fits(len(ids)))
-        if self.last_graphed:
+        D = len(plan.decode)
+        pass_kv = self._pass_kv(batch[D:])
+        key = None                            # the prefill graph of a step with chunks
+        if plan.prefill and self.prefill_graphs is not None:
+            rows = [D + n for n in own_counts(self.sharding, batch[D:])] if pass_kv else None
+            key = self.prefill_graphs.choose(len(ids), rows)
+        decode_graph = not plan.prefill and self.graphs is not None and self.graphs.fits(len(ids))
+        self.last_graphed = decode_graph or key is not None
+        if decode_graph:
             with nvtx_range("helix.prepare"):
                 meta = self.kv.prepare(batch, "cpu")
                 rows = None if all(p.greedy for p in params) else row_params(params, seeds,
@@ -233,18 +257,21 @@ class Engine:
                                          torch.tensor(src, dtype=torch.long), meta, rows)
         else:
             with nvtx_range("helix.prepare"):
-                meta = self.kv.prepare(batch, self.device)
-                self._plan_context_parallel(batch, len(plan.decode), meta)
-                if meta.is_decode:
-                    meta.micro_batches = self._micro_batches(len(batch))
-                ids_t = upload(torch.tensor(ids, dtype=torch.long), self.device)
-                if any(s >= 0 for s in src):            # tokens still on the device
-                    src_t = upload(torch.tensor(src, dtype=torch.long), self.device)
-                    ids_t = self.sampler.select(src_t, ids_t)
-                last_t = None if len(last) == len(ids) else upload(
+                meta = self.kv.prepare(batch, "cpu" if key else self.device)
+                if pass_kv:
+                    meta.cp = plan_pass_kv(self.kv, batch, D, self._layer_page_bytes,
+                                           self.runtime.cp_gather_mb << 20, self.device)
+                self.prefill_tokens += (meta.cp.host_rows.numel() if pass_kv else len(ids)) - D
+                last_t = None if len(last) == len(ids) and key is None else upload(
                     torch.tensor(last, dtype=torch.long), self.device)
-            with nvtx_range(f"helix.forward_eager[{len(ids)} tokens]"):
-                logits = self.model(ids_t, meta.q_pos, meta, self.caches, self.backend, last_t)
+            if key is not None:
+                with nvtx_range(f"helix.prefill_graph[{key[0]} {key[1]}]"):
+                    h, residual = self.prefill_graphs.run(
+                        key, torch.tensor(ids, dtype=torch.long),
+                        torch.tensor(src, dtype=torch.long), meta)
+                    logits = self.model.head(h, residual, last_t)
+            else:
+                logits = self._forward_eager(ids, src, meta, last_t, len(batch))
             with nvtx_range("helix.sample"):
                 if sampled:
                     self.sampler.sample(logits, params, seeds, counters)
@@ -260,24 +287,28 @@ class Engine:
         self.last_logits = logits
         return _Launched(sampled, host, event, len(ids))
 
-    def _plan_context_parallel(self, batch: list[tuple[int, int, int]], num_decode: int,
-                               meta) -> None:
-        """Pass-KV or pass-Q for this step's prefill chunks (helix/kv/context_parallel.py);
-        counts the prompt tokens this rank projects."""
-        chunks = batch[num_decode:]
-        new = sum(n for _, _, n in chunks)
-        if not chunks:
-            return
-        mode = self.runtime.prefill_cp
-        if mode == "auto":
+    def _forward_eager(self, ids: list[int], src: list[int], meta, last_t, num_seqs: int):
+        """The model on this step's rows, no graph -> logits of rows last_t (None: all)."""
+        with nvtx_range("helix.prepare"):
+            if meta.is_decode:
+                meta.micro_batches = self._micro_batches(num_seqs)
+            ids_t = upload(torch.tensor(ids, dtype=torch.long), self.device)
+            if any(s >= 0 for s in src):            # tokens still on the device
+                src_t = upload(torch.tensor(src, dtype=torch.long), self.device)
+                ids_t = self.sampler.select(src_t, ids_t)
+        with nvtx_range(f"helix.forward_eager[{len(ids)} tokens]"):
+            return self.model(ids_t, meta.q_pos, meta, self.caches, self.backend, last_t)
+
+    def _pass_kv(self, chunks: list[tuple[int, int, int]]) -> bool:
+        """Whether this step's prefill chunks pass KV or Q (helix/kv/context_parallel.py): the
+        same answer on every rank (it depends on the schedule only)."""
+        if not chunks or self.layout.kvp == 1:
+            return False
+        if self.runtime.prefill_cp == "auto":
+            new = sum(n for _, _, n in chunks)
             cached = sum(start for _, start, _ in chunks)
-            mode = "pass-kv" if pass_kv_cheaper(new, cached, *self._exchange_rows) else "pass-q"
-        if self.layout.kvp == 1 or mode == "pass-q":
-            self.prefill_tokens += new
-            return
-        meta.cp = plan_pass_kv(self.kv, batch, num_decode, self._layer_page_bytes,
-                               self.runtime.cp_gather_mb << 20, self.device)
-        self.prefill_tokens += meta.cp.rows.numel() - num_decode
+            return pass_kv_cheaper(new, cached, *self._exchange_rows)
+        return self.runtime.prefill_cp == "pass-kv"
 
     # -- KV transfer (helix/kv/transfer.py) ----------------------------------------------------
     def _kv_heads(self) -> tuple[int, int] | None:
@@ -353,9 +384,10 @@ class Engine:
                 except Exception:
                     pass
         self.inflight = None
-        if self.graphs is not None:
-            self.graphs.close()
-            self.graphs = None
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.close()
+        self.graphs = self.prefill_graphs = None
 
     def kv_tokens(self) -> int:
         """KV positions this rank has stored for the run's requests (layer 0), live or finished."""
