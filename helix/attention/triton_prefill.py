@@ -53,15 +53,17 @@ def _local_len(length, kvp_rank, kvp, interleave):
 
 
 @triton.jit
-def _kv_slots(bt_row, t0, limit, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Local keys t = t0 .. t0 + BLOCK_N - 1: (page id, int64: a scalar when the tile lies in one
-    page; offset in the page, int64; t). Keys at or past `limit` read table entry 0."""
-    t = t0 + tl.arange(0, BLOCK_N)
-    if PAGE_SIZE % BLOCK_N == 0:      # t0 is BLOCK_N-aligned: one page, one id load
-        page = tl.load(bt_row + t0 // PAGE_SIZE).to(tl.int64)
+def _page_ids(bt_row, t0, limit, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Page ids (int64) of local keys t0 .. t0 + BLOCK_N - 1: a scalar when the tile lies in one
+    page (t0 is BLOCK_N-aligned), else one per key; 0 at or past `limit`. Loaded one tile ahead
+    of their use and carried through the loop: a tile's K/V loads then do not wait on a load of
+    their own iteration (Triton's pipeliner would spend a stage on that indirection)."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        ids = tl.load(bt_row + t0 // PAGE_SIZE, mask=t0 < limit, other=0)
     else:
-        page = tl.load(bt_row + t // PAGE_SIZE, mask=t < limit, other=0).to(tl.int64)
-    return page, (t % PAGE_SIZE).to(tl.int64), t
+        t = t0 + tl.arange(0, BLOCK_N)
+        ids = tl.load(bt_row + t // PAGE_SIZE, mask=t < limit, other=0)
+    return ids.to(tl.int64)
 
 
 @triton.jit
@@ -76,16 +78,18 @@ def _load_tile(base, page, off, stride_p, stride_t, tmask,
 
 
 @triton.jit
-def _tile(q1, q2, k1_base, k2_base, v_base, bt_row, t0, limit, pos, m_i, l_i, acc, scale_log2,
+def _tile(q1, q2, k1_base, k2_base, v_base, page, t0, limit, pos, m_i, l_i, acc, scale_log2,
           kvp_rank, kvp, interleave, stride_k1p, stride_k1t, stride_k2p, stride_k2t,
           stride_vp, stride_vt,
           D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
           PAGE_SIZE: tl.constexpr, SHARDED: tl.constexpr, V_IS_K1: tl.constexpr,
           MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One KV tile of the online softmax. MASKED: keys past `limit` and keys a row's causal
-    prefix (by global position) does not reach are masked; else every row sees every key."""
-    page, off, t = _kv_slots(bt_row, t0, limit, BLOCK_N, PAGE_SIZE)
+    """One KV tile (keys t0 .. t0 + BLOCK_N - 1, their page ids `page`) of the online softmax.
+    MASKED: keys past `limit` and keys a row's causal prefix (by global position) does not
+    reach are masked; else every row sees every key."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    off = (t % PAGE_SIZE).to(tl.int64)
     tmask = t < limit
     k1 = _load_tile(k1_base, page, off, stride_k1p, stride_k1t, tmask, D1, BLOCK_D1, MASKED)
     s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
@@ -181,18 +185,24 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    page = _page_ids(bt_row, 0, full_end, BLOCK_N, PAGE_SIZE)
     for t0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _tile(q1, q2, k1_base, k2_base, v_base, bt_row, t0, full_end, pos,
+        page_next = _page_ids(bt_row, t0 + BLOCK_N, full_end, BLOCK_N, PAGE_SIZE)
+        m_i, l_i, acc = _tile(q1, q2, k1_base, k2_base, v_base, page, t0, full_end, pos,
                               m_i, l_i, acc, scale_log2, kvp_rank, kvp, interleave,
                               stride_k1p, stride_k1t, stride_k2p, stride_k2t,
                               stride_vp, stride_vt, D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2,
                               BLOCK_DV, PAGE_SIZE, SHARDED, V_IS_K1, False, DOT_PRECISION)
+        page = page_next
+    page = _page_ids(bt_row, full_end, n_vis, BLOCK_N, PAGE_SIZE)
     for t0 in range(full_end, n_vis, BLOCK_N):
-        m_i, l_i, acc = _tile(q1, q2, k1_base, k2_base, v_base, bt_row, t0, n_vis, pos,
+        page_next = _page_ids(bt_row, t0 + BLOCK_N, n_vis, BLOCK_N, PAGE_SIZE)
+        m_i, l_i, acc = _tile(q1, q2, k1_base, k2_base, v_base, page, t0, n_vis, pos,
                               m_i, l_i, acc, scale_log2, kvp_rank, kvp, interleave,
                               stride_k1p, stride_k1t, stride_k2p, stride_k2t,
                               stride_vp, stride_vt, D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2,
                               BLOCK_DV, PAGE_SIZE, SHARDED, V_IS_K1, True, DOT_PRECISION)
+        page = page_next
 
     has = l_i > 0                                  # rows that saw a key (pad rows: whatever)
     out = acc / tl.where(has, l_i, 1.0)[:, None]
