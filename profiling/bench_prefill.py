@@ -1,27 +1,23 @@
-"""Prefill on one GPU: the flash prefill kernels against torch SDPA, whole-model time to first token
-against Hugging Face transformers, and decode latency while a long prompt joins. The matmul rate
-is measured in the same run (helix.perf.rates); every floor uses it (profiling/prefill_floor.py).
+"""Prefill on one GPU: the prefill attention paths against torch SDPA, whole-model time to first
+token against Hugging Face transformers, and decode latency while a long prompt joins. The matmul
+rate is measured in the same run (helix.perf.rates); every floor uses it (prefill_floor.py).
 
-  (a) attention, causal, one sequence of T tokens (queries = keys = T), pages shuffled:
-      GQA (32 q / 8 KV heads, d 128, bf16): the Triton kernel (default tiles, and --configs
-      variants unless --quick), torch's flash attention over the gathered pages
-      (helix.attention.torch_prefill) and torch SDPA (default dispatch with enable_gqa and with
-      repeated KV, and cuDNN's; `sdpa_ms` is the fastest) at --contexts. Records: sdpa_ratio =
-      SDPA time / ours (ours: the faster Helix path), `choice`, errors against SDPA; then the
-      crossover for helix.attention.triton_backend.TORCH_PREFILL_FROM.
-      MLA, DeepSeek-V2-Lite and DeepSeek-V3 ranks (16 / 128 heads): the absorbed kernel and the
-      decompressed form (page copy + expansion GEMM + kernel): time, fraction of the matmul rate
-      for its own FLOPs (`floor_fraction`) and for the decompressed form's (`useful_fraction`).
+  (a) attention (profiling/prefill_kernels.py): GQA, Llama-3.1-8B shape (32 q / 8 KV heads,
+      d 128, bf16) at --contexts: the whole prompt (records with sdpa_ratio = SDPA's time / ours)
+      and its last --chunk queries over the rest cached; the Triton kernel, its tile variants,
+      torch's FA2 and cuDNN over the gathered pages; the fastest correct path (`choice`) and the
+      TORCH_PREFILL entry for helix/attention/triton_backend.py. MLA (DeepSeek-V2-Lite / V3
+      ranks): the absorbed kernel and the decompressed form, fraction of the matmul rate.
   (b) Llama-3.1-8B, all layers, bf16: TTFT of --ttft-prompts through helix.LLM (256K: Helix
       only, it must complete) and one forward of the same prompt through transformers
       (random-weight LlamaForCausalLM, sdpa, logits of the last row) in the same run, each with
       its FLOP floor. The preset's max_position is raised to the longest prompt (random weights).
-  (c) DeepSeek-V2-Lite, all layers: TTFT of a --mla-prompt prompt, floor fraction.
-  (d) Llama-3.1-8B: 8 requests decoding (1K-token prompts) while a --join-prompt prompt joins:
-      their time per token (step time; p50 / p99) during the join for --join-chunks values of
-      max_prefill_tokens, next to their time per token alone. One engine, built for the largest
-      chunk; each join sets its scheduler's max_prefill_tokens (the long request ends with its
-      first token).
+  (c) DeepSeek-V2-Lite, all layers: TTFT of a 128K-token prompt, floor fraction.
+  (d) Llama-3.1-8B: 8 requests decoding (1K-token prompts) while a 128K-token prompt joins:
+      their time per token (step time; p50 / p99) during the join for max_prefill_tokens 2K /
+      8K / 32K, next to their time per token alone. One engine, built for the largest chunk;
+      each join sets its scheduler's max_prefill_tokens (the long request ends with its first
+      token).
 
     python profiling/bench_prefill.py --parts a --out profiling/results/prefill.json
     python profiling/bench_prefill.py --parts b --out profiling/results/prefill.json --append
@@ -49,15 +45,13 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from helix import LLM, Layout, RuntimeConfig, SamplingParams  # noqa: E402
-from helix.attention import torch_prefill, triton_prefill  # noqa: E402
-from helix.attention.triton_backend import TritonAttention  # noqa: E402
-from helix.kv.manager import LocalKVMeta  # noqa: E402
+from helix.attention.triton_backend import PREFILL_IMPLS  # noqa: E402
 from helix.layers import mla_prefill  # noqa: E402
 from helix.layers.mla_prefill import MLADims  # noqa: E402
 from helix.loader import preset_path, read_model_config  # noqa: E402
 from helix.perf.rates import event_median, measure  # noqa: E402
 from helix.yamlio import load_yaml  # noqa: E402
-from profiling import prefill_floor  # noqa: E402
+from profiling import prefill_floor, prefill_kernels  # noqa: E402
 
 K = 1024
 GPU = dict(device="cuda", dtype="bfloat16", page=64, gqa=(32, 8, 128),
@@ -67,19 +61,13 @@ GPU = dict(device="cuda", dtype="bfloat16", page=64, gqa=(32, 8, 128),
            ttft_model="llama-3.1-8b", ttft_prompts=[32 * K, 128 * K, 256 * K], hf_max=128 * K,
            mla_model="deepseek-v2-lite", mla_prompt=128 * K, join_model="llama-3.1-8b",
            join_prompt=128 * K, join_chunks=[2 * K, 8 * K, 32 * K], decoders=8,
-           decoder_prompt=K, alone_steps=32, warm=2 * K, layers=0)
+           decoder_prompt=K, alone_steps=32, warm=2 * K, layers=0, chunk=8 * K)
 SMOKE = dict(device="cpu", dtype="float32", page=16, gqa=(4, 2, 16),
              mla=[("tiny", 2, [32])], mla_dims=MLADims(32, 16, 16, 16), contexts=[32],
              ttft_model="tiny-llama", ttft_prompts=[24, 40], hf_max=24,
              mla_model="tiny-deepseek-v3", mla_prompt=24, join_model="tiny-llama",
              join_prompt=40, join_chunks=[8, 16], decoders=2, decoder_prompt=4, alone_steps=2,
-             warm=8, layers=1)
-# Triton prefill tile variants timed beside the default in part (a) (helix/attention/
-# triton_prefill.py: prefill_config's TUNABLES)
-CONFIGS = {"bn128-s2": dict(BLOCK_N=128, num_stages=2), "bn32-s4": dict(BLOCK_N=32, num_stages=4),
-           "s2": dict(num_stages=2), "m64-w4": dict(BLOCK_Q=16, num_warps=4)}
-
-
+             warm=8, layers=1, chunk=16)
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -119,95 +107,24 @@ class Bench:
         self.records.append(rec)
         print(json.dumps(rec), flush=True)
 
-    # -- (a) kernels ----------------------------------------------------------------------
-    def one_sequence(self, T: int) -> LocalKVMeta:
-        page = self.s["page"]
-        pages = -(-T // page)
-        gen = torch.Generator().manual_seed(T)
-        d = self.dev
-        return LocalKVMeta(
-            slots=torch.full((T,), -1, dtype=torch.int64, device=d),
-            block_tables=torch.randperm(pages, generator=gen).int().view(1, pages).to(d),
-            kv_lens=torch.tensor([T], dtype=torch.int32, device=d),
-            cu_q=torch.tensor([0, T], dtype=torch.int32, device=d),
-            q_pos=torch.arange(T, device=d), kvp_rank=0, kvp=1, interleave=1, page_size=page,
-            num_decode=0, max_q=T)
-
+    # -- (a) kernels: profiling/prefill_kernels.py ---------------------------------------------
     def iters_for(self, T: int) -> int:
         return max(2, self.args.iters // 2) if T >= 64 * K else self.args.iters
 
-    def attention_gqa(self):
-        hq, hkv, d = self.s["gqa"]
-        scale = d ** -0.5
-        contexts = self.args.contexts or self.s["contexts"]
-        configs = {} if self.args.quick else CONFIGS
-        for T in contexts:
-            meta = self.one_sequence(T)
-            pages = meta.block_tables.shape[1]
-            q = torch.randn(T, hq, d, device=self.dev, dtype=self.dtype)
-            kc = torch.randn(pages, self.s["page"], hkv, d, device=self.dev, dtype=self.dtype)
-            vc = torch.randn_like(kc)
-            order = meta.block_tables[0].long()
-            qs = q.transpose(0, 1).unsqueeze(0).contiguous()                  # [1, Hq, T, d]
-            ks, vs = (c[order].flatten(0, 1)[:T].transpose(0, 1).unsqueeze(0).contiguous()
-                      for c in (kc, vc))                                      # [1, Hkv, T, d]
-            it = self.iters_for(T)
-            sdpa = {"sdpa_gqa_ms": self._sdpa(qs, ks, vs, it, gqa=True)}
-            kr, vr = ks.repeat_interleave(hq // hkv, 1), vs.repeat_interleave(hq // hkv, 1)
-            sdpa["sdpa_repeat_ms"] = self._sdpa(qs, kr, vr, it)
-            sdpa["sdpa_cudnn_ms"] = self._sdpa(qs, kr, vr, it, cudnn=True)
-            want = F.scaled_dot_product_attention(qs, kr, vr, is_causal=True)[0].transpose(0, 1)
-            del kr, vr                                                        # want: [T, Hq, d]
-            tri = {"default": self.time_s(lambda: triton_prefill.gqa_prefill(
-                q, kc, vc, meta, scale), it) * 1e3}
-            for name, cfg in configs.items():
-                tri[name] = self._try(lambda c=cfg: triton_prefill.gqa_prefill(
-                    q, kc, vc, meta, scale, config=c), it)
-            o_t, lse_t = triton_prefill.gqa_prefill(q, kc, vc, meta, scale)
-            rec = dict(part="a", kernel="gqa", model="llama-3.1-8b-shape", prompt_tokens=T,
-                       heads=[hq, hkv, d], page_size=self.s["page"],
-                       triton_ms=min(v for v in tri.values() if v is not None),
-                       triton_default_ms=tri["default"],
-                       triton_best=min((v, k) for k, v in tri.items() if v is not None)[1],
-                       triton_configs=tri, err_triton=_err(o_t, want), **sdpa)
-            rec["torch_ms"] = None
-            if torch_prefill.usable(q, kc, vc, meta):
-                rec["torch_ms"] = self._try(lambda: torch_prefill.prefill_gqa(
-                    q, kc, vc, meta, scale), it)
-                o_f, lse_f = torch_prefill.prefill_gqa(q, kc, vc, meta, scale)
-                rec["err_torch"] = _err(o_f, want)
-                rec["lse_err_torch_vs_triton"] = (lse_f - lse_t).abs().max().item()
-                torch_ok = rec["err_torch"] < 0.05 and rec["lse_err_torch_vs_triton"] < 1e-2
-                if not torch_ok:
-                    rec["torch_ms"] = None            # wrong results never win
-            ours = min(v for v in (rec["triton_ms"], rec["torch_ms"]) if v is not None)
-            rec["choice"] = "torch" if ours == rec["torch_ms"] else "triton"
-            best_sdpa = min(v for v in sdpa.values() if v is not None)
-            flops = 4.0 * hq * d * T * (T + 1) / 2
-            rec.update(sdpa_ms=best_sdpa, ours_ms=ours, sdpa_ratio=best_sdpa / ours,
-                       sdpa_ratio_triton=best_sdpa / rec["triton_ms"], flops=flops,
-                       tflops=flops / ours / 1e9, sdpa_tflops=flops / best_sdpa / 1e9,
-                       floor_fraction=flops / (ours / 1e3) / self.matmul,
-                       matmul_tflops=self.matmul / 1e12)
-            self.add(**rec)
-            del q, kc, vc, qs, ks, vs, want, o_t, lse_t
-            self.free()
-        self.add(part="a", kernel="gqa-choice", torch_prefill_from=_crossover(
-            [r for r in self.records if r.get("kernel") == "gqa"]))
-
-    def _sdpa(self, q, k, v, iters: int, gqa: bool = False, cudnn: bool = False):
+    def sdpa_ms(self, q, k, v, iters: int, gqa: bool = False, cudnn: bool = False):
+        """torch SDPA, causal: default dispatch, or cuDNN's kernel only."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         def run():
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         if not cudnn:
-            return self._try(run, iters)
+            return self.try_ms(run, iters)
         if self.dev.type != "cuda":
             return None
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            return self._try(run, iters)
+            return self.try_ms(run, iters)
 
-    def _try(self, fn, iters: int):
+    def try_ms(self, fn, iters: int):
         """Milliseconds of fn, or None where it cannot run here (unsupported, out of memory)."""
         try:
             return self.time_s(fn, iters) * 1e3
@@ -215,41 +132,6 @@ class Bench:
             print(f"  skipped: {str(e).splitlines()[0][:160]}", flush=True)
             self.free()
             return None
-
-    def attention_mla(self):
-        dims = self.s["mla_dims"]
-        dl, dr, dn, dv = dims.latent, dims.rope, dims.nope, dims.value
-        scale = (dn + dr) ** -0.5
-        backend = TritonAttention("triton")
-        for model, H, contexts in self.s["mla"]:
-            for T in (contexts[1:2] if self.args.quick and len(contexts) > 1 else contexts):
-                meta = self.one_sequence(T)
-                gen = dict(device=self.dev, dtype=self.dtype)
-                kv = torch.randn(meta.block_tables.shape[1], self.s["page"], dl + dr, **gen)
-                q_nope, q_rope = torch.randn(T, H, dn, **gen), torch.randn(T, H, dr, **gen)
-                w_kv = torch.randn(H, dn + dv, dl, **gen) * dl ** -0.5
-                q_lat = torch.einsum("thn,hnc->thc", q_nope, w_kv[:, :dn])
-                it = self.iters_for(T)
-                t_abs = self.time_s(lambda: triton_prefill.mla_prefill(
-                    q_lat, q_rope, kv, dl, meta, scale), it)
-                t_dec = self.time_s(lambda: mla_prefill.decompressed_attention(
-                    q_nope, q_rope, kv, w_kv, meta, [T], backend, scale), it)
-                o_abs, lse_abs = triton_prefill.mla_prefill(q_lat, q_rope, kv, dl, meta, scale)
-                o_dec, lse_dec = mla_prefill.decompressed_attention(q_nope, q_rope, kv, w_kv,
-                                                                    meta, [T], backend, scale)
-                err = _err(o_dec, torch.einsum("thc,hvc->thv", o_abs, w_kv[:, dn:]))
-                pairs = T * (T + 1) // 2
-                useful = mla_prefill.prefill_flops("decompressed", pairs, T, T, H, dims)
-                own = {"mla-absorbed": 2.0 * H * (2 * dl + dr) * pairs, "mla-decompressed": useful}
-                for kernel, t in (("mla-absorbed", t_abs), ("mla-decompressed", t_dec)):
-                    self.add(part="a", kernel=kernel, model=f"{model}-rank", heads=H,
-                             prompt_tokens=T, ms=t * 1e3, tflops=own[kernel] / t / 1e12,
-                             floor_fraction=own[kernel] / t / self.matmul,
-                             useful_fraction=useful / t / self.matmul,
-                             err_forms=err, lse_err_forms=(lse_dec - lse_abs).abs().max().item(),
-                             matmul_tflops=self.matmul / 1e12)
-                del kv, q_nope, q_rope, w_kv, q_lat, o_abs, o_dec
-                self.free()
 
     # -- (b), (c) time to first token ---------------------------------------------------------
     def model_path(self, name: str, positions: int) -> str:
@@ -290,11 +172,10 @@ class Bench:
             self.ttft(llm, min(chunk + 5, max(prompts)))         # compiles; two chunks
             for n in prompts:
                 t = self.ttft(llm, n)
-                self.add(part=part, engine="helix",
-                         model=name, prompt_tokens=n, ttft_s=t,
-                         floor_s=prefill_floor.floor_s(cfg, n, self.matmul),
-                         floor_fraction=prefill_floor.floor_s(cfg, n, self.matmul) / t,
-                         max_prefill_tokens=chunk, prefill=getattr(llm.engine.backend, "prefill", "torch"),
+                floor = prefill_floor.floor_s(cfg, n, self.matmul)
+                self.add(part=part, engine="helix", model=name, prompt_tokens=n, ttft_s=t,
+                         floor_s=floor, floor_fraction=floor / t, max_prefill_tokens=chunk,
+                         prefill=getattr(llm.engine.backend, "prefill", "torch"),
                          mla_prefill_form=mla_prefill.FORM if cfg.is_mla else None)
         self.free()
 
@@ -308,23 +189,25 @@ class Bench:
         with torch.device(self.dev):
             model = transformers.LlamaForCausalLM._from_config(
                 hf_cfg, attn_implementation="sdpa", dtype=self.dtype).eval()
-        with torch.inference_mode():
-            def forward(n):
-                ids = torch.randint(hf_cfg.vocab_size, (1, n), device=self.dev)
-                self.sync()
-                t0 = time.perf_counter()
-                model(ids, use_cache=False, logits_to_keep=1)
-                self.sync()
-                return time.perf_counter() - t0
-            forward(self.s["warm"])
-            for n in prompts:
-                t = forward(n)
-                self.add(part="b", engine="transformers", model=name, prompt_tokens=n, ttft_s=t,
-                         floor_s=prefill_floor.floor_s(cfg, n, self.matmul),
-                         floor_fraction=prefill_floor.floor_s(cfg, n, self.matmul) / t,
-                         transformers=transformers.__version__)
+        self.hf_forward(model, self.s["warm"])
+        for n in prompts:
+            t = self.hf_forward(model, n)
+            floor = prefill_floor.floor_s(cfg, n, self.matmul)
+            self.add(part="b", engine="transformers", model=name, prompt_tokens=n, ttft_s=t,
+                     floor_s=floor, floor_fraction=floor / t,
+                     transformers=transformers.__version__)
         del model
         self.free()
+
+    @torch.inference_mode()
+    def hf_forward(self, model, n: int) -> float:
+        """Seconds of one forward of an n-token prompt (no KV cache kept, last row's logits)."""
+        ids = torch.randint(model.config.vocab_size, (1, n), device=self.dev)
+        self.sync()
+        t0 = time.perf_counter()
+        model(ids, use_cache=False, logits_to_keep=1)
+        self.sync()
+        return time.perf_counter() - t0
 
     # -- (d) decoding while a long prompt joins ---------------------------------------------------
     def join(self):
@@ -376,8 +259,8 @@ class Bench:
         if self.args.mla_form:
             mla_prefill.FORM = self.args.mla_form
         if "a" in parts:
-            self.attention_gqa()
-            self.attention_mla()
+            prefill_kernels.gqa(self)
+            prefill_kernels.mla(self)
         if "b" in parts:
             prompts = self.args.ttft_prompts or self.s["ttft_prompts"]
             if self.args.quick:
@@ -391,33 +274,30 @@ class Bench:
         return parts
 
 
-def _err(o: torch.Tensor, want: torch.Tensor) -> float:
-    return (o.float() - want.float()).abs().max().item()
-
-
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return 1e3 * xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else None
 
 
-def _crossover(recs: list[dict]) -> int | None:
-    """The fewest tokens from which the torch path won at every measured length (None: never)."""
-    start = None
-    for r in sorted(recs, key=lambda r: -r["prompt_tokens"]):
-        if r["choice"] != "torch":
-            break
-        start = r["prompt_tokens"]
-    return start
+def _f(x, fmt: str) -> str:
+    """x in fmt ("9.2f"), or a dash as wide."""
+    return "-".rjust(int(fmt.split(".")[0])) if x is None else format(x, fmt)
 
 
 def summary(records: list[dict]) -> str:
-    lines = ["(a) attention: tokens, ours ms (choice), SDPA ms, sdpa_ratio, ours TFLOP/s"]
+    lines = ["(a) GQA: scenario, keys, queries, triton / flash / cudnn ms, choice, SDPA ms, "
+             "sdpa_ratio, ours TFLOP/s"]
     for r in records:
-        if r.get("kernel") == "gqa":
-            lines.append(f"  gqa {r['prompt_tokens']:>7} {r['ours_ms']:9.2f} ({r['choice']:6}) "
-                         f"{r['sdpa_ms']:9.2f} {r['sdpa_ratio']:6.3f} {r['tflops']:7.1f}")
+        if r.get("kernel") in ("gqa", "gqa-chunk"):
+            lines.append(f"  {r['scenario']:6} {r['prompt_tokens']:>7} {r['queries']:>7} "
+                         f"{_f(r['triton_ms'], '9.2f')} {_f(r['flash_ms'], '9.2f')} "
+                         f"{_f(r['cudnn_ms'], '9.2f')} {r['choice'] or 'none':6} "
+                         f"{_f(r.get('sdpa_ms'), '9.2f')} {_f(r.get('sdpa_ratio'), '6.3f')} "
+                         f"{_f(r['tflops'], '7.1f')}")
         elif r.get("kernel") == "gqa-choice":
-            lines.append(f"  TORCH_PREFILL_FROM[{r['device']!r}] = {r['torch_prefill_from']}")
+            entry = (f"({r['torch_kernel']!r}, {r['torch_from_queries']})" if r["torch_kernel"]
+                     else "none: the Triton kernel everywhere")
+            lines.append(f"  TORCH_PREFILL[{r['device']!r}] = {entry}")
         elif r.get("kernel", "").startswith("mla-"):
             lines.append(f"  {r['kernel']:16} {r['model']:22} {r['prompt_tokens']:>7} "
                          f"{r['ms']:9.2f} ms  {100 * r['floor_fraction']:5.1f} % of matmul "
@@ -448,8 +328,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--contexts", type=ints, default=None, help="part (a) GQA tokens")
     ap.add_argument("--ttft-prompts", type=ints, default=None, help="part (b) prompt tokens")
     ap.add_argument("--chunk", type=int, default=0,
-                    help="max_prefill_tokens of parts (b), (c) (0: the runtime default)")
-    ap.add_argument("--prefill", choices=("auto", "triton", "torch"), default=None,
+                    help="max_prefill_tokens of parts (b), (c) and part (a)'s chunk queries "
+                         "(0: the runtime default, 8K on CUDA)")
+    ap.add_argument("--prefill", choices=PREFILL_IMPLS, default=None,
                     help="GQA prefill path of the engine runs (HELIX_PREFILL)")
     ap.add_argument("--mla-form", choices=mla_prefill.FORMS, default=None,
                     help="MLA prefill form of the engine runs (HELIX_MLA_PREFILL)")

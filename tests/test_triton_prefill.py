@@ -40,7 +40,8 @@ def _meta(chunks, page, kvp=1, rank=0, interleave=1) -> LocalKVMeta:
     if cached:
         kv.prepare(cached, "cpu")
     meta = kv.prepare([(i, p, n) for i, (p, n) in enumerate(chunks)], "cpu")
-    return LocalKVMeta(**{k: (v.to(DEV) if torch.is_tensor(v) else v) for k, v in vars(meta).items()})
+    return LocalKVMeta(**{k: (v.to(DEV) if torch.is_tensor(v) else v)
+                          for k, v in vars(meta).items()})
 
 
 def _pool(meta, inner, dtype, gen):
@@ -176,85 +177,98 @@ def test_pool_over_2_31_elements():
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
 
 
-# -- torch's flash attention over gathered pages ---------------------------------------------
+# -- torch's attention kernels over gathered pages --------------------------------------------
+
+def _dense(q, k, v, scale, causal_offset):
+    """q [t, Hq, d], k, v [n, Hkv, d] fp32 -> (o [t, Hq, d], lse [Hq, t]); query i sees keys
+    j <= causal_offset + i (None: all)."""
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    sc = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
+    if causal_offset is not None:
+        i, j = torch.arange(q.shape[0])[:, None], torch.arange(k.shape[0])[None, :]
+        sc = sc.masked_fill(j > causal_offset + i, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(sc, -1), vv), torch.logsumexp(sc, -1)
+
 
 def _fake_flash(padded_lse: bool):
     """torch_prefill.flash_varlen's contract in plain torch: varlen, causal aligned to the
-    bottom right in local index space, GQA, LSE [Hq, T] (or [S, Hq, max_q], older torch)."""
+    bottom right, GQA, LSE [Hq, T] (or [S, Hq, max_q], older torch)."""
     def flash(q, k, v, cu_q, cu_k, max_q, max_k, scale):
         T, hq, _ = q.shape
-        group = hq // k.shape[1]
         o = torch.zeros_like(q)
         lse = torch.full((len(cu_q) - 1, hq, max_q) if padded_lse else (hq, T), float("inf"))
         for s in range(len(cu_q) - 1):
             a, b, c0, c1 = cu_q[s].item(), cu_q[s + 1].item(), cu_k[s].item(), cu_k[s + 1].item()
-            kk = k[c0:c1].float().repeat_interleave(group, 1)
-            vv = v[c0:c1].float().repeat_interleave(group, 1)
-            sc = torch.einsum("qhd,khd->hqk", q[a:b].float(), kk) * scale
-            i, j = torch.arange(b - a)[:, None], torch.arange(c1 - c0)[None, :]
-            sc = sc.masked_fill(j > (c1 - c0) - (b - a) + i, float("-inf"))
-            ls = torch.logsumexp(sc, -1)                                        # [hq, q]
-            o[a:b] = torch.einsum("hqk,khd->qhd", torch.softmax(sc, -1), vv).to(q.dtype)
+            o_s, l_s = _dense(q[a:b], k[c0:c1], v[c0:c1], scale, (c1 - c0) - (b - a))
+            o[a:b] = o_s.to(q.dtype)
             if padded_lse:
-                lse[s, :, :b - a] = ls
+                lse[s, :, :b - a] = l_s
             else:
-                lse[:, a:b] = ls
+                lse[:, a:b] = l_s
         return o, lse
     return flash
 
 
-@pytest.mark.parametrize("padded_lse", [False, True], ids=["lse-hq-t", "lse-padded"])
-def test_torch_path_glue(monkeypatch, padded_lse):
-    """Gather of the pages, cu_seqlens, LSE layout: equal to the reference at kvp 1."""
-    monkeypatch.setattr(torch_prefill, "flash_varlen", _fake_flash(padded_lse))
+def _fake_cudnn(q, k, v, causal, scale):
+    """torch_prefill.cudnn_attention's contract: [1, H, t, d] in, top-left causal."""
+    o, lse = _dense(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), scale,
+                    0 if causal else None)
+    return o.transpose(0, 1).unsqueeze(0).to(q.dtype), lse.unsqueeze(0)
+
+
+@pytest.mark.parametrize("kernel", ["flash", "flash-padded-lse", "cudnn"])
+def test_torch_path_glue(monkeypatch, kernel):
+    """Gather of the pages, cu_seqlens, the cuDNN prefix / chunk split and its LSE merge, LSE
+    layouts: equal to the reference at kvp 1."""
+    monkeypatch.setattr(torch_prefill, "flash_varlen", _fake_flash("padded" in kernel))
+    monkeypatch.setattr(torch_prefill, "cudnn_attention", _fake_cudnn)
     gen = torch.Generator().manual_seed(3)
     meta = _meta(LAYOUTS["ragged-prefix"][0], 8)
     T = meta.q_pos.shape[0]
     k, v = _pool(meta, (2, 16), torch.float32, gen), _pool(meta, (2, 16), torch.float32, gen)
     q = torch.randn(T, 8, 16, generator=gen).to(DEV)
-    o, lse = torch_prefill.prefill_gqa(q, k, v, meta, 0.25)
+    o, lse = torch_prefill.prefill_gqa(kernel.split("-")[0], q, k, v, meta, 0.25)
     _check(o, lse, *TorchAttention().prefill_gqa(q, k, v, meta, 0.25), torch.float32)
 
 
 def test_backend_prefill_choice(monkeypatch):
-    """auto: torch's kernel from the measured query count of the device on; triton: never;
-    torch: wherever it applies (never at kvp > 1, never on CPU)."""
+    """auto: the device's measured torch kernel from its query count on, else Triton; a named
+    kernel wherever it applies (never at kvp > 1, never on CPU); triton: never."""
     q = torch.zeros(1, 4, 16)
     kv = torch.zeros(2, 4, 1, 16)
-    meta = _meta([(0, 64)], 4)
-    assert not triton_backend.TritonAttention("torch").torch_prefill(q, kv, kv, meta)  # CPU
-    monkeypatch.setattr(torch_prefill, "usable", lambda q, k, v, m: m.kvp == 1)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "H")
-    monkeypatch.setattr(triton_backend, "TORCH_PREFILL_FROM", {"H": 64})
-    assert triton_backend.TritonAttention("auto").torch_prefill(q, kv, kv, meta)
-    assert not triton_backend.TritonAttention("auto").torch_prefill(q, kv, kv,
-                                                                    _meta([(0, 63)], 4))
-    assert not triton_backend.TritonAttention("triton").torch_prefill(q, kv, kv, meta)
-    assert not triton_backend.TritonAttention("torch").torch_prefill(q, kv, kv,
-                                                                     _meta([(0, 9)], 4, 2))
-    monkeypatch.setattr(triton_backend, "TORCH_PREFILL_FROM", {})
-    assert not triton_backend.TritonAttention("auto").torch_prefill(q, kv, kv, meta)
+    meta, short, sharded = _meta([(0, 64)], 4), _meta([(0, 63)], 4), _meta([(0, 9)], 4, 2)
+    attn = triton_backend.TritonAttention
+    assert attn("flash").torch_prefill(q, kv, kv, meta) is None                 # CPU
+    monkeypatch.setattr(torch_prefill, "usable", lambda kernel, q, k, v, m: m.kvp == 1)
+    monkeypatch.setattr(triton_backend, "device_name", lambda device: "H")
+    monkeypatch.setattr(triton_backend, "TORCH_PREFILL", {"H": ("cudnn", 64)})
+    assert attn("auto").torch_prefill(q, kv, kv, meta) == "cudnn"
+    assert attn("auto").torch_prefill(q, kv, kv, short) is None
+    assert attn("flash").torch_prefill(q, kv, kv, short) == "flash"
+    assert attn("cudnn").torch_prefill(q, kv, kv, sharded) is None
+    assert attn("triton").torch_prefill(q, kv, kv, meta) is None
+    monkeypatch.setattr(triton_backend, "TORCH_PREFILL", {})
+    assert attn("auto").torch_prefill(q, kv, kv, meta) is None
     with pytest.raises(Exception, match="HELIX_PREFILL"):
-        triton_backend.TritonAttention("flash")
+        attn("torch")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("layout", ["ragged-prefix"])
-def test_torch_path_on_gpu(layout):
-    """The real torch flash kernel: bottom-right causal alignment, LSE base and layout."""
-    if not torch_prefill.usable(torch.zeros(1, 8, 64, device=DEV, dtype=torch.bfloat16),
-                                torch.zeros(1, 8, 2, 64, device=DEV, dtype=torch.bfloat16),
-                                torch.zeros(1, 8, 2, 64, device=DEV, dtype=torch.bfloat16),
-                                _meta([(0, 1)], 8)):
-        pytest.skip("torch's flash attention is not available here")
+@pytest.mark.parametrize("kernel", torch_prefill.KERNELS)
+def test_torch_path_on_gpu(kernel):
+    """The real torch kernels: bottom-right causal alignment / the prefix split, LSE base and
+    layout, against the reference."""
     gen = torch.Generator().manual_seed(4)
-    meta = _meta(LAYOUTS[layout][0], 8)
+    meta = _meta(LAYOUTS["ragged-prefix"][0], 8)
     T = meta.q_pos.shape[0]
     k = _pool(meta, (2, 64), torch.bfloat16, gen)
     v = _pool(meta, (2, 64), torch.bfloat16, gen)
     q = torch.randn(T, 8, 64, generator=gen).to(DEV, torch.bfloat16)
-    o, lse = torch_prefill.prefill_gqa(q, k, v, meta, 0.125)
+    if not torch_prefill.usable(kernel, q, k, v, meta):
+        pytest.skip(f"torch's {kernel} attention is not available here")
+    o, lse = torch_prefill.prefill_gqa(kernel, q, k, v, meta, 0.125)
     _check(o, lse, *TorchAttention().prefill_gqa(q, k, v, meta, 0.125), torch.bfloat16)
 
 

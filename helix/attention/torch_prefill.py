@@ -1,19 +1,26 @@
-"""GQA prefill through torch's own flash attention (the FA2 varlen kernel torch ships for CUDA,
-`aten._flash_attention_forward`, which returns the log-sum-exp), over K/V gathered from the pages:
-the alternative to helix.attention.triton_prefill where it measures faster.
+"""GQA prefill through torch's own attention kernels, which return the log-sum-exp, over K/V
+gathered from the pages: the alternative to helix.attention.triton_prefill where it measures
+faster. Two kernels (KERNELS):
 
-When it applies (`usable`): torch's kernel masks causally in LOCAL index space, aligned to the
-bottom right (query i of a sequence with q queries and n keys sees keys j <= n - q + i). That is
-Helix's mask by global position only when local index = global position and every sequence's
-queries are its last positions: kvp == 1 (a prefill chunk always ends its sequence's KV). With
-kvp > 1 a rank's keys interleave with the other ranks' positions, and the Triton kernel runs.
-Also: 16-bit CUDA tensors, dk == dv, head dim a multiple of 8 up to 256, not under CUDA graph
-capture (the gather needs the key count on the host: one sync a call).
+- "flash": torch's FA2 varlen forward (`aten._flash_attention_forward`), one call for the
+  step's sequences. Its causal mask is aligned to the bottom right (query i of a sequence with q
+  queries and n keys sees keys j <= n - q + i), which is the mask Helix needs.
+- "cudnn": cuDNN's attention (`aten._scaled_dot_product_cudnn_attention`), per sequence in two
+  exact parts merged by their LSE: the chunk's queries against the cached prefix (no mask), and
+  against the chunk's own keys (causal, square, where top-left and bottom-right agree).
 
-Layout conversions: keys of sequence s are gathered to rows [cu_k[s], cu_k[s + 1]) of
-[N, Hkv, d] (the kernel reads GQA groups natively); torch's LSE (natural log) is [Hq, T] in
-current releases, [S, Hq, max_q] (padded per sequence) in older ones: both become [T, Hq]. Rows
-that see no key (none here, with kvp == 1) get O = 0, LSE = -inf.
+When they apply (`usable`): torch masks in LOCAL index space, which is Helix's mask by global
+position only when local index = global position and every sequence's queries are its last
+positions: kvp == 1 (a prefill chunk always ends its sequence's KV). With kvp > 1 a rank's keys
+interleave with the other ranks' positions, and the Triton kernel runs. Also: 16-bit CUDA
+tensors, dk == dv, head dim a multiple of 8 up to 256, not under CUDA graph capture (the gather
+needs the key counts on the host: one sync a call).
+
+Layouts: keys of sequence s are gathered to rows [cu_k[s], cu_k[s + 1]) of [N, Hkv, d]; FA2
+reads the GQA groups natively, cuDNN gets K/V repeated to the query heads. torch's LSE (natural
+log) is [Hq, T] from current FA2 builds, [S, Hq, max_q] (padded) from older ones, [1, Hq, t]
+from cuDNN: all become [T, Hq]. Rows that see no key (none here, with kvp == 1) get O = 0,
+LSE = -inf.
 """
 
 from __future__ import annotations
@@ -23,15 +30,20 @@ import torch.nn.functional as F
 
 from helix.kv.manager import LocalKVMeta
 
+KERNELS = ("flash", "cudnn")
 
-def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+
+def usable(kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            meta: LocalKVMeta) -> bool:
     d = q.shape[-1]
-    return (q.is_cuda and meta.kvp == 1 and q.dtype in (torch.float16, torch.bfloat16)
+    if not (q.is_cuda and meta.kvp == 1 and q.dtype in (torch.float16, torch.bfloat16)
             and k_cache.dtype == q.dtype and v_cache.shape[-1] == d and d % 8 == 0
-            and d <= 256 and torch.backends.cuda.is_flash_attention_available()
-            and torch.cuda.get_device_capability(q.device) >= (8, 0)
-            and not torch.cuda.is_current_stream_capturing())
+            and d <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0)
+            and not torch.cuda.is_current_stream_capturing()):
+        return False
+    if kernel == "flash":
+        return torch.backends.cuda.is_flash_attention_available()
+    return torch.backends.cudnn.is_available()
 
 
 def gather_keys(cache: torch.Tensor, meta: LocalKVMeta, total: int) -> torch.Tensor:
@@ -53,8 +65,16 @@ def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float):
     return out[0], out[1]
 
 
+def cudnn_attention(q, k, v, causal: bool, scale: float):
+    """cuDNN attention with its LSE: q [1, H, t, d], k, v [1, H, n, d] -> (o [1, H, t, d],
+    lse [1, H, t] natural log); causal: top-left aligned (used with t == n only)."""
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal,
+                                                             False, scale=scale)
+    return out[0], out[1].reshape(q.shape[:3])
+
+
 def _lse_rows(lse: torch.Tensor, meta: LocalKVMeta, T: int) -> torch.Tensor:
-    """torch's LSE -> [T, Hq] fp32."""
+    """FA2's LSE -> [T, Hq] fp32."""
     if lse.dim() == 2:                                   # [Hq, T]
         return lse.t().float()
     S = meta.cu_q.shape[0] - 1                           # [S, Hq, max_q], padded per sequence
@@ -64,20 +84,47 @@ def _lse_rows(lse: torch.Tensor, meta: LocalKVMeta, T: int) -> torch.Tensor:
     return lse[seq, :, qi].float()
 
 
-def prefill_gqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _flash(q, k, v, meta: LocalKVMeta, kv_lens: list[int], q_lens: list[int], scale: float):
+    cu_k = F.pad(torch.cumsum(meta.kv_lens, 0, dtype=torch.int32), (1, 0))
+    o, lse = flash_varlen(q, k, v, meta.cu_q, cu_k, meta.max_q, max(kv_lens + [1]), scale)
+    return o, _lse_rows(lse, meta, q.shape[0])
+
+
+def _cudnn(q, k, v, meta: LocalKVMeta, kv_lens: list[int], q_lens: list[int], scale: float):
+    T, hq, d = q.shape
+    group = hq // k.shape[1]
+    o = torch.empty_like(q)
+    lse = torch.empty((T, hq), dtype=torch.float32, device=q.device)
+    a = c = 0
+    for n, t in zip(kv_lens, q_lens):
+        qs = q[a:a + t].transpose(0, 1).unsqueeze(0)                       # [1, Hq, t, d]
+        ks, vs = (x[c:c + n].transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
+                  for x in (k, v))                                          # [1, Hq, n, d]
+        p = n - t                                                           # cached keys
+        oc, lc = cudnn_attention(qs, ks[:, :, p:], vs[:, :, p:], True, scale)
+        if p:
+            op, lp = cudnn_attention(qs, ks[:, :, :p], vs[:, :, :p], False, scale)
+            m = torch.logaddexp(lc, lp)
+            oc = (oc.float() * torch.exp(lc - m).unsqueeze(-1)
+                  + op.float() * torch.exp(lp - m).unsqueeze(-1)).to(q.dtype)
+            lc = m
+        o[a:a + t] = oc[0].transpose(0, 1)
+        lse[a:a + t] = lc[0].t()
+        a, c = a + t, c + n
+    return o, lse
+
+
+def prefill_gqa(kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: LocalKVMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, d], k_cache / v_cache [P, page, Hkv, d], meta of prefill rows with kvp == 1
-    (see `usable`) -> o [T, Hq, d] in q.dtype, lse [T, Hq] fp32."""
-    T = q.shape[0]
-    lens = meta.kv_lens.tolist()                         # host: gathered size, max_k (a sync)
-    total = sum(lens)
+    (see `usable`) -> o [T, Hq, d] in q.dtype, lse [T, Hq] fp32, through `kernel`."""
+    counts = torch.stack((meta.kv_lens, meta.cu_q[1:] - meta.cu_q[:-1]))
+    kv_lens, q_lens = counts.tolist()                    # host: gathered size (one sync)
+    total = sum(kv_lens)
     k = gather_keys(k_cache, meta, total)
     v = gather_keys(v_cache, meta, total)
-    cu_k = F.pad(torch.cumsum(meta.kv_lens, 0, dtype=torch.int32), (1, 0))
     if q.stride(-1) != 1:
         q = q.contiguous()
-    o, lse = flash_varlen(q, k, v, meta.cu_q, cu_k, meta.max_q, max(lens + [1]), scale)
-    lse = _lse_rows(lse, meta, T)
+    o, lse = (_flash if kernel == "flash" else _cudnn)(q, k, v, meta, kv_lens, q_lens, scale)
     empty = ~torch.isfinite(lse)                         # +inf / NaN where a row saw no key
-    lse = lse.masked_fill(empty, float("-inf"))
-    return o.masked_fill(empty.unsqueeze(-1), 0), lse
+    return o.masked_fill(empty.unsqueeze(-1), 0), lse.masked_fill(empty, float("-inf"))

@@ -2,11 +2,11 @@
 and absorbed MLA, causal by global position), KV append, and the Helix exchange's pack / merge,
 each one kernel launch with no host sync (CUDA-graph capturable).
 
-GQA prefill may instead run torch's own flash attention over K/V gathered from the pages
-(helix.attention.torch_prefill: kvp == 1, 16-bit, eager steps only), chosen per device by
-measurement: `prefill` = "auto" (default; env HELIX_PREFILL) takes it for chunks of at least
-TORCH_PREFILL_FROM[device name] query tokens per sequence, "torch" wherever it applies,
-"triton" never.
+GQA prefill may instead run one of torch's attention kernels over K/V gathered from the pages
+(helix.attention.torch_prefill: FA2 or cuDNN; kvp == 1, 16-bit, eager steps only), chosen per
+device by measurement: `prefill` = "auto" (default; env HELIX_PREFILL) runs the kernel of
+TORCH_PREFILL[device name] for chunks of at least its query tokens per sequence and the Triton
+kernel otherwise; "flash" / "cudnn" run that kernel wherever it applies; "triton" never does.
 
 On CPU the kernels run only through Triton's interpreter (TRITON_INTERPRET=1, set before triton
 is imported); tests use that path."""
@@ -23,17 +23,22 @@ from helix.attention.backend import AttentionBackend
 from helix.errors import ConfigError
 from helix.kv.manager import LocalKVMeta
 
-PREFILL_IMPLS = ("auto", "triton", "torch")
-# Query tokens per sequence (meta.max_q) from which torch's flash attention beats the Triton
-# prefill kernel, by device name: profiling/bench_prefill.py part (a) measures it (its "choice"
-# records and summary). A device not listed runs the Triton kernel under "auto".
-TORCH_PREFILL_FROM: dict[str, int] = {}
+PREFILL_IMPLS = ("auto", "triton") + torch_prefill.KERNELS
+# By device name: (torch kernel, query tokens per sequence (meta.max_q) from which it beats the
+# Triton prefill kernel), as profiling/bench_prefill.py part (a) measures and prints it. A
+# device not listed runs the Triton kernel under "auto".
+TORCH_PREFILL: dict[str, tuple[str, int]] = {}
 
 
 def _check_device(t: torch.Tensor) -> None:
     if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         raise ConfigError("attention backend 'triton' needs --device cuda (or TRITON_INTERPRET=1 "
                           "to run its kernels on CPU through the interpreter)")
+
+
+def device_name(device: torch.device) -> str | None:
+    """TORCH_PREFILL's key for a device (None off CUDA)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
 class TritonAttention(AttentionBackend):
@@ -63,18 +68,21 @@ class TritonAttention(AttentionBackend):
     def prefill_gqa(self, q, k_cache, v_cache, meta: LocalKVMeta, scale):
         """q [T, Hq, d] -> o [T, Hq, dv], lse [T, Hq]; several queries per sequence, causal."""
         _check_device(q)
-        if self.torch_prefill(q, k_cache, v_cache, meta):
-            return torch_prefill.prefill_gqa(q, k_cache, v_cache, meta, scale)
+        kernel = self.torch_prefill(q, k_cache, v_cache, meta)
+        if kernel is not None:
+            return torch_prefill.prefill_gqa(kernel, q, k_cache, v_cache, meta, scale)
         return triton_prefill.gqa_prefill(q, k_cache, v_cache, meta, scale)
 
-    def torch_prefill(self, q, k_cache, v_cache, meta: LocalKVMeta) -> bool:
-        """Whether this GQA prefill call runs torch's flash attention (see the module doc)."""
-        if self.prefill == "triton" or not torch_prefill.usable(q, k_cache, v_cache, meta):
-            return False
-        if self.prefill == "torch":
-            return True
-        start = TORCH_PREFILL_FROM.get(torch.cuda.get_device_name(q.device))
-        return start is not None and meta.max_q >= start
+    def torch_prefill(self, q, k_cache, v_cache, meta: LocalKVMeta) -> str | None:
+        """The torch kernel this GQA prefill call runs, None for the Triton kernel (see the
+        module doc)."""
+        kernel, start = self.prefill, 0
+        if kernel == "auto":
+            kernel, start = TORCH_PREFILL.get(device_name(q.device), ("triton", 0))
+        if (kernel == "triton" or meta.max_q < start
+                or not torch_prefill.usable(kernel, q, k_cache, v_cache, meta)):
+            return None
+        return kernel
 
     def decode_mla(self, q_latent, q_rope, kv_cache, kv_lora_rank, meta: LocalKVMeta, scale):
         """q_latent [B, H, Dl], q_rope [B, H, Dr] -> o [B, H, Dl], lse [B, H]."""
