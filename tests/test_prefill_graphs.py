@@ -21,7 +21,7 @@ from helix.runtime.prefill_graphs import LOCAL, PASS_KV
 # a 16-token first step (fills bucket 16); joiners: 4 decode rows + 15 tokens (past the largest
 # bucket: eager), then 5 decode rows + 9 tokens (padded to 16)
 RT = RuntimeConfig(page_size=4, max_batch=8, max_prefill_tokens=16, prefill_graph_buckets=(16,))
-LENGTHS, JOINERS = (4, 2, 7, 3), {2: 15, 4: 9}
+LENGTHS, JOINERS = (4, 2, 7, 3), {1: 15, 2: 9}
 
 
 def _prompts(lengths, seed=0):
@@ -29,7 +29,7 @@ def _prompts(lengths, seed=0):
     return [torch.randint(3, 60, (n,), generator=g).tolist() for n in lengths]
 
 
-def _run(model, layout=Layout(), runtime=RT, lengths=LENGTHS, joiners=JOINERS, new=5):
+def _run(model, layout=Layout(), runtime=RT, lengths=LENGTHS, joiners=JOINERS, new=3):
     """Per step: logits, whether it replayed a graph, the prefill graph it replayed (None: a
     decode graph or eager); the tokens of every request; prompt tokens projected per rank."""
     prompts = _prompts(lengths + tuple(joiners.values()))
@@ -71,10 +71,10 @@ def test_prefill_graphs_match_eager_steps(model):
     assert torch.equal(graphed["logits"][0], eager["logits"][0])      # 16 tokens in bucket 16
     for a, b in zip(graphed["logits"], eager["logits"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    # step 0 prefills 16 tokens, step 1 decodes (decode graph), step 2 holds 19 tokens (eager),
-    # step 4 holds 14 (padded to 16)
-    assert graphed["graphed"][:5] == [True, True, False, True, True]
-    assert graphed["keys"][:5] == [(LOCAL, 16), None, None, None, (LOCAL, 16)]
+    # step 0 prefills 16 tokens, step 1 holds 19 (eager), step 2 14 (padded to 16), then decode
+    # graphs
+    assert graphed["graphed"][:4] == [True, False, True, True]
+    assert graphed["keys"][:4] == [(LOCAL, 16), None, (LOCAL, 16), None]
 
 
 def test_padding_rows_write_no_kv():
@@ -120,7 +120,7 @@ MULTI_LENGTHS, MULTI_JOINERS = (1, 2, 5, 40), {3: 13}
 
 def _reference(model):
     return _run(model, runtime=dataclasses.replace(MULTI, prefill_graphs=False),
-                lengths=MULTI_LENGTHS, joiners=MULTI_JOINERS, new=4)
+                lengths=MULTI_LENGTHS, joiners=MULTI_JOINERS)
 
 
 def _assert_close_run(got, ref):
@@ -131,9 +131,9 @@ def _assert_close_run(got, ref):
 
 def test_kvp2_auto_replays_pass_kv_and_pass_q_graphs():
     """The 40-token prompt's last chunk (16 new tokens after 24 cached) passes Q, the others
-    KV; the joiner's first chunk, next to 4 decode rows, passes KV."""
+    KV; the joiner's first chunk, next to a decode row, passes KV."""
     got = _run("tiny-llama", Layout(kvp=2, kv_interleave=4), MULTI, MULTI_LENGTHS,
-               MULTI_JOINERS, new=4)
+               MULTI_JOINERS)
     _assert_close_run(got, _reference("tiny-llama"))
     assert got["keys"][:4] == [(PASS_KV, 16), (PASS_KV, 16), (LOCAL, 24), (PASS_KV, 16)]
 
@@ -141,7 +141,7 @@ def test_kvp2_auto_replays_pass_kv_and_pass_q_graphs():
 def test_kvp2_ring_pass_kv_graphs_mla():
     runtime = dataclasses.replace(MULTI, prefill_cp="pass-kv", cp_gather_mb=0)
     layout = Layout(kvp=2, kv_interleave=1)
-    got = _run("tiny-deepseek-v3", layout, runtime, MULTI_LENGTHS, MULTI_JOINERS, new=4)
+    got = _run("tiny-deepseek-v3", layout, runtime, MULTI_LENGTHS, MULTI_JOINERS)
     _assert_close_run(got, _reference("tiny-deepseek-v3"))
     assert all(k is None or k[0] == PASS_KV for k in got["keys"])
     lens = MULTI_LENGTHS + tuple(MULTI_JOINERS.values())
