@@ -14,7 +14,9 @@ position only when local index = global position and every sequence's queries ar
 positions: kvp == 1 (a prefill chunk always ends its sequence's KV). With kvp > 1 a rank's keys
 interleave with the other ranks' positions, and the Triton kernel runs. Also: 16-bit CUDA
 tensors, dk == dv, head dim a multiple of 8 up to 256, not under CUDA graph capture (the gather
-needs the key counts on the host: one sync a call).
+needs the key counts on the host: one sync a call), and a gathered copy that stays under
+GATHER_BYTES for every key the block tables can hold (and cuDNN's K/V repeated to the query
+heads, one sequence at a time).
 
 Layouts: keys of sequence s are gathered to rows [cu_k[s], cu_k[s + 1]) of [N, Hkv, d]; FA2
 reads the GQA groups natively, cuDNN gets K/V repeated to the query heads. torch's LSE (natural
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from helix.kv.manager import LocalKVMeta
 
 KERNELS = ("flash", "cudnn")
+GATHER_BYTES = 4 << 30      # largest K + V copy a call may make (bounded from static sizes)
 
 
 def usable(kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -40,6 +43,10 @@ def usable(kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             and k_cache.dtype == q.dtype and v_cache.shape[-1] == d and d % 8 == 0
             and d <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0)
             and not torch.cuda.is_current_stream_capturing()):
+        return False
+    keys = meta.block_tables.numel() * meta.page_size
+    heads = k_cache.shape[2] + (q.shape[1] if kernel == "cudnn" else 0)   # + cuDNN's repeat
+    if 2 * keys * heads * d * q.element_size() > GATHER_BYTES:
         return False
     if kernel == "flash":
         return torch.backends.cuda.is_flash_attention_available()
