@@ -116,7 +116,7 @@ def _tile(q1, q2, k1_base, k2_base, v_base, page, t0, limit, pos, m_i, l_i, acc,
         v = k1
     else:
         v = _load_tile(v_base, page, off, stride_vp, stride_vt, tmask, DV, BLOCK_DV, MASKED)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
