@@ -68,6 +68,8 @@ SMOKE = dict(device="cpu", dtype="float32", page=16, gqa=(4, 2, 16),
              mla_model="tiny-deepseek-v3", mla_prompt=24, join_model="tiny-llama",
              join_prompt=40, join_chunks=[8, 16], decoders=2, decoder_prompt=4, alone_steps=2,
              warm=8, layers=1, chunk=16)
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -103,7 +105,9 @@ class Bench:
             torch.cuda.empty_cache()
 
     def add(self, **rec):
+        """One record (with the device and this run's matmul rate, which its floor used)."""
         rec.setdefault("device", self.name)
+        rec.setdefault("matmul_tflops", round(self.matmul / 1e12, 3))
         self.records.append(rec)
         print(json.dumps(rec), flush=True)
 

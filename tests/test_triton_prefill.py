@@ -293,7 +293,8 @@ def test_mla_form_rule():
     assert 3.0 < ratio < 3.5
 
 
-@pytest.mark.parametrize("layout", ["ragged-prefix", "kvp2-i1-r1", "kvp3-i4-r2"])
+@pytest.mark.parametrize("layout", ["ragged-prefix", "kvp2-i1-r1", "kvp3-i4-r2",
+                                    "kvp4-ipage-r3-empty"])
 def test_mla_decompressed_equals_absorbed(monkeypatch, layout):
     """Per rank: the decompressed form's partial is W_UV (absorbed partial), same LSE; head
     blocks (a small DECOMPRESS_BYTES) change nothing."""
