@@ -53,9 +53,7 @@ class Served:
         return self.tok.decode(hf_greedy(self.hf, ids, n)[0])
 
     def stats(self) -> dict:
-        async def get():
-            return await self.engine.stats()
-        return asyncio.run_coroutine_threadsafe(get(), self.engine._loop).result(30)
+        return self.server.call(self.engine.stats(), 30)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +111,8 @@ def test_streaming_equals_non_streaming(served):
                                        stream_options={"include_usage": True}))
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     assert text == served.want(served.tok.encode(TEXTS[1]), 10)
-    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 10
     msgs = [{"role": "user", "content": TEXTS[2]}]
     whole = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=8, temperature=0)
     parts = list(c.chat.completions.create(model=NAME, messages=msgs, max_tokens=8,
@@ -123,6 +122,21 @@ def test_streaming_equals_non_streaming(served):
     assert streamed == whole.choices[0].message.content == served.want(
         served.tok.chat(msgs), 8)
     assert whole.choices[0].message.role == "assistant"
+
+
+def test_stop_strings_end_the_text_before_them(served):
+    c = served.client()
+    ids = served.tok.encode(TEXTS[0])
+    full = served.want(ids, 16)
+    stop = " " + full.split(" ")[3]                       # the fourth word, with its space
+    want = full[:full.index(stop)]
+    r = c.completions.create(model=NAME, prompt=ids, max_tokens=16, temperature=0, stop=[stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    chunks = list(c.completions.create(model=NAME, prompt=ids, max_tokens=16, temperature=0,
+                                       stop=stop, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    wait_idle(served)
 
 
 def test_eight_concurrent_clients(served):
@@ -181,6 +195,9 @@ BAD = [
     (dict(prompt="the cat", max_tokens=120), 400, "max_tokens"),       # never fits the pool
     (dict(prompt=list(range(5, 125)) + [3] * 10), 400, "prompt"),       # over max_context
     (dict(extra_body={"kv_file": "../../etc/passwd"}), 400, "kv_file"),
+    (dict(extra_body={"kv_file": "missing.safetensors"}), 400, "kv_file"),
+    (dict(extra_body={"top_k": 1.5}), 400, "top_k"),
+    (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
     (dict(model="gpt-4"), 404, "model"),
 ]
 

@@ -125,3 +125,12 @@ def test_detokenizer_holds_back_split_characters(tmp_path):
     deltas = [d.add([i]) for i in ids]
     assert "".join(deltas) == tok.decode(ids) == text
     assert not any("\ufffd" in x for x in deltas) and "" in deltas   # some tokens wait
+
+
+def test_stop_strings_split_across_outputs():
+    from helix.serving.stop import StopStrings
+    s = StopStrings(("STOP", "xy"))
+    out = [s.feed(t) for t in ["hello S", "TO", "P and more"]]
+    assert "".join(t for t, _ in out) == "hello " and out[-1][1] and not out[0][1]
+    s = StopStrings(("STOP",))
+    assert s.feed("abcST") == ("ab", False) and s.feed("x", final=True) == ("cSTx", False)

@@ -30,7 +30,8 @@ class _AddPrompt(argparse.Action):
 
 def add_parser(subparsers):
     p = subparsers.add_parser("generate", help="generate tokens for a batch of prompts")
-    p.add_argument("--model", required=True, help="checkpoint directory, preset name or preset YAML")
+    p.add_argument("--model", required=True,
+                   help="checkpoint directory, preset name or preset YAML")
     p.add_argument("--prompt-ids", dest="ids", type=token_ids, action=_AddPrompt,
                    help="comma-separated token ids; repeat for each request of the batch")
     p.add_argument("--prompt", dest="text", action=_AddPrompt,

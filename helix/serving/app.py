@@ -11,6 +11,7 @@ that disconnects (streaming or not) aborts its request, which frees its KV pages
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -28,6 +29,11 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
+# first word of an LLM.add_request error -> the request field it is about
+ENGINE_FIELDS = {"prompt": "prompt", "kv": "kv_file", "stop_token_ids": "stop_token_ids",
+                 "token": "prompt"}
+
+
 def error(status: int, message: str, kind: str, param: str | None = None,
           code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param,
@@ -42,10 +48,9 @@ def _refusal(e: Exception) -> JSONResponse:
         fact = str(e).split(":")[0]
         return error(400, f"{fact}: lower max_tokens or shorten the prompt",
                      "invalid_request_error", "max_tokens")
-    if isinstance(e, RequestError):
-        field = str(e).split(" ", 1)[0]
-        return error(400, str(e), "invalid_request_error",
-                     field if field.isidentifier() else None)
+    if isinstance(e, RequestError):             # the LLM's own checks: name the request field
+        word = str(e).split(" ", 1)[0]
+        return error(400, str(e), "invalid_request_error", ENGINE_FIELDS.get(word))
     if isinstance(e, OverloadedError):
         return error(429, str(e), "overloaded_error", code="overloaded")
     if isinstance(e, EngineDeadError):
@@ -104,7 +109,12 @@ class OpenAIServer:
         self.vocab = engine.info["vocab_size"]
 
     def app(self) -> Starlette:
-        return Starlette(routes=[
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            self.engine.bind()                   # engine messages reach this loop from now on
+            yield
+
+        return Starlette(lifespan=lifespan, routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
@@ -152,7 +162,8 @@ class OpenAIServer:
                          "model_not_found")
         try:
             parsed = parse(body, self.engine.tokenizer, self.vocab, self.kv_dir)
-            stream = await self.engine.submit(parsed.prompt_ids, parsed.params, parsed.kv)
+            stream = await self.engine.submit(parsed.prompt_ids, parsed.params, parsed.kv,
+                                              parsed.stop)
         except (RequestError, CapacityError, OverloadedError, EngineDeadError) as e:
             return _refusal(e)
         fmt = _Format(chat, self.name, len(parsed.prompt_ids))

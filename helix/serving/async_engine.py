@@ -31,6 +31,7 @@ from helix.config import Layout, RuntimeConfig
 from helix.errors import CapacityError, EngineDeadError, HelixError, RequestError
 from helix.serving.engine_loop import engine_main
 from helix.serving.metrics import Metrics, RequestMetrics
+from helix.serving.stop import StopStrings
 
 
 class OverloadedError(HelixError):
@@ -57,8 +58,10 @@ class _State:
 class RequestStream:
     """One request's outputs as an async iterator; `abort()` ends it (its pages are freed)."""
 
-    def __init__(self, engine: "AsyncLLM", key: int, prompt_len: int, detok):
+    def __init__(self, engine: "AsyncLLM", key: int, prompt_len: int, detok, stop=None):
         self.engine, self.key = engine, key
+        self.stop = StopStrings(stop) if stop else None
+        self.cut = False                      # ended by a stop string, not by the engine
         self.state = _State()
         self.event = asyncio.Event()
         self.accepted = asyncio.get_running_loop().create_future()
@@ -93,6 +96,12 @@ class RequestStream:
         finish = self.state.finish
         text = self.detok.add(tokens) if self.detok is not None and tokens else ""
         self.token_ids += tokens
+        if self.stop is not None:
+            text, stopped = self.stop.feed(text, final=finish is not None)
+            if stopped and finish != "error":
+                self.cut = finish is None              # the engine still runs it: end it there
+                finish = self.state.finish = "stop"
+                self.metrics.finished = self.metrics.finished or time.perf_counter()
         self.text += text
         if finish is not None:
             self.done = True
@@ -254,7 +263,8 @@ class AsyncLLM:
         if fut is not None and not fut.done():
             fut.set_result(value)
 
-    def _bind(self) -> None:
+    def bind(self) -> None:
+        """Serve the running event loop (the first caller's; a server binds at start-up)."""
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
@@ -263,6 +273,11 @@ class AsyncLLM:
                              "first called it")
 
     # -- the API ----------------------------------------------------------------------------
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop this engine serves (None until bound)."""
+        return self._loop
+
     def health(self) -> str | None:
         """None while the engine serves, else why it does not."""
         if self.dead is None and not self._proc.is_alive():
@@ -273,10 +288,16 @@ class AsyncLLM:
     def in_flight(self) -> int:
         return len(self._streams)
 
-    async def submit(self, prompt_ids: list[int], params, kv=None) -> RequestStream:
-        """Queue a request; returns its stream once the engine has accepted it. Raises
-        RequestError / CapacityError (refused), OverloadedError, EngineDeadError."""
-        self._bind()
+    async def submit(self, prompt_ids: list[int], params, kv=None,
+                     stop: tuple[str, ...] = ()) -> RequestStream:
+        """Queue a request; returns its stream once the engine has accepted it. kv: its
+        prompt's KV (helix/kv/transfer.py); stop: strings that end its text (needs the
+        tokenizer). Raises RequestError / CapacityError (refused), OverloadedError,
+        EngineDeadError."""
+        if stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer, and this model has none: use "
+                               "stop_token_ids")
+        self.bind()
         if self.health() is not None:
             raise EngineDeadError(f"the engine stopped: {self.dead}")
         if len(self._streams) >= self.max_in_flight:
@@ -285,7 +306,7 @@ class AsyncLLM:
                                   f"(max_in_flight): retry later")
         key = next(self._keys)
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
-        s = RequestStream(self, key, len(prompt_ids), detok)
+        s = RequestStream(self, key, len(prompt_ids), detok, tuple(stop))
         self._streams[key] = s
         try:
             self._send(("add", key, list(prompt_ids), params, kv))
@@ -314,16 +335,21 @@ class AsyncLLM:
     def _finished(self, s: RequestStream, reason: str) -> None:
         if self._streams.pop(s.key, None) is not None:
             self.metrics.finished(s.metrics, reason)
+            if s.cut and self.dead is None:           # a stop string: the engine still runs it
+                try:
+                    self._send(("abort", s.key))
+                except EngineDeadError:
+                    pass
 
     async def stats(self) -> dict:
         """Fresh engine stats: running, queued, KV pages per rank (LLM.stats()), steps."""
-        self._bind()
+        self.bind()
         return await self._call("stats", ("stats",))
 
     async def run_direct(self, prompts: list[list[int]], params) -> dict:
         """The engine's own run of `prompts` (no server in the path): tokens, seconds, steps,
         outputs. Nothing else may run meanwhile (benchmarks)."""
-        self._bind()
+        self.bind()
         key = next(self._keys)
         return await self._call(key, ("direct", key, prompts, params))
 

@@ -169,8 +169,9 @@ def engine_main(conn, model: str, layout, runtime) -> None:
         conn.send(("failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
         return
     try:
-        conn.send(("ready", {"vocab_size": llm.cfg.vocab_size, "max_context": llm.max_context,
-                             "world_size": layout.world_size, "num_pages": llm.stats()["num_pages"]}))
+        info = {"vocab_size": llm.cfg.vocab_size, "max_context": llm.max_context,
+                "world_size": layout.world_size, "num_pages": llm.stats()["num_pages"]}
+        conn.send(("ready", info))
         EngineLoop(llm, conn).run()
     finally:
         llm.close()

@@ -1,7 +1,8 @@
 """The OpenAI request bodies of /v1/completions and /v1/chat/completions -> (prompt ids,
 SamplingParams, stream options), every field checked: a bad one raises FieldError naming it
-(HTTP 400). Extensions (as vLLM's): top_k, stop_token_ids, ignore_eos, kv_file (a KV import,
-helix/kv/transfer.py, under the server's --kv-dir). Every choice also carries its "token_ids".
+(HTTP 400). `stop` strings end the text before them. Extensions (as vLLM's): top_k,
+stop_token_ids, ignore_eos, kv_file (a KV import, helix/kv/transfer.py, under the server's
+--kv-dir). Every choice also carries its "token_ids".
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     kv: str | None = None            # a KV import file
+    stop: tuple[str, ...] = ()       # stop strings
 
 
 # fields a client may send that Helix does not implement: refused unless left at the default
@@ -36,7 +38,8 @@ UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": 
                "suffix": (None, ""), "best_of": (None, 1), "presence_penalty": (None, 0),
                "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
                "logit_bias": (None,), "tools": (None,), "functions": (None,),
-               "stop": (None, [], ""), "min_tokens": (None, 0)}
+               "min_tokens": (None, 0)}
+MAX_STOPS = 4
 
 
 def _int(body: dict, name: str, default, lo: int, hi: int | None = None):
@@ -46,8 +49,8 @@ def _int(body: dict, name: str, default, lo: int, hi: int | None = None):
     if isinstance(v, bool) or not isinstance(v, int):
         raise FieldError(name, f"{name} must be an integer, got {v!r}")
     if v < lo or (hi is not None and v > hi):
-        raise FieldError(name, f"{name} must be {'>= ' + str(lo) if hi is None else f'in [{lo}, {hi}]'}"
-                               f", got {v}")
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise FieldError(name, f"{name} must be {bound}, got {v}")
     return v
 
 
@@ -83,8 +86,7 @@ def _ids(value, name: str, vocab: int) -> list[int]:
 def _check_unsupported(body: dict) -> None:
     for name, defaults in UNSUPPORTED.items():
         if name in body and body[name] not in defaults:
-            fix = " (use stop_token_ids)" if name == "stop" else ""
-            raise FieldError(name, f"{name} is not supported by this server{fix}: leave it out")
+            raise FieldError(name, f"{name} is not supported by this server: leave it out")
     n = body.get("n", 1)
     if n not in (None, 1):
         raise FieldError("n", f"n must be 1 (one choice per request), got {n!r}")
@@ -112,6 +114,21 @@ def sampling(body: dict, vocab: int, max_tokens_field: str = "max_tokens") -> Sa
         field = str(e).split(" ", 1)[0]
         name = {"max_new_tokens": max_tokens_field}.get(field, field)
         raise FieldError(name, str(e).replace("max_new_tokens", name)) from None
+
+
+def _stop(body: dict, tokenizer) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None or stop == [] or stop == "":
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) \
+            or len(stops) > MAX_STOPS:
+        raise FieldError("stop", f"stop must be a non-empty string or a list of at most "
+                                 f"{MAX_STOPS} of them")
+    if tokenizer is None:
+        raise FieldError("stop", "stop strings need a tokenizer and this model has none (a "
+                                 "preset): use stop_token_ids")
+    return tuple(stops)
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
@@ -164,7 +181,8 @@ def parse_completion(body, tokenizer, vocab: int, kv_dir: str | None = None) -> 
     else:
         ids = _ids(prompt, "prompt", vocab)
     stream, usage = _stream(body)
-    return Parsed(ids, sampling(body, vocab), stream, usage, _kv_file(body, kv_dir))
+    return Parsed(ids, sampling(body, vocab), stream, usage, _kv_file(body, kv_dir),
+                  _stop(body, tokenizer))
 
 
 def _text(content, i: int) -> str:
@@ -204,7 +222,7 @@ def parse_chat(body, tokenizer, vocab: int, kv_dir: str | None = None) -> Parsed
         raise FieldError("messages", str(e)) from None
     stream, usage = _stream(body)
     return Parsed(ids, sampling(body, vocab, "max_completion_tokens"), stream, usage,
-                  _kv_file(body, kv_dir))
+                  _kv_file(body, kv_dir), _stop(body, tokenizer))
 
 
 def _object(body) -> dict:

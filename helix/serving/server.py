@@ -4,6 +4,7 @@ once (a signal, or `stop()` from another thread), so shutdown never waits on a l
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import socket
 import threading
@@ -43,7 +44,7 @@ class _Uvicorn(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
-        loop = self.engine._loop
+        loop = self.engine.loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self.engine.stop)
 
@@ -58,7 +59,7 @@ class HTTPServer:
         self.host, self.port = sock.getsockname()[:2]
         app = OpenAIServer(engine, name, kv_dir).app()
         config = uvicorn.Config(app, log_level="warning", access_log=access_log,
-                                timeout_graceful_shutdown=GRACE_S, lifespan="off")
+                                timeout_graceful_shutdown=GRACE_S, lifespan="on")
         self.server = _Uvicorn(config, engine)
         self.thread: threading.Thread | None = None
 
@@ -79,9 +80,14 @@ class HTTPServer:
             time.sleep(0.02)
         return self
 
+    def call(self, coro, timeout_s: float | None = None):
+        """Run a coroutine (e.g. engine.stats()) on the server's event loop from another
+        thread; returns its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.engine.loop).result(timeout_s)
+
     def stop(self) -> None:
         """End every stream, stop serving, join the thread (the engine stays: close it)."""
-        loop = self.engine._loop
+        loop = self.engine.loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self.engine.stop)
         self.server.should_exit = True

@@ -41,8 +41,8 @@ class Tokenizer:
             text = self.hf.apply_chat_template(messages, add_generation_prompt=True,
                                                tokenize=False)
         except Exception as e:   # a template's own raise_exception (e.g. roles out of order)
-            raise RequestError(f"messages: the chat template refused them: "
-                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise RequestError(f"messages: the chat template refused them: {why}") from None
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
