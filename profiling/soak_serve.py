@@ -159,6 +159,9 @@ class Soak:
                                 "workers_mb": [rss_mb(p) for p in children(engine_pid)],
                                 "kv_pages_used": stats["kv_pages_used"],
                                 "running": stats["running"], "queued": stats["queued"]})
+            if len(self.memory) % 15 == 0:
+                print(f"  {self.steps} steps, {sum(self.counts.values())} requests, "
+                      f"{len(self.failures)} failures", flush=True)
             if self.steps >= self.args.steps:
                 self.stop = True
             await asyncio.sleep(2.0)

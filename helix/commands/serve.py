@@ -48,6 +48,10 @@ def _imports() -> None:
 
 
 def run(args) -> int:
+    from helix.runtime.launch import torchrun_world
+    if torchrun_world() is not None:
+        raise HelixError("helix serve starts its ranks itself: run it without torchrun (one "
+                         "node)")
     _imports()
     from helix.serving.async_engine import AsyncLLM
     from helix.serving.server import HTTPServer, listen

@@ -137,7 +137,7 @@ class AsyncLLM:
         self.dead: str | None = None
         self._keys = itertools.count()
         self._streams: dict[int, RequestStream] = {}
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[object, asyncio.Future] = {}   # "stats" or a direct run's key
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         ctx = mp.get_context("spawn")
@@ -182,22 +182,32 @@ class AsyncLLM:
             raise EngineDeadError(self.dead or "the engine process is gone") from None
 
     def _read(self) -> None:
-        """Reader thread: every engine message goes to the event loop, in order."""
+        """Reader thread: engine messages go to the event loop in order, every message that has
+        arrived in one call (a busy loop is woken once for several steps)."""
         while True:
+            batch = []
             try:
-                msg = self._conn.recv()
+                batch.append(self._conn.recv())
+                while batch[-1][0] not in ("closed", "dead") and self._conn.poll():
+                    batch.append(self._conn.recv())
             except (EOFError, OSError):
-                msg = ("gone",)
+                batch.append(("gone",))
             loop = self._loop
             if loop is not None and not loop.is_closed():
                 try:
-                    loop.call_soon_threadsafe(self._dispatch, msg)
+                    loop.call_soon_threadsafe(self._dispatch_all, batch)
                 except RuntimeError:          # the loop closed meanwhile
                     return
-            elif msg[0] in ("dead", "gone"):
-                self._mark_dead(msg)
-            if msg[0] in ("gone", "closed"):
+            else:
+                for msg in batch:
+                    if msg[0] in ("dead", "gone"):
+                        self._mark_dead(msg)
+            if batch[-1][0] in ("gone", "closed"):
                 return
+
+    def _dispatch_all(self, batch: list) -> None:
+        for msg in batch:
+            self._dispatch(msg)
 
     def _dispatch(self, msg) -> None:
         kind = msg[0]

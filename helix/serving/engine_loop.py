@@ -104,12 +104,13 @@ class EngineLoop:
         engine's own tokens/s for the same requests the server is then given)."""
         llm = self.llm
         ids = [llm.add_request(p, params) for p in prompts]
+        mine = set(ids)
         t0, steps, tokens = time.perf_counter(), 0, 0
         first = None
         while any(i not in llm.finish_reasons for i in ids):
             out = llm.step()
             steps += 1
-            tokens += sum(1 for i in out.tokens if i in ids)
+            tokens += sum(1 for i in out.tokens if i in mine)
             if first is None and out.tokens:
                 first = time.perf_counter() - t0
         seconds = time.perf_counter() - t0
