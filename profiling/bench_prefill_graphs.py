@@ -27,6 +27,7 @@ import time
 import torch
 
 from helix import LLM, Layout, RuntimeConfig, SamplingParams
+from helix.graphs import token_buckets
 
 SMOKE = dict(model="tiny-llama", layers=0, dtype="float32", lengths="8,20", batches="1,2",
              reps=2, warmup=1, max_prefill_tokens=32)
@@ -117,9 +118,13 @@ def main(argv: list[str] | None = None) -> None:
     device = "cpu" if args.smoke else "cuda"
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
+    # graphs for every step up to the largest (the runtime's default ladder stops sooner)
+    max_step = RuntimeConfig(device=device, max_prefill_tokens=args.max_prefill_tokens
+                             ).resolved_max_prefill_tokens + max(batches)
     rt = RuntimeConfig(device=device, dtype=args.dtype, layers=args.layers,
                        max_batch=max(batches), max_context=max(lengths) + 16, overlap=False,
                        max_prefill_tokens=args.max_prefill_tokens, prefill_graphs=True,
+                       prefill_graph_buckets=token_buckets(max_step),
                        attention_backend=args.attention_backend, seed=args.seed)
     t0 = time.perf_counter()
     records = []

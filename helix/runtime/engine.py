@@ -35,7 +35,7 @@ from helix.parallel.comm import Comm
 from helix.runtime import faults
 from helix.runtime.decode_graphs import DecodeGraphs
 from helix.runtime.memory import plan_kv_pool
-from helix.runtime.prefill_graphs import LOCAL, PASS_KV, PrefillGraphs
+from helix.runtime.prefill_graphs import DEFAULT_MAX_TOKENS, LOCAL, PASS_KV, PrefillGraphs
 from helix.tracing import nvtx_range
 from helix.runtime.request import Request
 from helix.runtime.sampler import Sampler
@@ -105,7 +105,8 @@ class Engine:
         pool = GraphPool()                    # one pool: prefill graphs (largest) first
         if runtime.resolved_prefill_graphs:
             step = runtime.max_batch + runtime.resolved_max_prefill_tokens
-            buckets = runtime.prefill_graph_buckets or token_buckets(step)
+            buckets = runtime.prefill_graph_buckets or token_buckets(min(step,
+                                                                         DEFAULT_MAX_TOKENS))
             self.prefill_graphs = PrefillGraphs(
                 self.model, self.caches, self.backend, self.sampler, geometry,
                 BucketLadder(buckets=[b for b in buckets if b <= step] or [step]), step,

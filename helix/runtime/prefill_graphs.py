@@ -39,6 +39,12 @@ from helix.kv.context_parallel import CPPlan
 from helix.kv.manager import LocalKVMeta, upload
 from helix.runtime.sampler import Sampler
 
+# The default ladder stops here: graphs pay where a step is bound by kernel launches (a few
+# hundred tokens); a larger step's kernels outlast their launches, while every bucket costs a
+# capture at start-up and its padding costs compute. RuntimeConfig.prefill_graph_buckets sets
+# any ladder (profiling/bench_prefill_graphs.py measures one up to 4K tokens).
+DEFAULT_MAX_TOKENS = 256
+
 LOCAL, PASS_KV = "local", "pass-kv"
 
 
