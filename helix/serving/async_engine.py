@@ -72,14 +72,15 @@ class RequestStream:
         self.done = False
 
     # engine side (called on the event loop by the dispatcher)
-    def _push(self, tokens: list[int], finish: str | None, error: str | None) -> None:
-        now = time.perf_counter()
-        if tokens and self.metrics.first_token is None:
-            self.metrics.first_token = now
-        self.state.tokens += tokens
-        if finish is not None:
-            self.state.finish, self.state.error = finish, error
-            self.metrics.finished = now
+    def _push_token(self, token: int) -> None:
+        if self.metrics.first_token is None:
+            self.metrics.first_token = time.perf_counter()
+        self.state.tokens.append(token)
+        self.event.set()
+
+    def _finish(self, finish: str, error: str | None) -> None:
+        self.state.finish, self.state.error = finish, error
+        self.metrics.finished = time.perf_counter()
         self.event.set()
 
     # consumer side
@@ -212,11 +213,17 @@ class AsyncLLM:
     def _dispatch(self, msg) -> None:
         kind = msg[0]
         if kind == "out":
-            for key, tokens, finish, error in msg[1]:
-                s = self._streams.get(key)
+            _, keys, tokens, finished, step = msg
+            streams = self._streams
+            for key, tok in zip(keys, tokens):
+                s = streams.get(key)
                 if s is not None:
-                    s._push(tokens, finish, error)
-            self.metrics.step(*msg[2])
+                    s._push_token(tok)
+            for key, finish, error in finished:
+                s = streams.get(key)
+                if s is not None:
+                    s._finish(finish, error)
+            self.metrics.step(*step)
         elif kind == "added":
             s = self._streams.get(msg[1])
             if s is not None and not s.accepted.done():
@@ -261,7 +268,7 @@ class AsyncLLM:
         for s in list(self._streams.values()):
             if not s.accepted.done():
                 s.accepted.set_exception(EngineDeadError(self.dead))
-            s._push([], "error", self.dead)
+            s._finish("error", self.dead)
         self._streams.clear()
         for fut in self._calls.values():
             if not fut.done():

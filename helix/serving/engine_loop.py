@@ -13,8 +13,9 @@ Messages (tuples, pickled by multiprocessing's Connection):
                      ("shutdown",)
   engine -> server   ("ready", info) | ("failed", message)          once, at start
                      ("added", key) | ("rejected", key, kind, message)   kind: request | capacity
-                     ("out", [(key, token_ids, finish_reason, error)], (seconds, fed tokens))
-                                                                     once per step with tokens
+                     ("out", keys, tokens, [(key, finish_reason, error)],
+                      (seconds, fed tokens))        once per step with news: tokens[i] is
+                                                    the new token of request keys[i]
                      ("stats", LLM.stats() + steps)                  every STATS_INTERVAL_S, and
                                                                      on ("stats",)
                      ("direct", key, result)   ("dead", message)   ("closed",)
@@ -125,23 +126,21 @@ class EngineLoop:
         llm = self.llm
         out = llm.step()
         self.steps += 1
-        items = {}
-        for rid, tok in out.tokens.items():
+        keys, tokens, finished = [], [], []
+        for rid, tok in out.tokens.items():       # at most one token per request and step
             key = self.key.get(rid)
             if key is not None:
-                items[rid] = [key, [tok], None, None]
+                keys.append(key)
+                tokens.append(tok)
         for rid, why in out.finished.items():
             key = self.key.pop(rid, None)
             if key is None:
                 continue
             self.rid.pop(key, None)
-            item = items.setdefault(rid, [key, [], None, None])
-            item[2] = why
-            item[3] = (out.errors or {}).get(rid)
+            finished.append((key, why, (out.errors or {}).get(rid)))
             llm.release(rid)
-        if items:
-            self._send(("out", [tuple(i) for i in items.values()],
-                        (out.seconds, out.num_tokens)))
+        if keys or finished:
+            self._send(("out", keys, tokens, finished, (out.seconds, out.num_tokens)))
 
     def _send_stats(self) -> None:
         self.last_stats = time.monotonic()
