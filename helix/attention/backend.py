@@ -18,6 +18,10 @@ from helix.kv.manager import LocalKVMeta
 class AttentionBackend:
     name = "abstract"
 
+    def prepare(self, device: torch.device, mla: bool) -> None:
+        """Once per engine, before any graph is captured: a backend may compile or self-check
+        kernels here (mla: the model's attention is MLA)."""
+
     def append_kv(self, cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Write rows [T, ...] into cache [P, page, ...] at flat slots [T]; slot -1 is skipped."""
         raise NotImplementedError

@@ -30,6 +30,9 @@ class FlashAttention(AttentionBackend):
         self.other = _fallback()
         self.graph_safe = getattr(self.other, "graph_safe", False)   # flash decode is capturable
 
+    def prepare(self, device, mla):
+        self.other.prepare(device, mla)
+
     def append_kv(self, cache, rows, slots):
         self.other.append_kv(cache, rows, slots)
 

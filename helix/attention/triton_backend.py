@@ -8,6 +8,12 @@ device by measurement: `prefill` = "auto" (default; env HELIX_PREFILL) runs the 
 TORCH_PREFILL[device name] for chunks of at least its query tokens per sequence and the Triton
 kernel otherwise; "flash" / "cudnn" run that kernel wherever it applies; "triton" never does.
 
+Absorbed MLA decode runs the Gluon kernel (helix.attention.gluon_mla, variant GLUON_VARIANT) on
+sm_90 where it compiled and passed its self-check in `prepare` and the shape suits it (16-bit KV,
+512 + 64 dims, not a few-heads launch: triton_mla_few.routes), else triton_mla (env
+HELIX_MLA_GLUON=0 keeps triton_mla): profiling/results/mla_gluon.md measured it 3-10 % ahead of
+triton_mla at every shape timed.
+
 On CPU the kernels run only through Triton's interpreter (TRITON_INTERPRET=1, set before triton
 is imported); tests use that path."""
 
@@ -18,12 +24,13 @@ import os
 import torch
 
 from helix.attention import (torch_prefill, triton_append, triton_decode, triton_merge,
-                             triton_mla, triton_prefill)
+                             triton_mla, triton_mla_few, triton_prefill)
 from helix.attention.backend import AttentionBackend
 from helix.errors import ConfigError
 from helix.kv.manager import LocalKVMeta
 
 PREFILL_IMPLS = ("auto", "triton") + torch_prefill.KERNELS
+GLUON_VARIANT = "simple"     # the faster variant at every shape of profiling/results/mla_gluon.md
 # By device name: (torch kernel, query tokens per sequence (meta.max_q) from which it beats the
 # Triton prefill kernel), as profiling/bench_prefill.py part (a) measures and prints it. A
 # device not listed runs the Triton kernel under "auto".
@@ -50,6 +57,14 @@ class TritonAttention(AttentionBackend):
         if self.prefill not in PREFILL_IMPLS:
             raise ConfigError(f"HELIX_PREFILL must be one of {', '.join(PREFILL_IMPLS)}, got "
                               f"{self.prefill!r}")
+        self.gluon_mla = False     # decided by prepare(), before any graph is captured
+
+    def prepare(self, device: torch.device, mla: bool) -> None:
+        """Compile and self-check the Gluon MLA kernel once (it synchronises: never under
+        capture)."""
+        if mla and device.type == "cuda" and os.environ.get("HELIX_MLA_GLUON", "1") != "0":
+            from helix.attention import gluon_mla
+            self.gluon_mla = gluon_mla.gluon_available(device, GLUON_VARIANT)
 
     def append_kv(self, cache, rows, slots):
         _check_device(cache)
@@ -88,8 +103,21 @@ class TritonAttention(AttentionBackend):
         """q_latent [B, H, Dl], q_rope [B, H, Dr] -> o [B, H, Dl], lse [B, H]."""
         _check_device(q_latent)
         assert kv_cache.shape[-1] == kv_lora_rank + q_rope.shape[-1]
+        if self.gluon_mla and self._gluon_fits(q_latent, q_rope, kv_cache):
+            from helix.attention import gluon_mla
+            return gluon_mla.mla_decode_gluon(q_latent, q_rope, kv_cache, meta.block_tables,
+                                              meta.kv_lens, scale, variant=GLUON_VARIANT)
         return triton_mla.mla_decode(q_latent, q_rope, kv_cache, meta.block_tables, meta.kv_lens,
                                      scale)
+
+    @staticmethod
+    def _gluon_fits(q_latent, q_rope, kv_cache) -> bool:
+        from helix.attention import gluon_mla
+        H, Dl, Dr = q_latent.shape[1], q_latent.shape[2], q_rope.shape[2]
+        P, page, _ = kv_cache.shape
+        return (not triton_mla_few.routes(H)
+                and gluon_mla.unsupported_reason(H, Dl, Dr, page, kv_cache.dtype, P * page) is None
+                and gluon_mla.tma_ready(kv_cache) is None)
 
     def prefill_mla(self, q_latent, q_rope, kv_cache, kv_lora_rank, meta: LocalKVMeta, scale):
         """Absorbed MLA prefill: o [T, H, Dl] in latent space, lse [T, H]."""

@@ -82,6 +82,7 @@ class Engine:
         self.scheduler = Scheduler(num_pages, self.sharding, runtime.max_batch,
                                    runtime.resolved_max_prefill_tokens)
         self.backend = get_backend(runtime.resolved_backend, runtime.device)
+        self.backend.prepare(device, cfg.is_mla)
         self.seeds: dict[int, int] = {}       # request id -> sampling seed
         self.kv_tokens_released = 0
         ladder = (BucketLadder(buckets=runtime.graph_buckets) if runtime.graph_buckets
