@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from helix.config import Layout, RuntimeConfig
 from helix.errors import CapacityError, EngineDeadError, HelixError, RequestError
+from helix.loader import read_model_config
 from helix.serving.engine_loop import engine_main
 from helix.serving.metrics import Metrics, RequestMetrics
 from helix.serving.stop import StopStrings
@@ -132,6 +133,8 @@ class AsyncLLM:
         max_in_flight: requests accepted at once (default 4 x max_batch, at least 64)."""
         layout = Layout() if layout is None else layout
         runtime = RuntimeConfig() if runtime is None else runtime
+        cfg, _ = read_model_config(model, runtime.layers)   # a bad model or layout: before any
+        layout.validate(cfg)                                 # process starts
         self.model, self.layout, self.runtime, self.tokenizer = model, layout, runtime, tokenizer
         self.max_in_flight = max_in_flight or max(64, 4 * runtime.max_batch)
         self.metrics = Metrics(layout.world_size)
@@ -166,7 +169,12 @@ class AsyncLLM:
                                       f"{self._proc.exitcode} while starting (its error is above)")
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"the engine did not start within {timeout:.0f} s")
-        msg = self._conn.recv()
+        try:
+            msg = self._conn.recv()
+        except EOFError:                      # it died before saying why
+            self._proc.join(5)
+            raise EngineDeadError(f"the engine process exited with code {self._proc.exitcode} "
+                                  f"while starting (its error is above)") from None
         if msg[0] == "failed":
             self._proc.join(10)
             raise HelixError(msg[1])
