@@ -8,7 +8,9 @@ the same requests (greedy, ignore_eos, fixed max_tokens) through HTTP from a sep
 arrival. Reported per round and as medians: delivered tokens/s (tokens the clients received /
 wall time from the first request sent to the last token received) against the engine's
 tokens/s (`ratio`, target >= 0.9), TTFT and time per output token percentiles as the clients
-see them, and whether the HTTP tokens equal the direct run's.
+see them, tokens per SSE event (> 1: the server coalesced), the engine's mean step time alone
+and while serving (LLM.step wall time, from the engine's own reports), and whether the HTTP
+tokens equal the direct run's.
 
     python profiling/bench_serve.py --out profiling/results/bench_serve.json    # one H200
     python profiling/bench_serve.py --smoke                                     # CPU, tiny
@@ -154,19 +156,27 @@ def main(argv=None) -> dict:
                                                                  ignore_eos=True)))  # warm-up
         for i in range(args.rounds):
             direct = server.call(engine.run_direct(prompts, params))
+            m = engine.metrics
+            before = (m.steps, m.step_seconds)
             reqs = clients_elsewhere(server.host, server.port, args.model, prompts,
                                      args.max_tokens, args.smoke)
             http = summarize_http(reqs)
+            steps = m.steps - before[0]              # the engine's own view of the HTTP run
+            http["engine_steps"] = steps
+            http["engine_step_ms"] = 1e3 * (m.step_seconds - before[1]) / max(1, steps)
             d_tps = direct["tokens"] / direct["seconds"]
             same = [r["token_ids"] for r in reqs] == direct["outputs"]
+            direct["step_ms"] = 1e3 * direct["seconds"] / max(1, direct["steps"])
             rounds.append({"direct": {k: direct[k] for k in ("tokens", "seconds", "steps",
-                                                              "first_token_s")},
+                                                              "first_token_s", "step_ms")},
                            "direct_tokens_per_s": d_tps, "http": http,
                            "ratio": http["tokens_per_s"] / d_tps, "same_tokens": same})
             print(f"round {i}: engine {d_tps:,.0f} tok/s, through HTTP "
                   f"{http['tokens_per_s']:,.0f} tok/s ({http['tokens_per_s'] / d_tps:.1%}), "
                   f"TTFT p50 {http['ttft_s']['p50'] * 1e3:.1f} ms, TPOT p50 "
-                  f"{http['tpot_s']['p50'] * 1e3:.3f} ms, same tokens {same}", flush=True)
+                  f"{http['tpot_s']['p50'] * 1e3:.3f} ms, {http['tokens_per_event']:.2f} tokens"
+                  f" per event; engine step {direct['step_ms']:.3f} ms alone, "
+                  f"{http['engine_step_ms']:.3f} ms serving; same tokens {same}", flush=True)
         stats = server.call(engine.stats())
     finally:
         server.stop()
