@@ -166,21 +166,17 @@ def _sdpa_prompt(bench, q, kc, vc, meta, iters) -> tuple[torch.Tensor, dict]:
 
 
 def crossover(recs: list[dict]) -> tuple[str | None, int | None]:
-    """(torch kernel, fewest prompt tokens) for TORCH_PREFILL: the kernel beating the Triton
-    kernel at every measured length from that many tokens on (prompt records) and in every
-    chunk record; (None, None) where no kernel does."""
+    """(torch kernel, fewest keys) for TORCH_PREFILL: the kernel chosen in every record (whole
+    prompts and chunks) from that many keys (prompt_tokens) on; (None, None) where no kernel
+    wins the longest."""
+    by_keys = sorted(recs, key=lambda r: -r["prompt_tokens"])
     best = (None, None)
-    chunks = [r for r in recs if r["scenario"] == "chunk"]
-    prompts = sorted((r for r in recs if r["scenario"] == "prompt"),
-                     key=lambda r: -r["prompt_tokens"])
     for kernel in torch_prefill.KERNELS:
-        if not all(r["choice"] == kernel for r in chunks):
-            continue
         start = None
-        for r in prompts:
-            if r["choice"] != kernel:
+        for keys in sorted({r["prompt_tokens"] for r in by_keys}, reverse=True):
+            if not all(r["choice"] == kernel for r in by_keys if r["prompt_tokens"] == keys):
                 break
-            start = r["prompt_tokens"]
+            start = keys
         if start is not None and (best[1] is None or start < best[1]):
             best = (kernel, start)
     return best

@@ -187,7 +187,8 @@ def _dense(q, k, v, scale, causal_offset):
     kk, vv = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
     sc = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
     if causal_offset is not None:
-        i, j = torch.arange(q.shape[0])[:, None], torch.arange(k.shape[0])[None, :]
+        i = torch.arange(q.shape[0], device=q.device)[:, None]
+        j = torch.arange(k.shape[0], device=q.device)[None, :]
         sc = sc.masked_fill(j > causal_offset + i, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(sc, -1), vv), torch.logsumexp(sc, -1)
 
@@ -234,8 +235,9 @@ def test_torch_path_glue(monkeypatch, kernel):
 
 
 def test_backend_prefill_choice(monkeypatch):
-    """auto: the device's measured torch kernel from its query count on, else Triton; a named
-    kernel wherever it applies (never at kvp > 1, never on CPU); triton: never."""
+    """auto: the device's measured torch kernel from its key count on (a short chunk after a
+    long prefix too), else Triton; a named kernel wherever it applies (never at kvp > 1, never
+    on CPU); triton: never."""
     q = torch.zeros(1, 4, 16)
     kv = torch.zeros(2, 4, 1, 16)
     meta, short, sharded = _meta([(0, 64)], 4), _meta([(0, 63)], 4), _meta([(0, 9)], 4, 2)
@@ -246,6 +248,8 @@ def test_backend_prefill_choice(monkeypatch):
     monkeypatch.setattr(triton_backend, "TORCH_PREFILL", {"H": ("cudnn", 64)})
     assert attn("auto").torch_prefill(q, kv, kv, meta) == "cudnn"
     assert attn("auto").torch_prefill(q, kv, kv, short) is None
+    late = _meta([(60, 4)], 4)                   # 4 queries after 60 cached keys: 64 keys
+    assert late.max_kv == 64 and attn("auto").torch_prefill(q, kv, kv, late) == "cudnn"
     assert attn("flash").torch_prefill(q, kv, kv, short) == "flash"
     assert attn("cudnn").torch_prefill(q, kv, kv, sharded) is None
     assert attn("triton").torch_prefill(q, kv, kv, meta) is None

@@ -5,8 +5,9 @@ each one kernel launch with no host sync (CUDA-graph capturable).
 GQA prefill may instead run one of torch's attention kernels over K/V gathered from the pages
 (helix.attention.torch_prefill: FA2 or cuDNN; kvp == 1, 16-bit, eager steps only), chosen per
 device by measurement: `prefill` = "auto" (default; env HELIX_PREFILL) runs the kernel of
-TORCH_PREFILL[device name] for chunks of at least its query tokens per sequence and the Triton
-kernel otherwise; "flash" / "cudnn" run that kernel wherever it applies; "triton" never does.
+TORCH_PREFILL[device name] for steps whose longest prefill sequence holds at least its keys
+(meta.max_kv) and the Triton kernel otherwise; "flash" / "cudnn" run that kernel wherever it
+applies; "triton" never does.
 
 Absorbed MLA decode runs the Gluon kernel (helix.attention.gluon_mla, variant GLUON_VARIANT) on
 sm_90 where it compiled and passed its self-check in `prepare` and the shape suits it (16-bit KV,
@@ -31,10 +32,12 @@ from helix.kv.manager import LocalKVMeta
 
 PREFILL_IMPLS = ("auto", "triton") + torch_prefill.KERNELS
 GLUON_VARIANT = "simple"     # the faster variant at every shape of profiling/results/mla_gluon.md
-# By device name: (torch kernel, query tokens per sequence (meta.max_q) from which it beats the
-# Triton prefill kernel), as profiling/bench_prefill.py part (a) measures and prints it. A
-# device not listed runs the Triton kernel under "auto".
-TORCH_PREFILL: dict[str, tuple[str, int]] = {}
+# By device name: (torch kernel, keys of the longest prefill sequence (meta.max_kv) from which it
+# beats the Triton prefill kernel), as profiling/bench_prefill.py part (a) measures and prints it.
+# A device not listed runs the Triton kernel under "auto". H200: cuDNN won the whole prompt and
+# its last 8K-query chunk at 64K and 128K keys, lost the chunk at 16K
+# (profiling/results/prefill.md).
+TORCH_PREFILL: dict[str, tuple[str, int]] = {"NVIDIA H200": ("cudnn", 65536)}
 
 
 def _check_device(t: torch.Tensor) -> None:
@@ -94,7 +97,7 @@ class TritonAttention(AttentionBackend):
         kernel, start = self.prefill, 0
         if kernel == "auto":
             kernel, start = TORCH_PREFILL.get(device_name(q.device), ("triton", 0))
-        if (kernel == "triton" or meta.max_q < start
+        if (kernel == "triton" or meta.max_kv < start
                 or not torch_prefill.usable(kernel, q, k_cache, v_cache, meta)):
             return None
         return kernel

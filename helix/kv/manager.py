@@ -27,6 +27,7 @@ class LocalKVMeta:
     page_size: int
     num_decode: int             # leading sequences with one query token at their end
     max_q: int = 1              # most query tokens of any sequence (prefill kernels' grid)
+    max_kv: int = 0             # most local KV positions of any prefill sequence (host; 0: none)
     cp: object = None           # helix.kv.context_parallel.CPPlan: this step's chunks pass KV
     micro_batches: int = 1      # HOP-B: decode rows split into this many micro-batches
 
@@ -56,6 +57,7 @@ class LocalKVMeta:
                           self.cu_q[:d + 1], self.q_pos[:d], num_decode=d, max_q=1, **common)
         pre = LocalKVMeta(self.slots[d:], self.block_tables[d:], self.kv_lens[d:],
                           self.cu_q[d:] - d, self.q_pos[d:], num_decode=0, max_q=self.max_q,
+                          max_kv=self.max_kv,
                           **common)
         return dec, pre
 
@@ -176,7 +178,8 @@ class KVManager:
             q_pos=upload(_cat(q_pos), device),
             kvp_rank=self.kvp_rank, kvp=self.kvp, interleave=self.interleave,
             page_size=self.page_size, num_decode=num_decode,
-            max_q=max([n for _, _, n in batch] + [1]))
+            max_q=max([n for _, _, n in batch] + [1]),
+            max_kv=max([n for (_, _, q), n in zip(batch, lens) if q > 1] + [0]))
 
 
 def upload(t: torch.Tensor, device) -> torch.Tensor:
