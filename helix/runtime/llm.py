@@ -29,7 +29,6 @@ import threading
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 from helix.config import Layout, RuntimeConfig
 from helix.errors import CapacityError, ConfigError, EngineDeadError, HelixError, RequestError
@@ -38,7 +37,7 @@ from helix.parallel.comm import LocalComm
 from helix.parallel.mesh import Mesh
 from helix.runtime.engine import Engine, StepOutput
 from helix.runtime.launch import (free_port, init_distributed, process_state, rank_device,
-                                  rendezvous, torchrun_world, worker_main)
+                                  rendezvous, torchrun_world, worker_context, worker_main)
 from helix.runtime.sampling import SamplingParams
 from helix.runtime.worker import make_engine, serve
 
@@ -115,10 +114,12 @@ class LLM:
     def _start_local(self, model, layout, runtime):
         world, port = layout.world_size, free_port()
         threads = max(1, (os.cpu_count() or 1) // world) if runtime.device == "cpu" else 4
-        ctx = mp.get_context("spawn")
+        ctx = worker_context()
+        env = dict(os.environ)
         for r in range(1, world):
             p = ctx.Process(target=worker_main, daemon=True,
-                            args=(r, world, model, layout, runtime, "127.0.0.1", port, threads))
+                            args=(r, world, model, layout, runtime, "127.0.0.1", port, threads,
+                                  env))
             p.start()
             self._procs.append(p)
         self._saved_threads = torch.get_num_threads()
@@ -389,6 +390,8 @@ class LLM:
                 self.engine.comm.broadcast_object(("shutdown",))
         except Exception:
             graceful = False
+        if self._multi and not graceful:     # before the groups go: a worker whose peer
+            self._kill_workers()              # vanished mid-collective would report it
         try:
             self.engine.close()
         except Exception:
