@@ -41,6 +41,7 @@ if "--smoke" in sys.argv:          # CPU: the kernels run in Triton's interprete
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import yaml  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -145,8 +146,8 @@ class Bench:
             return name
         spec["hf_config"]["max_position_embeddings"] = positions
         path = os.path.join(tempfile.mkdtemp(), f"{name}-{positions}.yaml")
-        with open(path, "w") as f:
-            json.dump(spec, f)                                  # JSON is YAML
+        with open(path, "w") as f:       # YAML, not JSON: PyYAML reads JSON's 1e-05 as a string
+            yaml.safe_dump(spec, f)
         return path
 
     def runtime(self, context: int, **kw) -> RuntimeConfig:

@@ -158,25 +158,32 @@ def main(argv=None) -> dict:
             direct = server.call(engine.run_direct(prompts, params))
             m = engine.metrics
             before = (m.steps, m.step_seconds)
+            wait0 = server.call(engine.stats())["device_wait_s"]
             reqs = clients_elsewhere(server.host, server.port, args.model, prompts,
                                      args.max_tokens, args.smoke)
             http = summarize_http(reqs)
             steps = m.steps - before[0]              # the engine's own view of the HTTP run
             http["engine_steps"] = steps
             http["engine_step_ms"] = 1e3 * (m.step_seconds - before[1]) / max(1, steps)
+            # of which waiting for the device (the rest: host work in the step)
+            http["device_wait_ms"] = 1e3 * (server.call(engine.stats())["device_wait_s"]
+                                            - wait0) / max(1, steps)
             d_tps = direct["tokens"] / direct["seconds"]
             same = [r["token_ids"] for r in reqs] == direct["outputs"]
             direct["step_ms"] = 1e3 * direct["seconds"] / max(1, direct["steps"])
+            direct["device_wait_ms"] = 1e3 * direct["device_wait_s"] / max(1, direct["steps"])
             rounds.append({"direct": {k: direct[k] for k in ("tokens", "seconds", "steps",
-                                                              "first_token_s", "step_ms")},
+                                                              "first_token_s", "step_ms",
+                                                              "device_wait_ms")},
                            "direct_tokens_per_s": d_tps, "http": http,
                            "ratio": http["tokens_per_s"] / d_tps, "same_tokens": same})
             print(f"round {i}: engine {d_tps:,.0f} tok/s, through HTTP "
                   f"{http['tokens_per_s']:,.0f} tok/s ({http['tokens_per_s'] / d_tps:.1%}), "
                   f"TTFT p50 {http['ttft_s']['p50'] * 1e3:.1f} ms, TPOT p50 "
                   f"{http['tpot_s']['p50'] * 1e3:.3f} ms, {http['tokens_per_event']:.2f} tokens"
-                  f" per event; engine step {direct['step_ms']:.3f} ms alone, "
-                  f"{http['engine_step_ms']:.3f} ms serving; same tokens {same}", flush=True)
+                  f" per event; engine step {direct['step_ms']:.3f} ms alone (device wait "
+                  f"{direct['device_wait_ms']:.3f}), {http['engine_step_ms']:.3f} ms serving "
+                  f"(device wait {http['device_wait_ms']:.3f}); same tokens {same}", flush=True)
         stats = server.call(engine.stats())
     finally:
         server.stop()

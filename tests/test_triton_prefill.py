@@ -219,6 +219,7 @@ def _fake_cudnn(q, k, v, causal, scale):
     return o.transpose(0, 1).unsqueeze(0).to(q.dtype), lse.unsqueeze(0)
 
 
+@pytest.mark.skipif(ON_GPU, reason="fake kernels on the CPU; test_torch_path_on_gpu runs torch's")
 @pytest.mark.parametrize("kernel", ["flash", "flash-padded-lse", "cudnn"])
 def test_torch_path_glue(monkeypatch, kernel):
     """Gather of the pages, cu_seqlens, the cuDNN prefix / chunk split and its LSE merge, LSE

@@ -95,6 +95,7 @@ class Engine:
         self.dead: str | None = None
         self.last_graphed = False             # whether the last step replayed a graph
         self.steps = 0                        # steps launched (fault injection counts them)
+        self.wait_seconds = 0.0               # host time spent waiting for the device's tokens
         self.prefill_tokens = 0               # prompt tokens this rank projected
         attn = self.model.model.layers[0].self_attn
         self._exchange_rows = attn.exchange_rows()
@@ -345,7 +346,9 @@ class Engine:
         Rows of requests that ended meanwhile (a stop id one step earlier, an abort, an error)
         are dropped."""
         if step.event is not None:
+            t = time.perf_counter()
             step.event.synchronize()
+            self.wait_seconds += time.perf_counter() - t
         out = {}
         for r, tok in zip(step.batch, step.host[:len(step.batch)].tolist()):
             r.pending -= 1
@@ -398,4 +401,5 @@ class Engine:
     def stats(self) -> dict:
         """Scheduler counts and this rank's KV pool use."""
         return dict(self.scheduler.stats(), kv_pages_used=self.num_pages - self.kv.alloc.num_free,
-                    kv_pages_free=self.kv.alloc.num_free)
+                    kv_pages_free=self.kv.alloc.num_free, steps=self.steps,
+                    device_wait_s=self.wait_seconds)

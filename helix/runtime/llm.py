@@ -369,13 +369,16 @@ class LLM:
         return self._gather("prefill_tokens", lambda: self.engine.prefill_tokens)
 
     def stats(self) -> dict:
-        """Running and queued requests, KV pages per rank (used, free, total)."""
+        """Running and queued requests, KV pages per rank (used, free, total); rank 0's steps
+        launched and the host seconds it spent waiting for the device's tokens (the rest of a
+        step's wall time is host work)."""
         self._check_open()
         per_rank = self._gather("stats", self.engine.stats)
         s = per_rank[0]
         return {"running": s["running"], "queued": s["queued"], "num_pages": s["num_pages"],
                 "kv_pages_used": [r["kv_pages_used"] for r in per_rank],
-                "kv_pages_free": [r["kv_pages_free"] for r in per_rank]}
+                "kv_pages_free": [r["kv_pages_free"] for r in per_rank],
+                "engine_steps": s["steps"], "device_wait_s": s["device_wait_s"]}
 
     # -- shutdown ------------------------------------------------------------------------------
     def close(self) -> None:

@@ -107,6 +107,7 @@ class EngineLoop:
         ids = [llm.add_request(p, params) for p in prompts]
         mine = set(ids)
         t0, steps, tokens = time.perf_counter(), 0, 0
+        wait0 = llm.engine.wait_seconds
         first = None
         while any(i not in llm.finish_reasons for i in ids):
             out = llm.step()
@@ -119,7 +120,8 @@ class EngineLoop:
         for i in ids:
             llm.release(i)
         self._send(("direct", key, {"tokens": tokens, "seconds": seconds, "steps": steps,
-                                    "first_token_s": first, "outputs": outputs}))
+                                    "first_token_s": first, "outputs": outputs,
+                                    "device_wait_s": llm.engine.wait_seconds - wait0}))
 
     # -- steps ------------------------------------------------------------------------------
     def _step(self) -> None:
