@@ -34,10 +34,11 @@ PREFILL_IMPLS = ("auto", "triton") + torch_prefill.KERNELS
 GLUON_VARIANT = "simple"     # the faster variant at every shape of profiling/results/mla_gluon.md
 # By device name: (torch kernel, keys of the longest prefill sequence (meta.max_kv) from which it
 # beats the Triton prefill kernel), as profiling/bench_prefill.py part (a) measures and prints it.
-# A device not listed runs the Triton kernel under "auto". H200: cuDNN won the whole prompt and
-# its last 8K-query chunk at 64K and 128K keys, lost the chunk at 16K
-# (profiling/results/prefill.md).
-TORCH_PREFILL: dict[str, tuple[str, int]] = {"NVIDIA H200": ("cudnn", 65536)}
+# A device not listed runs the Triton kernel under "auto". H200 (profiling/results/prefill.md):
+# cuDNN won the whole prompt at 16K, 64K and 128K keys and its last 8K-query chunk at 64K and
+# 128K (by 26-29 %), lost that chunk at 16K keys (by 10 %) and the 4K prompt; a 128K prompt in
+# 8K chunks spends most of its attention in chunks of 24K-128K keys, so cuDNN from 16K.
+TORCH_PREFILL: dict[str, tuple[str, int]] = {"NVIDIA H200": ("cudnn", 16384)}
 
 
 def _check_device(t: torch.Tensor) -> None:
