@@ -220,6 +220,19 @@ def _fake_cudnn(q, k, v, causal, scale):
 
 
 @pytest.mark.skipif(ON_GPU, reason="fake kernels on the CPU; test_torch_path_on_gpu runs torch's")
+def test_cudnn_without_lse_falls_back_to_triton(monkeypatch):
+    """A cuDNN call that returns no LSE (seen on the H200) runs the Triton kernel instead."""
+    monkeypatch.setattr(torch_prefill, "_cudnn_op", lambda q, *a: (torch.zeros_like(q), None))
+    monkeypatch.setattr(torch_prefill, "usable", lambda kernel, q, k, v, m: True)
+    gen = torch.Generator().manual_seed(4)
+    meta = _meta(LAYOUTS["ragged-prefix"][0], 8)
+    k, v = _pool(meta, (2, 16), torch.float32, gen), _pool(meta, (2, 16), torch.float32, gen)
+    q = torch.randn(meta.q_pos.shape[0], 8, 16, generator=gen).to(DEV)
+    o, lse = triton_backend.TritonAttention("cudnn").prefill_gqa(q, k, v, meta, 0.25)
+    _check(o, lse, *TorchAttention().prefill_gqa(q, k, v, meta, 0.25), torch.float32)
+
+
+@pytest.mark.skipif(ON_GPU, reason="fake kernels on the CPU; test_torch_path_on_gpu runs torch's")
 @pytest.mark.parametrize("kernel", ["flash", "flash-padded-lse", "cudnn"])
 def test_torch_path_glue(monkeypatch, kernel):
     """Gather of the pages, cu_seqlens, the cuDNN prefix / chunk split and its LSE merge, LSE

@@ -72,11 +72,23 @@ def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float):
     return out[0], out[1]
 
 
+class NoLSE(RuntimeError):
+    """torch's kernel returned no log-sum-exp for this shape: the caller runs the Triton kernel."""
+
+
+def _cudnn_op(q, k, v, causal: bool, scale: float):
+    """torch's cuDNN attention op, with its log-sum-exp asked for: (o, lse, ...)."""
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal,
+                                                              False, scale=scale)
+
+
 def cudnn_attention(q, k, v, causal: bool, scale: float):
     """cuDNN attention with its LSE: q [1, H, t, d], k, v [1, H, n, d] -> (o [1, H, t, d],
-    lse [1, H, t] natural log); causal: top-left aligned (used with t == n only)."""
-    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal,
-                                                             False, scale=scale)
+    lse [1, H, t] natural log); causal: top-left aligned (used with t == n only). Raises NoLSE
+    where cuDNN gives none (seen on the H200 for a 32K-token chunk followed by a 5-token one)."""
+    out = _cudnn_op(q, k, v, causal, scale)
+    if out[1] is None or out[1].numel() != q.shape[0] * q.shape[1] * q.shape[2]:
+        raise NoLSE("cuDNN attention returned no log-sum-exp")
     return out[0], out[1].reshape(q.shape[:3])
 
 

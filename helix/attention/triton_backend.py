@@ -36,9 +36,10 @@ GLUON_VARIANT = "simple"     # the faster variant at every shape of profiling/re
 # beats the Triton prefill kernel), as profiling/bench_prefill.py part (a) measures and prints it.
 # A device not listed runs the Triton kernel under "auto". H200 (profiling/results/prefill.md):
 # cuDNN won the whole prompt at 16K, 64K and 128K keys and its last 8K-query chunk at 64K and
-# 128K (by 26-29 %), lost that chunk at 16K keys (by 10 %) and the 4K prompt; a 128K prompt in
-# 8K chunks spends most of its attention in chunks of 24K-128K keys, so cuDNN from 16K.
-TORCH_PREFILL: dict[str, tuple[str, int]] = {"NVIDIA H200": ("cudnn", 16384)}
+# 128K (by 26-29 %), lost that chunk at 16K keys (by 10 %) and the 4K prompt. From 64K keys, the
+# smallest count where it won both; cuDNN from 16K gave no faster 128K prompt (13.86 s against
+# 13.40 s, two runs).
+TORCH_PREFILL: dict[str, tuple[str, int]] = {"NVIDIA H200": ("cudnn", 65536)}
 
 
 def _check_device(t: torch.Tensor) -> None:
@@ -89,7 +90,10 @@ class TritonAttention(AttentionBackend):
         _check_device(q)
         kernel = self.torch_prefill(q, k_cache, v_cache, meta)
         if kernel is not None:
-            return torch_prefill.prefill_gqa(kernel, q, k_cache, v_cache, meta, scale)
+            try:
+                return torch_prefill.prefill_gqa(kernel, q, k_cache, v_cache, meta, scale)
+            except torch_prefill.NoLSE:
+                pass
         return triton_prefill.gqa_prefill(q, k_cache, v_cache, meta, scale)
 
     def torch_prefill(self, q, k_cache, v_cache, meta: LocalKVMeta) -> str | None:
