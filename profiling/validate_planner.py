@@ -57,6 +57,12 @@ def cases() -> list[dict]:
                 world = r["layout"]["kvp"] * r["layout"]["tpa"]
                 out.append({"set": f"sweep-{world}gpu", "source": os.path.basename(path), "rec": r,
                             "measured_ms": r["step_ms_median"], "page_size": 64})
+    # whole-model one-GPU sweeps at the current default kernels (sf_dsv2lite.json ran the
+    # 128-head MLA kernel the few-heads one has replaced for DeepSeek-V2-Lite)
+    for name in ("sf_llama8b.json", "sf_dsv2lite_few.json", "sf_qwen3moe.json"):
+        for r in _load(os.path.join(RESULTS, "step_floor_1gpu", name)):
+            out.append({"set": "sweep-1gpu-whole", "source": f"step_floor_1gpu/{name}", "rec": r,
+                        "measured_ms": r["step_ms_median"], "page_size": 64})
     for path in sorted(glob.glob(os.path.join(RESULTS, "graphs*.json"))):
         name = os.path.basename(path)
         for r in _load(path):
@@ -102,8 +108,9 @@ def _summary(rows: list[dict], key: str) -> dict:
 
 
 def _layout_name(lay: dict) -> str:
-    return ("TP-%d" % lay["tpa"] if lay["kvp"] == 1 else f"KVP {lay['kvp']} x TP_A {lay['tpa']}") + (
-        f" EP {lay['ep']}" if lay.get("ep", 1) > 1 else "")
+    return (("TP-%d" % lay["tpa"] if lay["kvp"] == 1
+             else f"KVP {lay['kvp']} x TP_A {lay['tpa']}")
+            + (f" EP {lay['ep']}" if lay.get("ep", 1) > 1 else ""))
 
 
 def main() -> None:
@@ -140,7 +147,8 @@ def main() -> None:
         rows.append(row)
     sets = sorted({r["set"] for r in rows})
     summary = {s: {"calibrated": _summary([r for r in rows if r["set"] == s], "error"),
-                   "uncalibrated": _summary([r for r in rows if r["set"] == s], "error_uncalibrated"),
+                   "uncalibrated": _summary([r for r in rows if r["set"] == s],
+                                            "error_uncalibrated"),
                    "below_datasheet_floor": sum(r["below_datasheet_floor"] for r in rows
                                                 if r["set"] == s)} for s in sets}
     for s in sets:                      # the kernel model alone, where the profiler measured it
@@ -199,7 +207,8 @@ def report(meta: dict, summary: dict, rows: list[dict]) -> str:
                    f"{100 * u['median_abs_error']:.1f} % | {100 * u['worst_abs_error']:.1f} % | "
                    f"{v['below_datasheet_floor']} |")
     kern = [f"{s} {100 * v['kernel_sum']['median_abs_error']:.1f} % median, "
-            f"{100 * v['kernel_sum']['worst_abs_error']:.1f} % worst ({v['kernel_sum']['n']} records)"
+            f"{100 * v['kernel_sum']['worst_abs_error']:.1f} % worst "
+            f"({v['kernel_sum']['n']} records)"
             for s, v in summary.items() if "kernel_sum" in v]
     out += ["", "Kernel sums alone (profiler, calibrated model; `graphs` is the fitting set, "
             "`graphs-old` the same steps measured on older code): " + "; ".join(kern) + "."]
