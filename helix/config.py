@@ -40,13 +40,15 @@ class RopeConfig:
     theta: float = 10000.0                 # base wavelength
     rope_type: str = "default"             # default | llama3 | yarn | linear
     factor: float = 1.0                    # context extension factor (llama3, yarn, linear)
-    low_freq_factor: float = 1.0           # llama3: wavelengths above orig/low are divided by factor
+    low_freq_factor: float = 1.0           # llama3: wavelengths above orig/low are divided
+                                           # by factor
     high_freq_factor: float = 4.0          # llama3: wavelengths below orig/high are kept
     original_max_position: int = 8192      # pre-extension context length (llama3, yarn)
     beta_fast: float = 32.0                # yarn: ramp boundary (extrapolation)
     beta_slow: float = 1.0                 # yarn: ramp boundary (interpolation)
     mscale: float = 0.0                    # yarn: numerator mscale of the cos/sin attention factor
-    mscale_all_dim: float = 0.0            # yarn: denominator mscale; also the softmax-scale correction
+    mscale_all_dim: float = 0.0            # yarn: denominator mscale; also the softmax-scale
+                                           # correction
     attention_factor: float | None = None  # yarn: explicit cos/sin factor (overrides mscale)
     truncate: bool = True                  # yarn: round the correction range to whole dims
     adjacent_pairs: bool = False           # rotate pairs (2i, 2i+1) (DeepSeek) instead of halves
@@ -54,7 +56,8 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                              # llama | qwen2 | qwen3 | qwen3_moe | deepseek_v2 | deepseek_v3
+    arch: str                              # llama | qwen2 | qwen3 | qwen3_moe | deepseek_v2 |
+                                           # deepseek_v3
     vocab_size: int                        # rows of the embedding and the LM head
     hidden_size: int                       # model width D
     num_layers: int                        # decoder layers
@@ -66,8 +69,9 @@ class ModelConfig:
     max_position: int = 4096               # longest context the model supports
     tie_embeddings: bool = False           # LM head shares the embedding matrix
     qkv_bias: bool = False                 # bias on q/k/v projections (Qwen2)
-    attention_bias: bool = False           # HF attention_bias: o_proj's bias (Llama; its q/k/v biases
-                                           # are qkv_bias), and MLA's q_a / kv_a / o_proj biases
+    attention_bias: bool = False           # HF attention_bias: o_proj's bias (Llama; its q/k/v
+                                           # biases are qkv_bias), and MLA's q_a / kv_a / o_proj
+                                           # biases
     mlp_bias: bool = False                 # bias on the dense FFN projections
     qk_norm: bool = False                  # per-head RMSNorm on q and k (Qwen3)
     rope: RopeConfig = field(default_factory=RopeConfig)
@@ -184,9 +188,9 @@ class Layout:
         """Check the layout against the model; raises ConfigError naming the fix."""
         n = self.world_size
         if n not in world_sizes(model):
+            experts = f", expert width {model.moe_intermediate_size}" if model.is_moe else ""
             raise ConfigError(f"world size kvp*tpa={n} does not fit this model ({model.num_heads} "
-                              f"query heads, FFN width {model.intermediate_size}"
-                              f"{', expert width ' + str(model.moe_intermediate_size) if model.is_moe else ''}"
+                              f"query heads, FFN width {model.intermediate_size}{experts}"
                               f"): use one of {', '.join(map(str, world_sizes(model)))}")
         if model.is_mla:
             if self.tpa != 1 and self.kvp != 1:
@@ -195,8 +199,8 @@ class Layout:
         else:
             hkv = model.num_kv_heads
             if self.kvp > 1 and (self.tpa > hkv or hkv % self.tpa):
-                raise ConfigError(f"tpa={self.tpa} must divide the {hkv} KV heads: choose tpa among "
-                                  f"the divisors of {hkv} and raise kvp instead")
+                raise ConfigError(f"tpa={self.tpa} must divide the {hkv} KV heads: choose tpa "
+                                  f"among the divisors of {hkv} and raise kvp instead")
             if self.kvp == 1 and hkv % self.tpa and self.tpa % hkv:
                 raise ConfigError(f"tpa={self.tpa} and {hkv} KV heads: one must divide the other")
         if not model.is_moe and self.ep > 1:
@@ -224,7 +228,8 @@ class RuntimeConfig:
                                    # the process may fill, KV pool included (0: 0.9 cuda, 0.5 cpu)
     max_prefill_tokens: int = 0    # prompt tokens one step prefills, in chunks across requests
                                    # (0: 8192 on cuda, 1024 on cpu)
-    attention_backend: str = "auto"   # auto (triton on cuda, torch on cpu) | torch | triton | flash-attn
+    attention_backend: str = "auto"   # auto (triton on cuda, torch on cpu) | torch | triton |
+                                   # flash-attn
     prefill_cp: str = "auto"       # prompt chunks over KVP ranks: pass-kv (each rank projects the
                                    # positions it owns), pass-q (every rank all of them), or auto
                                    # (the cheaper message, helix/kv/context_parallel.py)
@@ -239,7 +244,8 @@ class RuntimeConfig:
     cuda_graphs: bool = True       # steps through per-bucket graphs (CPU: same path, eager)
     graph_buckets: tuple[int, ...] = ()   # batch buckets (empty: 1, 2, 4, 8, 16, 24, ... max_batch)
     graph_breaks: tuple[str, ...] = ()    # regions to run eagerly under graphs: attention, moe
-    graph_eager: bool = False      # bucketed, padded graph path but no capture (debug: A/B vs capture)
+    graph_eager: bool = False      # bucketed, padded graph path but no capture (debug: A/B vs
+                                   # capture)
     prefill_graphs: bool | None = None    # steps with prompt chunks through per-bucket graphs too
                                    # (with cuda_graphs; None: on for cuda, off for cpu)
     prefill_graph_buckets: tuple[int, ...] = ()   # tokens a rank projects, per prefill graph
@@ -269,14 +275,16 @@ class RuntimeConfig:
                               f"{self.memory_utilization}")
         unknown = set(self.graph_breaks) - {"attention", "moe"}
         if unknown:
-            raise ConfigError(f"unknown graph break(s) {', '.join(sorted(unknown))}: use attention, moe")
+            raise ConfigError(f"unknown graph break(s) {', '.join(sorted(unknown))}: "
+                              f"use attention, moe")
         if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.graph_buckets):
             raise ConfigError("graph buckets must be positive batch sizes")
         if any(isinstance(b, bool) or not isinstance(b, int) or b < 1
                for b in self.prefill_graph_buckets):
             raise ConfigError("prefill graph buckets must be positive token counts")
         if self.prefill_cp not in ("auto", "pass-kv", "pass-q"):
-            raise ConfigError(f"prefill_cp must be auto, pass-kv or pass-q, got {self.prefill_cp!r}")
+            raise ConfigError(f"prefill_cp must be auto, pass-kv or pass-q, "
+                              f"got {self.prefill_cp!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                               f"got {self.attention_backend!r}")

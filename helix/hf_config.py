@@ -16,8 +16,8 @@ def _rope(f: _Fields, arch: str) -> RopeConfig:
     theta = p.float("rope_theta", f.float("rope_theta", 10000.0))
     rope_type = p.str("rope_type", p.str("type", "default")) or "default"
     if rope_type not in ("default", "llama3", "yarn", "linear"):
-        raise CheckpointError(f"unsupported rope type {rope_type!r}: Helix supports default, llama3, "
-                              f"yarn and linear")
+        raise CheckpointError(f"unsupported rope type {rope_type!r}: Helix supports default, "
+                              f"llama3, yarn and linear")
     adjacent = arch == "deepseek_v2" or (arch == "deepseek_v3" and f.bool("rope_interleave", True))
     max_pos = f.int("max_position_embeddings", 8192)
     orig = p.int("original_max_position_embeddings", max_pos)
@@ -150,12 +150,14 @@ def model_config_from_hf(cfg) -> ModelConfig:
             step = f.int("decoder_sparse_step", 1)
             dense_only = cfg.get("mlp_only_layers") or []
             if not isinstance(dense_only, list):
-                raise CheckpointError("config.json: mlp_only_layers must be a list of layer indices")
+                raise CheckpointError("config.json: mlp_only_layers must be a list of layer "
+                                      "indices")
             extra.update(
                 num_experts=experts, experts_per_token=f.int("num_experts_per_tok"),
                 moe_intermediate_size=f.int("moe_intermediate_size"),
                 norm_topk_prob=f.bool("norm_topk_prob"),
-                moe_layers=tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers)))
+                moe_layers=tuple(i not in dense_only and (i + 1) % step == 0
+                                 for i in range(layers)))
         return ModelConfig(**common, **extra)
 
     # DeepSeek V2 / V3: MLA + MoE

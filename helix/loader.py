@@ -51,15 +51,18 @@ def _read_model_config(model: str) -> tuple[ModelConfig, str | None]:
             with open(path) as f:
                 cfg = json.load(f)
         except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+            raise CheckpointError(f"{path} is not valid JSON "
+                                  f"({e.msg} at line {e.lineno})") from None
         return ModelConfig.from_hf(cfg), model
-    path = model if model.endswith((".yaml", ".yml")) and os.path.isfile(model) else preset_path(model)
+    path = (model if model.endswith((".yaml", ".yml")) and os.path.isfile(model)
+            else preset_path(model))
     if path is None:
-        raise CheckpointError(f"model {model!r} not found: give a checkpoint directory or one of the "
-                              f"presets {', '.join(list_presets())}")
+        raise CheckpointError(f"model {model!r} not found: give a checkpoint directory or one of "
+                              f"the presets {', '.join(list_presets())}")
     spec = load_yaml(path)
     if not isinstance(spec, dict) or not isinstance(spec.get("hf_config"), dict):
-        raise ConfigError(f"{path}: a model preset needs an 'hf_config' mapping (config.json fields)")
+        raise ConfigError(f"{path}: a model preset needs an 'hf_config' mapping "
+                          f"(config.json fields)")
     cfg = ModelConfig.from_hf(spec["hf_config"])
     layers = spec.get("layers")
     if layers:
@@ -81,7 +84,8 @@ def expected_tensors(model: torch.nn.Module) -> Iterator[tuple[str, tuple[int, .
                 yield f"{parent}.{part}.{leaf}", f.full_shape, (lambda t, n, p=p, f=f: f(p, t, n))
             continue
         loader = p.weight_loader
-        yield name, getattr(loader, "full_shape", tuple(p.shape)), (lambda t, n, p=p, f=loader: f(p, t, n))
+        yield (name, getattr(loader, "full_shape", tuple(p.shape)),
+               (lambda t, n, p=p, f=loader: f(p, t, n)))
     for prefix, mod in model.named_modules():
         if isinstance(mod, LocalExperts):
             for e in range(mod.first, mod.first + mod.n_local):
@@ -121,8 +125,9 @@ class _SafetensorsIndex:
             with _safe_open(single) as f:
                 self.files = {k: single for k in f.keys()}
         else:
-            raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json: "
-                                  f"save the checkpoint with safe_serialization=True")
+            raise CheckpointError(f"{path} has no model.safetensors or "
+                                  f"model.safetensors.index.json: save the checkpoint with "
+                                  f"safe_serialization=True")
         self._handles = {}
 
     def get(self, name: str) -> torch.Tensor | None:

@@ -104,7 +104,8 @@ def load_sweep(path: str) -> Sweep:
         raise ConfigError(f"{path}: give 'model: NAME' or 'models: [NAME, ...]'")
     layouts = spec.get("layouts", [{}])
     if not isinstance(layouts, list) or not all(isinstance(x, dict) for x in layouts):
-        raise ConfigError(f"{path}: 'layouts' must be a list of mappings, e.g. - {{kvp: 2, tpa: 1}}")
+        raise ConfigError(f"{path}: 'layouts' must be a list of mappings, "
+                          f"e.g. - {{kvp: 2, tpa: 1}}")
     for lay in layouts:
         bad = set(lay) - _LAYOUT_KEYS
         if bad:
@@ -117,7 +118,8 @@ def load_sweep(path: str) -> Sweep:
     if not isinstance(spec.get("cuda_graphs", True), bool):
         raise ConfigError(f"{path}: 'cuda_graphs' must be true or false")
     device = spec.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    runtime = dict(device=device, dtype=spec.get("dtype") or ("bfloat16" if device == "cuda" else "float32"),
+    runtime = dict(device=device,
+                   dtype=spec.get("dtype") or ("bfloat16" if device == "cuda" else "float32"),
                    layers=spec.get("layers", 0), cuda_graphs=spec.get("cuda_graphs", True),
                    attention_backend=spec.get("attention_backend", "auto"),
                    page_size=spec.get("page_size", 16), seed=spec.get("seed", 0),
@@ -152,7 +154,8 @@ def points(sweep: Sweep) -> list[tuple[int, int]]:
             if not sweep.max_batch_tokens or b * c <= sweep.max_batch_tokens]
 
 
-def planned_points(sweep: Sweep, done: frozenset = frozenset()) -> list[tuple[str, Layout, int, int]]:
+def planned_points(sweep: Sweep,
+                   done: frozenset = frozenset()) -> list[tuple[str, Layout, int, int]]:
     """(model, layout, batch, context) of every point still to run, in run order; `done` holds
     `record_key`s of points already recorded (resume)."""
     out = []

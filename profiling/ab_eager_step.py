@@ -4,7 +4,10 @@ steps, for an A/B between two source trees on one GPU (run it once from each tre
     PYTHONPATH=. python profiling/ab_eager_step.py new llama-3.1-8b
     (cd /path/to/old/tree && PYTHONPATH=. python /path/to/ab_eager_step.py old llama-3.1-8b)
 """
-import statistics, sys, time
+import statistics
+import sys
+import time
+
 import torch
 from helix import LLM, Layout, RuntimeConfig, SamplingParams
 from helix.attention.triton_decode import gqa_decode
@@ -39,7 +42,9 @@ with LLM(sys.argv[2], Layout(), RuntimeConfig(**kw)) as llm:
     torch.cuda.synchronize()
     print(f"{tag} gqa_decode host {1e6 * (t1 - t0) / 500:.1f} us/call", flush=True)
     # profile one eager step's host time by function
-    import cProfile, pstats, io
+    import cProfile
+    import io
+    import pstats
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(20):
@@ -47,4 +52,5 @@ with LLM(sys.argv[2], Layout(), RuntimeConfig(**kw)) as llm:
     pr.disable()
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
-    print(tag, "cProfile top (20 steps):\n" + "\n".join(s.getvalue().splitlines()[6:26]), flush=True)
+    print(tag, "cProfile top (20 steps):\n" + "\n".join(s.getvalue().splitlines()[6:26]),
+          flush=True)

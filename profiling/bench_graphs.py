@@ -151,7 +151,8 @@ def main() -> None:
             if "eager" in rows and "graphed" in rows:
                 g, e = rows["graphed"], rows["eager"]
                 print(f"# {model} b={batch}: eager {e['wall_ms_per_step']:.3f} ms, graphed "
-                      f"{g['wall_ms_per_step']:.3f} ms ({e['wall_ms_per_step'] / g['wall_ms_per_step']:.2f}x), "
+                      f"{g['wall_ms_per_step']:.3f} ms "
+                      f"({e['wall_ms_per_step'] / g['wall_ms_per_step']:.2f}x), "
                       f"graphed / kernels {g['wall_ms_per_step'] / g['kernel_ms']:.3f}x, replay "
                       f"{g['replay_ms']:.3f} ms, kernels {g['kernel_ms']:.3f} ms, floor "
                       f"{g['floor_ms']:.3f} ms ({g['floor_ratio']:.2f}x)", flush=True)

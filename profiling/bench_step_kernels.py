@@ -158,7 +158,7 @@ def bench_moe(args, flush, copy_bw) -> list[dict]:
                                  experts_hit=hit, bytes=nbytes, time_us=us, rel_err=err,
                                  copy_rate_frac=nbytes / (us * 1e-6) / copy_bw))
                 print(json.dumps(recs[-1]), flush=True)
-        del gate, up, down
+        gate = up = down = None       # free the weights (not del: the closures above use them)
         torch.cuda.empty_cache()
     return recs
 
@@ -196,7 +196,7 @@ def bench_mla(args, flush, copy_bw) -> list[dict]:
                                  max_err_vs_triton_mla=(o.float() - ref).abs().max().item(),
                                  floor_frac=nbytes / copy_bw / (us * 1e-6)))
                 print(json.dumps(recs[-1]), flush=True)
-            del kv
+            kv = None                     # free the cache (not del: the closures above use it)
             torch.cuda.empty_cache()
     return recs
 

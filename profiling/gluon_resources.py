@@ -106,7 +106,8 @@ def resources(cc) -> dict:
                 stack_bytes=int(re.search(r"STACK:(\d+)", usage).group(1)),
                 shared_bytes=cc.metadata.shared, hgmma=sass.count("HGMMA"), hgmma_shapes=shapes,
                 local_loads=sass.count("LDL"), local_stores=sass.count("STL"),
-                setmaxnreg=[" ".join(m.split()) for m in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+", ptx)],
+                setmaxnreg=[" ".join(m.split()) for m in
+                            re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+", ptx)],
                 tma_loads=ptx.count("cp.async.bulk.tensor"),
                 tensordesc_meta=getattr(cc.metadata, "tensordesc_meta", None),
                 num_warps=cc.metadata.num_warps)

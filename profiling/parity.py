@@ -36,7 +36,8 @@ def prompts_for(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def run(model: str, layout: Layout, runtime: RuntimeConfig, prompts, steps: int, forced=None) -> dict:
+def run(model: str, layout: Layout, runtime: RuntimeConfig, prompts, steps: int,
+        forced=None) -> dict:
     """Run the prompts as one batch; per-step logits [S, V] on the CPU, tokens, step times."""
     forced = forced or [()] * len(prompts)
     with LLM(model, layout, runtime) as llm:
@@ -104,7 +105,8 @@ def main() -> None:
     layouts = ["1x1"] + args.layouts.split(",")
     records = []
     for model in args.models.split(","):
-        base = dict(device=args.device, page_size=16, max_context=1024, max_batch=8, layers=args.layers)
+        base = dict(device=args.device, page_size=16, max_context=1024, max_batch=8,
+                    layers=args.layers)
         from helix.loader import read_model_config
         prompts = prompts_for(read_model_config(model)[0].vocab_size, lengths)
         t0 = time.time()
@@ -125,7 +127,8 @@ def main() -> None:
             rec = {"model": model, "layout": spec, "dtype": args.dtype, "layers": args.layers,
                    "prompt_lengths": lengths, "steps": args.steps,
                    "fp32": fp32, args.dtype: low,
-                   "free_running_tokens_equal_single_rank": r["free"]["tokens"] == runs["1x1"]["free"]["tokens"],
+                   "free_running_tokens_equal_single_rank": (r["free"]["tokens"]
+                                                             == runs["1x1"]["free"]["tokens"]),
                    "kv_tokens_per_rank": r["low"]["kv_tokens_per_rank"],
                    "decode_step_ms_median_eager_reference": 1e3 * statistics.median(decode)}
             rec["pass"] = (fp32["argmax_equal_fp32_oracle"] == 1.0
@@ -136,7 +139,8 @@ def main() -> None:
             records.append(rec)
             print(json.dumps(rec), flush=True)
         print(f"# {model}: {time.time() - t0:.1f} s", flush=True)
-    meta = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor(),
+    meta = {"device": (torch.cuda.get_device_name(0) if args.device == "cuda"
+                       else platform.processor()),
             "gpus": torch.cuda.device_count() if args.device == "cuda" else 0,
             "torch": torch.__version__, "args": vars(args),
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -59,7 +59,8 @@ def qwen3_config(**kw):
 
 def qwen3_moe_config(**kw):
     from transformers import Qwen3MoeConfig
-    return Qwen3MoeConfig(**_common(num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+    return Qwen3MoeConfig(**_common(num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=1024,
                                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                     norm_topk_prob=True, decoder_sparse_step=1,
                                     rope_parameters=dict(rope_type="default", rope_theta=10000.0),

@@ -123,10 +123,12 @@ def assert_same_run(got: Run, ref: Run, rtol: float = LOGITS_RTOL) -> None:
     for rid in ref.tokens:
         assert got.tokens[rid] == ref.tokens[rid], (
             f"request {rid} (prompt of {len(ref.prompts[rid])}): greedy tokens differ from step "
-            f"{next(i for i, (a, b) in enumerate(zip(got.tokens[rid], ref.tokens[rid])) if a != b)}")
+            + str(next(i for i, (a, b) in enumerate(zip(got.tokens[rid], ref.tokens[rid]))
+                       if a != b)))
     errs = [max_rel_err(a, b) for a, b in zip(got.logits, ref.logits)]
     worst = max(range(len(errs)), key=errs.__getitem__)
-    assert errs[worst] <= rtol, f"step {worst} (batch {ref.batches[worst]}): logits rel err {errs[worst]:.2e}"
+    assert errs[worst] <= rtol, (f"step {worst} (batch {ref.batches[worst]}): logits rel err "
+                                 f"{errs[worst]:.2e}")
 
 
 # The layout matrix. Every value the issue names appears without the full cross product:

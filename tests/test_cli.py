@@ -120,8 +120,10 @@ USER_ERRORS = {  # id -> (args builder(ckpt, tmp), text the one stderr line must
     "unsupported-arch": (lambda c, t: generate_args(_bad_arch(t), PROMPTS, 2),
                          "unsupported architecture 'GPT2LMHeadModel'"),
     "corrupt-weights": (lambda c, t: generate_args(_corrupt(t, c), PROMPTS, 2), "safetensors"),
-    "token-out-of-vocab": (lambda c, t: generate_args(c, [[1, VOCAB]], 2), "outside the vocabulary"),
-    "prompt-too-long": (lambda c, t: generate_args(c, [list(range(100)) * 3], 2), "maximum context"),
+    "token-out-of-vocab": (lambda c, t: generate_args(c, [[1, VOCAB]], 2),
+                           "outside the vocabulary"),
+    "prompt-too-long": (lambda c, t: generate_args(c, [list(range(100)) * 3], 2),
+                        "maximum context"),
     "empty-prompt": (lambda c, t: generate_args(c, [[]], 2), "empty prompt"),
     "no-prompt": (lambda c, t: generate_args(c, [], 2), "--prompt-ids"),
     "prompt-not-ids": (lambda c, t: [*generate_args(c, [], 2), "--prompt-ids", "1,x"],
@@ -183,8 +185,9 @@ def test_demo():
     out = r.stdout
     assert "Traceback" not in r.stderr
     rows = re.findall(r"prompt of +(\d+) tokens -> (\d+) new \((\w+)\): ([\d ]+)", out)
-    assert [(int(n), int(k), why) for n, k, why, _ in rows] == [(5, 24, "length"), (23, 24, "length"),
-                                                              (61, 24, "length")]
+    assert [(int(n), int(k), why) for n, k, why, _ in rows] == [(5, 24, "length"),
+                                                                (23, 24, "length"),
+                                                                (61, 24, "length")]
     held = [int(x) for x in re.findall(r"rank \d+: (\d+)", out.split("per rank (layer 0):")[1])]
     total = int(re.search(r"(\d+) positions written in all", out).group(1))
     assert total == sum(n + 23 for n in (5, 23, 61)) and sum(held) == total and len(held) >= 1

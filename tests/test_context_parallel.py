@@ -21,7 +21,8 @@ RING = dataclasses.replace(PASS_KV, cp_gather_mb=0)
 PASS_Q = dataclasses.replace(RUNTIME, prefill_cp="pass-q", max_prefill_tokens=8)
 
 CASES = [  # model, layout, runtime
-    pytest.param("tiny-llama", Layout(kvp=2, tpa=2, kv_interleave=4), PASS_KV, id="gqa-kvp2-tpa2-I4"),
+    pytest.param("tiny-llama", Layout(kvp=2, tpa=2, kv_interleave=4), PASS_KV,
+                 id="gqa-kvp2-tpa2-I4"),
     pytest.param("tiny-llama-h6", Layout(kvp=3, kv_interleave=1), PASS_KV, id="gqa-h6-kvp3-I1"),
     pytest.param("tiny-qwen3-moe", Layout(kvp=2, tpa=2, ep=4, kv_interleave=1), PASS_KV,
                  id="moe-kvp2-tpa2-ep4"),

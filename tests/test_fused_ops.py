@@ -508,6 +508,8 @@ def test_select_tokens(T):
     src = torch.randint(-1, 64, (T,), generator=g)
     src[0] = -1
     ids = torch.randint(0, 1000, (T,), generator=g)
-    want = torch.tensor([tokens[s].item() if s >= 0 else i for s, i in zip(src.tolist(), ids.tolist())])
+    want = torch.tensor([tokens[s].item() if s >= 0 else i
+                         for s, i in zip(src.tolist(), ids.tolist())])
     assert torch.equal(fo.select_tokens_torch(src, ids, tokens), want)
-    assert torch.equal(fo.select_tokens_triton(src.to(DEV), ids.to(DEV), tokens.to(DEV)).cpu(), want)
+    assert torch.equal(fo.select_tokens_triton(src.to(DEV), ids.to(DEV), tokens.to(DEV)).cpu(),
+                       want)

@@ -199,7 +199,8 @@ def test_runner_pads_and_reuses_buffers():
     for n in [3, 16, 1, 5]:
         x = torch.randn(n, 3)
         bucket = BucketLadder(16).choose(n)
-        _stage(bufs, bucket, x=x, slot=torch.arange(n), length=torch.full((n,), 2, dtype=torch.int32))
+        _stage(bufs, bucket, x=x, slot=torch.arange(n),
+               length=torch.full((n,), 2, dtype=torch.int32))
         out = runner.replay(bucket)
         assert runner.last_bucket == bucket and out.shape == (bucket, 3)
         assert torch.equal(out[:n], x * 2 + 2)                   # real rows

@@ -27,7 +27,8 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def run_helix(path: str, prompts, new: int = NEW, dtype: str = "float32", **runtime):
     """-> (tokens per prompt, logits [S, V] of every step, stacked per step)."""
     with LLM(path, Layout(), RuntimeConfig(dtype=dtype, **{**SMALL, **runtime})) as llm:
-        ids = [llm.add_request(p, SamplingParams(max_new_tokens=new, ignore_eos=True)) for p in prompts]
+        ids = [llm.add_request(p, SamplingParams(max_new_tokens=new, ignore_eos=True))
+               for p in prompts]
         steps = []
         while llm.has_unfinished():
             llm.step()
@@ -126,7 +127,8 @@ def test_bf16_checkpoint_loads_exactly_into_fp32(hf_checkpoint):
 
 
 def _rounded_copy(hf):
-    """The fp32 HF model with every weight rounded through bf16, as the saved checkpoint holds it."""
+    """The fp32 HF model with every weight rounded through bf16, as the saved checkpoint holds
+    it."""
     import copy
     m = copy.deepcopy(hf)
     with torch.no_grad():

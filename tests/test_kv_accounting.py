@@ -100,7 +100,8 @@ def test_kv_positions_per_rank(case: Case):
     entries = sum(n * h for n, h in zip(kv, heads))       # stored (position, KV head) pairs
     if case.kvp == 1 and case.tpa > hkv:           # TP baseline, N > KV heads: tpa / hkv copies
         assert entries == sum(lens) * case.tpa
-    else:                                          # Helix (and TP without replication): no duplicate
+    else:                                          # Helix (and TP without replication): no
+                                                   # duplicate
         assert entries == sum(lens) * hkv
 
 def test_cli_reports_kv_per_rank_on_an_odd_world():

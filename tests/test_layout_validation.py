@@ -26,7 +26,8 @@ def _cfg(model: str, **changes):
 @pytest.mark.parametrize("kwargs,message", [
     pytest.param(dict(kvp=0), r"kvp must be a positive integer, got 0", id="kvp0"),
     pytest.param(dict(tpa=-2), r"tpa must be a positive integer", id="tpa-negative"),
-    pytest.param(dict(kv_interleave=0), r"kv_interleave must be a positive integer", id="interleave0"),
+    pytest.param(dict(kv_interleave=0), r"kv_interleave must be a positive integer",
+                 id="interleave0"),
     pytest.param(dict(kvp=2.0), r"kvp must be a positive integer", id="kvp-float"),
     pytest.param(dict(kvp=3, ep=2), r"ep=2 does not divide the world size kvp\*tpa=3: choose ep "
                  r"among the divisors of 3", id="ep-not-dividing-world"),
@@ -49,8 +50,9 @@ def test_layout_derives_tpf(kvp, tpa, ep, tpf):
 # -- the layout against a model ------------------------------------------------------------------
 
 INVALID = [  # model, config changes, layout, message
-    pytest.param("tiny-llama", {}, dict(kvp=3), r"world size kvp\*tpa=3 does not fit this model \(8 "
-                 r"query heads, FFN width 512\): use one of 1, 2, 4, 8", id="gqa-heads-world3"),
+    pytest.param("tiny-llama", {}, dict(kvp=3), r"world size kvp\*tpa=3 does not fit this model "
+                 r"\(8 query heads, FFN width 512\): use one of 1, 2, 4, 8",
+                 id="gqa-heads-world3"),
     pytest.param("tiny-llama", {}, dict(kvp=2, tpa=4), r"tpa=4 must divide the 2 KV heads: choose "
                  r"tpa among the divisors of 2 and raise kvp instead", id="gqa-tpa-over-kv-heads"),
     pytest.param("tiny-llama-h6", {}, dict(kvp=3, tpa=2), r"tpa=2 must divide the 3 KV heads",
@@ -121,7 +123,8 @@ def test_llm_rejects_before_spawning(no_spawn, model, changes, layout, message):
     (["--model", "tiny-llama", "--kvp", "3"], "use one of 1, 2, 4, 8"),
     (["--model", "tiny-qwen3-moe", "--kvp", "2", "--tpf", "1", "--ep", "1"],
      r"tpf\*ep = 1\*1 must equal kvp\*tpa = 2: set --tpf 2"),
-    (["--model", "tiny-qwen3-moe", "--kvp", "2", "--ep", "4"], "ep=4 does not divide the world size"),
+    (["--model", "tiny-qwen3-moe", "--kvp", "2", "--ep", "4"],
+     "ep=4 does not divide the world size"),
 ], ids=["mla-tpa2", "heads-world3", "tpf-ep", "ep-world"])
 def test_cli_rejects_before_spawning(no_spawn, capsys, args, message):
     """One line on stderr, exit code 2, no traceback, no worker."""

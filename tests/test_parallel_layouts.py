@@ -1,5 +1,5 @@
-"""Every layout against the single-rank fp32 reference, and one per family against `transformers`, on CPU
-ranks over gloo.
+"""Every layout against the single-rank fp32 reference, and one per family against
+`transformers`, on CPU ranks over gloo.
 
 Each case is one multi-process run of the scenario in parallel_helpers (mixed prompt lengths in
 one batch, prompts shorter than kvp * interleave so some KVP ranks start with empty shards, >= 32
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from helix import Layout
-from parallel_helpers import (CASES, INITIAL, JOIN_AT, JOINER, LOGITS_RTOL, PAGE, Case, assert_same_run,
-                              cached_run, max_rel_err, reference_run)
+from parallel_helpers import (CASES, INITIAL, JOIN_AT, JOINER, LOGITS_RTOL, PAGE, Case,
+                              assert_same_run, cached_run, max_rel_err, reference_run)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
@@ -72,7 +72,9 @@ def test_layout_matches_transformers(hf_checkpoint, family, kvp, tpa, ep, interl
     for rid, prompt in run.prompts.items():
         tokens, logits = hf_greedy(model, prompt, len(run.tokens[rid]))
         assert run.tokens[rid] == tokens, f"request {rid} (prompt of {len(prompt)})"
-        mine = [step[batch.index(rid)] for step, batch in zip(run.logits, run.batches) if rid in batch]
+        mine = [step[batch.index(rid)] for step, batch in zip(run.logits, run.batches)
+                if rid in batch]
         errs = [max_rel_err(a, b) for a, b in zip(mine, logits)]
         assert len(errs) == len(tokens) and max(errs) <= LOGITS_RTOL, (
-            f"request {rid}: worst logits rel err {max(errs):.2e} at its step {errs.index(max(errs))}")
+            f"request {rid}: worst logits rel err {max(errs):.2e} at its step "
+            f"{errs.index(max(errs))}")

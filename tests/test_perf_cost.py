@@ -16,7 +16,7 @@ from helix.perf.cost import expected_experts_hit, step_cost, weight_bytes
 
 @pytest.fixture(scope="module")
 def llama():
-    return read_model_config("tiny-llama")[0]      # D 256, H 8, Hkv 2, d 32, I 512, V 1000, 4 layers
+    return read_model_config("tiny-llama")[0]  # D 256, H 8, Hkv 2, d 32, I 512, V 1000, 4 layers
 
 
 @pytest.fixture(scope="module")

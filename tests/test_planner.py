@@ -178,7 +178,8 @@ def test_plan_user_errors(tmp_path):
 def test_kernel_constant_moves_the_prediction(h200):
     cfg = read_model_config("llama-3.1-8b", 4)[0]
     base = predict(cfg, Layout(), 1, 1024, h200)
-    slower = predict(cfg, Layout(), 1, 1024, dataclasses.replace(h200, kernel_us=h200.kernel_us + 1))
+    slower = predict(cfg, Layout(), 1, 1024,
+                     dataclasses.replace(h200, kernel_us=h200.kernel_us + 1))
     # one more microsecond per kernel, times the step's kernels, times the graph factor
     from helix.perf.cost import step_cost
     n = step_cost(cfg, Layout(), 1, 1024).kernels

@@ -87,7 +87,8 @@ def _hf(**changes):
 
 
 @pytest.mark.parametrize("cfg,match", [
-    (_hf(num_attention_heads="four"), "num_attention_heads = 'four' is invalid: it must be an integer"),
+    (_hf(num_attention_heads="four"),
+     "num_attention_heads = 'four' is invalid: it must be an integer"),
     (_hf(num_attention_heads=4.7), "num_attention_heads = 4.7 is invalid"),
     (_hf(hidden_size="64"), "hidden_size = '64' is invalid"),
     (_hf(eos_token_id="x"), "eos_token_id = 'x' is invalid: it must be a token id"),
@@ -227,7 +228,8 @@ def test_failed_multi_rank_constructor_raises_and_the_caller_lives_on(hf_checkpo
     weights = load_file(str(bad / "model.safetensors"))
     del weights["model.layers.1.mlp.down_proj.weight"]
     save_file(weights, str(bad / "model.safetensors"))
-    with pytest.raises(HelixError, match="lacks tensor 'model.layers.1.mlp.down_proj.weight'|rank 1"):
+    with pytest.raises(HelixError,
+                       match="lacks tensor 'model.layers.1.mlp.down_proj.weight'|rank 1"):
         LLM(str(bad), Layout(kvp=2), RuntimeConfig(page_size=4, max_context=64))
     time.sleep(1.0)                           # nothing kills this process afterwards
     with LLM("tiny-llama", Layout(kvp=2), RuntimeConfig(page_size=4, max_context=64)) as llm:

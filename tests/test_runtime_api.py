@@ -154,7 +154,7 @@ def test_context_cap_ends_with_length(llama_ckpt):
         assert llm.finish_reasons[rid] == "length"
 
 
-# -- stop ids, eos, abort ----------------------------------------------------------------------------
+# -- stop ids, eos, abort --------------------------------------------------------------------------
 def test_stop_id_ends_request(llama_ckpt):
     full = alone(llama_ckpt, B, greedy(16))
     k = first_new_index(full)
@@ -323,7 +323,8 @@ def test_misshaped_tensor_is_named(llama_ckpt, tmp_path):
     def cut(t):
         t[name] = t[name][:-1].clone()
     path = _copy_with(llama_ckpt, str(tmp_path / "shape"), edit_tensors=cut)
-    with pytest.raises(CheckpointError, match=rf"'{name}' has shape \(31, 64\), expected \(32, 64\)"):
+    with pytest.raises(CheckpointError,
+                       match=rf"'{name}' has shape \(31, 64\), expected \(32, 64\)"):
         LLM(path)
 
 
@@ -386,7 +387,7 @@ def test_errors_are_helix_errors():
         assert issubclass(cls, HelixError)
 
 
-# -- presets (random weights) ------------------------------------------------------------------------
+# -- presets (random weights) ----------------------------------------------------------------------
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v3"])
 def test_preset_runs_deterministically(preset):
     rt = RuntimeConfig(max_context=64, max_batch=2)

@@ -201,7 +201,8 @@ def test_hopb_key_follows_the_runtime(tmp_path):
     ("- 1\n- 2\n", "a sweep is a mapping"),
 ])
 def test_bad_sweep_files_fail_with_one_line(tmp_path, text, words):
-    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    with pytest.raises(ConfigError,
+                       match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         load_sweep(_write(tmp_path, text))
 
 
@@ -211,7 +212,8 @@ def test_cli_rejects_an_invalid_layout_before_running(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("helix: error:") and "use one of 1, 2, 4, 8" in lines[0]
+    assert (len(lines) == 1 and lines[0].startswith("helix: error:")
+            and "use one of 1, 2, 4, 8" in lines[0])
     assert "Traceback" not in res.stderr and res.stdout == ""
 
 

@@ -4,8 +4,6 @@ slot mapping, the exact LSE merge and its one-message packing, RoPE frequency sc
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -21,7 +19,7 @@ from helix.runtime.sampling import SamplingParams
 LAYOUTS = [(kvp, i) for kvp in (1, 2, 3, 4) for i in (1, 2, 3, 16)]
 
 
-# -- ownership rule ----------------------------------------------------------------------------------
+# -- ownership rule --------------------------------------------------------------------------------
 @pytest.mark.parametrize("kvp,interleave", LAYOUTS)
 def test_ownership_partitions_positions(kvp, interleave):
     n = 5 * kvp * interleave + 7                       # a ragged tail
@@ -34,7 +32,8 @@ def test_ownership_partitions_positions(kvp, interleave):
         for length in range(n + 1):
             assert local_len(length, r, kvp, interleave) == sum(1 for p in mine if p < length)
     # position p -> rank (p // I) % kvp, in runs of I; rank 0 always owns the most
-    assert owners[:2 * kvp * interleave] == [(p // interleave) % kvp for p in range(2 * kvp * interleave)]
+    assert owners[:2 * kvp * interleave] == [(p // interleave) % kvp
+                                             for p in range(2 * kvp * interleave)]
     for length in range(n + 1):
         counts = [local_len(length, r, kvp, interleave) for r in range(kvp)]
         assert counts[0] == max(counts) and sum(counts) == length
@@ -53,7 +52,7 @@ def test_ownership_examples_and_tensors():
     assert local_to_global(j, 1, 3, 2).tolist() == [local_to_global(int(x), 1, 3, 2) for x in j]
 
 
-# -- page allocator ----------------------------------------------------------------------------------
+# -- page allocator --------------------------------------------------------------------------------
 def test_page_allocator():
     a = PageAllocator(6)
     assert a.num_free == 6
@@ -74,7 +73,7 @@ def test_page_allocator():
     assert a.allocate(0) == []
 
 
-# -- KV manager: slot mapping --------------------------------------------------------------------------
+# -- KV manager: slot mapping ----------------------------------------------------------------------
 def test_slot_mapping_single_rank():
     kv = KVManager(num_pages=10, page_size=4, kvp_rank=0, kvp=1, interleave=1)
     meta = kv.prepare([(7, 0, 6), (9, 0, 3)], "cpu")       # two prefills
@@ -85,7 +84,8 @@ def test_slot_mapping_single_rank():
     assert meta.q_pos.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
     assert meta.cu_q.tolist() == [0, 6, 9] and meta.kv_lens.tolist() == [6, 3]
     assert meta.block_tables.tolist() == [p7, p9 + [0]] and not meta.is_decode
-    meta = kv.prepare([(7, 6, 1), (9, 3, 1)], "cpu")       # decode: position 6 in page 1, 3 in page 0
+    meta = kv.prepare([(7, 6, 1), (9, 3, 1)], "cpu")       # decode: position 6 in page 1, 3 in
+                                                           # page 0
     assert meta.slots.tolist() == [p7[1] * 4 + 2, p9[0] * 4 + 3] and meta.is_decode
     meta = kv.prepare([(9, 4, 1)], "cpu")                  # crosses into a new page
     assert len(kv.pages[9]) == 2 and meta.slots.tolist() == [kv.pages[9][1] * 4]
@@ -115,10 +115,11 @@ def test_slot_mapping_splits_positions_across_ranks(kvp, interleave):
             for t in torch.nonzero(owned[r]).flatten().tolist():
                 j = local_index(int(pos[t]), kvp, interleave)
                 assert int(mt.slots[t]) == m.pages[int(seqs[t])][j // page] * page + j % page
-            assert mt.kv_lens.tolist() == [local_len(s + n, r, kvp, interleave) for _, s, n in batch]
+            assert mt.kv_lens.tolist() == [local_len(s + n, r, kvp, interleave)
+                                           for _, s, n in batch]
 
 
-# -- exact merge of partial attention ----------------------------------------------------------------
+# -- exact merge of partial attention --------------------------------------------------------------
 def _attend(q, k, v, scale):
     """q [T, h, d], k/v [K, h, d] -> o [T, h, d], lse [T, h]; K == 0 gives o = 0, lse = -inf."""
     s = torch.einsum("thd,khd->thk", q, k) * scale
@@ -216,7 +217,7 @@ def test_kvp_sharded_attention_merges_to_single_rank(kvp, interleave):
     assert torch.isfinite(want_lse).all()
 
 
-# -- RoPE against transformers -------------------------------------------------------------------------
+# -- RoPE against transformers ---------------------------------------------------------------------
 def _hf_rope(config, rope_type):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
@@ -227,9 +228,11 @@ ROPES = {
                    high_freq_factor=4.0, original_max_position_embeddings=256),
     "llama3-405b": dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                         high_freq_factor=4.0, original_max_position_embeddings=8192),
-    "yarn": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256),
-    "yarn-mscale": dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, beta_fast=32.0, beta_slow=1.0,
-                        mscale=1.0, mscale_all_dim=0.707, original_max_position_embeddings=4096),
+    "yarn": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                 original_max_position_embeddings=256),
+    "yarn-mscale": dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, beta_fast=32.0,
+                        beta_slow=1.0, mscale=1.0, mscale_all_dim=0.707,
+                        original_max_position_embeddings=4096),
     "yarn-no-truncate": dict(rope_type="yarn", rope_theta=50000.0, factor=8.0, truncate=False,
                              original_max_position_embeddings=512),
     "yarn-attention-factor": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
@@ -274,7 +277,8 @@ def test_mla_softmax_scale_matches_transformers():
                  dict(rope_type="default", rope_theta=1e4)):
         config = DeepseekV3Config(hidden_size=64, num_attention_heads=4, q_lora_rank=None,
                                   kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                                  v_head_dim=16, rope_parameters=rope, max_position_embeddings=163840)
+                                  v_head_dim=16, rope_parameters=rope,
+                                  max_position_embeddings=163840)
         cfg = model_config_from_hf({**config.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]})
         assert cfg.softmax_scale == pytest.approx(DeepseekV3Attention(config, 0).scaling, rel=1e-9)
         assert cfg.rope.adjacent_pairs
@@ -287,14 +291,15 @@ def test_moe_layer_pattern_from_hf():
     q = model_config_from_hf({**base, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
                               "decoder_sparse_step": 2, "mlp_only_layers": [3]})
     assert q.moe_layers == (False, True, False, False) and q.qk_norm and q.num_experts == 4
-    d = model_config_from_hf({**base, "architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 4,
-                              "first_k_dense_replace": 1, "kv_lora_rank": 8, "qk_nope_head_dim": 4,
+    d = model_config_from_hf({**base, "architectures": ["DeepseekV3ForCausalLM"],
+                              "n_routed_experts": 4, "first_k_dense_replace": 1,
+                              "kv_lora_rank": 8, "qk_nope_head_dim": 4,
                               "qk_rope_head_dim": 4, "v_head_dim": 4})
     assert d.moe_layers == (False, True, True, True) and d.is_mla and d.scoring == "sigmoid"
     assert d.topk_method == "noaux_tc" and d.q_lora_rank is None
 
 
-# -- layout and runtime validation -------------------------------------------------------------------
+# -- layout and runtime validation -----------------------------------------------------------------
 def _model(**kw) -> ModelConfig:
     base = dict(arch="llama", vocab_size=100, hidden_size=64, num_layers=2, num_heads=8,
                 num_kv_heads=2, head_dim=8, intermediate_size=128)
@@ -359,7 +364,8 @@ def test_layout_validation_accepts(layout, model):
     (dict(max_batch=2.5), "max_batch must be an integer >= 1, got 2.5"),
     (dict(timeout_s=float("nan")), "timeout_s must be a finite number"),
     (dict(memory_utilization=1.5), "memory_utilization is a fraction"),
-    (dict(attention_backend="xformers"), "attention backend must be one of auto, torch, triton, flash-attn"),
+    (dict(attention_backend="xformers"),
+     "attention backend must be one of auto, torch, triton, flash-attn"),
     (dict(graph_breaks=("mlp",)), "unknown graph break\\(s\\) mlp: use attention, moe"),
     (dict(graph_buckets=(1, 0)), "graph buckets must be positive"),
 ])
@@ -386,7 +392,7 @@ def test_kv_pool_is_capped_by_what_max_batch_contexts_need():
         assert pool.page_bytes == 2 * 16 * 2 * 8 * 4
 
 
-# -- sampling ----------------------------------------------------------------------------------------
+# -- sampling --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw,match", [
     (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
     (dict(temperature=-0.1), "temperature must be >= 0"),

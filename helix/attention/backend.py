@@ -66,7 +66,8 @@ class AttentionBackend:
 
     # -- the Helix exchange (defaults in plain torch; kernel backends override) -----------------
     def pack_partials(self, o: torch.Tensor, lse: torch.Tensor, n: int) -> torch.Tensor:
-        """o [T, H, d], lse [T, H] fp32 -> send buffer [n, T, H/n, d + c] (chunk j to KVP rank j)."""
+        """o [T, H, d], lse [T, H] fp32 -> send buffer [n, T, H/n, d + c] (chunk j to KVP
+        rank j)."""
         return pack_partials(o, lse, n)
 
     def merge_received(self, recv: torch.Tensor, d: int) -> torch.Tensor:

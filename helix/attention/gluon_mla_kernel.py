@@ -2,8 +2,8 @@
 
 Written against triton 3.6's Gluon (the GPU machine's); it also compiles under 3.9, where
 `tma.async_copy_global_to_shared` was renamed `tma.async_load` (the old name raises: see
-_tma_load) and `warp_specialize`'s register list became optional. The host side (planning, descriptors, the
-launch, `gluon_available`) is gluon_mla.py, which documents the design.
+_tma_load) and `warp_specialize`'s register list became optional. The host side (planning,
+descriptors, the launch, `gluon_available`) is gluon_mla.py, which documents the design.
 
 One program (CTA) = (head block of BLOCK_H = 64 query heads, KV split, sequence). Partitions:
 - producer (SEESAW: the 4-warp default partition at 24 registers, its TMA issue spread over
@@ -170,7 +170,8 @@ def _finish(o, m_ref, l_own, l_smem, l_bar, o_ptr, lse_ptr, b, hb, split, HEADS,
 
 
 @gluon.jit
-def _seesaw_consumer(args, WG: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, STAGES: gl.constexpr):
+def _seesaw_consumer(args, WG: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                     PAGE_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, STAGES: gl.constexpr):
     """One consumer warpgroup of the seesaw schedule (module doc). Per tile j (owner j % 2):
     owner: wait K_j, S_j = QK^T (this wait also retires its PV_{j-1}: release tile j - 1),
            m_j = max(m_{j-1}, rowmax S_j), P_j = exp2(S_j - m_j), publish (P_j, m_j), rescale

@@ -407,7 +407,8 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
         q_latent, q_rope, kv_cache, block_tables, kv_lens, o_ws, lse_ws, scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), *so, *sl,
-        H, num_splits, kv_cache.shape[0] * page_size, Dl, Dr, PAGE_SIZE=page_size, DOT_PRECISION=precision, **cfg)
+        H, num_splits, kv_cache.shape[0] * page_size, Dl, Dr, PAGE_SIZE=page_size,
+        DOT_PRECISION=precision, **cfg)
     if num_splits > 1:
         reduce_splits(o_ws, lse_ws, o, lse)
     return o, lse

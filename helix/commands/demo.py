@@ -11,7 +11,8 @@ from helix.commands.options import add_layout_args, add_runtime_args, add_sampli
 
 def add_parser(subparsers):
     p = subparsers.add_parser("demo", help="a Helix decode of a small default model")
-    p.add_argument("--model", default="tiny-llama", help="preset or checkpoint (default tiny-llama)")
+    p.add_argument("--model", default="tiny-llama",
+                   help="preset or checkpoint (default tiny-llama)")
     add_sampling_args(p)
     add_layout_args(p)
     add_runtime_args(p)

@@ -15,8 +15,10 @@ def parameters(cfg) -> float:
     """Parameter count (embedding, attention, FFN / experts, LM head), for the listing."""
     D, L = cfg.hidden_size, cfg.num_layers
     if cfg.is_mla:
-        q = (D * cfg.q_lora_rank + cfg.q_lora_rank * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-             if cfg.q_lora_rank else D * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim))
+        q = (D * cfg.q_lora_rank
+             + cfg.q_lora_rank * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+             if cfg.q_lora_rank
+             else D * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim))
         attn = (q + D * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
                 + cfg.kv_lora_rank * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
                 + cfg.num_heads * cfg.v_head_dim * D)

@@ -45,9 +45,11 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("layout")
     g.add_argument("--kvp", type=int, default=1, help="KV-parallel degree (sequence split)")
     g.add_argument("--tpa", type=int, default=1, help="attention tensor-parallel degree (KV heads)")
-    g.add_argument("--tpf", type=int, default=None, help="FFN tensor-parallel degree (default world/ep)")
+    g.add_argument("--tpf", type=int, default=None,
+                   help="FFN tensor-parallel degree (default world/ep)")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE models)")
-    g.add_argument("--kv-interleave", type=int, default=1, help="KV positions per round-robin block")
+    g.add_argument("--kv-interleave", type=int, default=1,
+                   help="KV positions per round-robin block")
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +74,8 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS),
                    default=d.attention_backend,
                    help="attention kernels (auto: triton on cuda, the torch reference on cpu)")
-    g.add_argument("--seed", type=int, default=d.seed, help="preset weights / default sampling seed")
+    g.add_argument("--seed", type=int, default=d.seed,
+                   help="preset weights / default sampling seed")
     g.add_argument("--layers", type=int, default=0, help="run only the first n layers (0: all)")
     g.add_argument("--timeout", type=float, default=d.timeout_s,
                    help="seconds a collective may wait: a dead or hung rank ends the run")

@@ -30,7 +30,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="rank the layouts of N GPUs by predicted decode step")
-    p.add_argument("--model", required=True, help="preset name, preset YAML or checkpoint directory")
+    p.add_argument("--model", required=True,
+                   help="preset name, preset YAML or checkpoint directory")
     p.add_argument("--gpus", type=int, required=True, help="GPUs (ranks) of the layout")
     p.add_argument("--batch", type=int, required=True, help="requests decoding together")
     p.add_argument("--context", type=int, required=True, help="tokens per request")

@@ -64,7 +64,8 @@ def _line(rec: dict) -> str:
     graphs = "" if rec["cuda_graphs"] else "  [eager]"
     return (f"{rec['model']:>18} {_layout(rec['layout']):<16} B={rec['batch']:<4} "
             f"ctx={rec['context']:<8} step {rec['step_ms_median']:8.3f} ms "
-            f"(p90 {rec['step_ms_p90']:.3f})  {floor}  {rec['tokens_per_s']:9.1f} tok/s{vs}{graphs}")
+            f"(p90 {rec['step_ms_p90']:.3f})  {floor}  {rec['tokens_per_s']:9.1f} tok/s"
+            f"{vs}{graphs}")
 
 
 def _speedups(records: list[dict]) -> None:
@@ -85,7 +86,8 @@ def run(args) -> int:
 
     from helix.perf.plots import plot_sweep, require_pyplot
     from helix.perf.rates import measure
-    from helix.perf.records import add_speedup_vs_tp, read_records, record_key, write_csv, write_json
+    from helix.perf.records import (add_speedup_vs_tp, read_records, record_key, write_csv,
+                                    write_json)
     from helix.sweep import check, load_sweep, planned_points, points, run_sweep
 
     sweep = load_sweep(args.file)

@@ -75,7 +75,8 @@ class KVManager:
         self.sharding = KVSharding(kvp, interleave, page_size)
         self.pages: dict[int, list[int]] = {}   # seq id -> local pages
         self.lengths: dict[int, int] = {}       # seq id -> global length written
-        self._tables: dict[int, torch.Tensor] = {}  # seq id -> its pages as int32, rebuilt on growth
+        self._tables: dict[int, torch.Tensor] = {}  # seq id -> its pages as int32, rebuilt
+                                                    # on growth
 
     def local_tokens(self, seq_id: int) -> int:
         return self.sharding.local_len(self.lengths.get(seq_id, 0), self.kvp_rank)
@@ -133,7 +134,8 @@ class KVManager:
         if not pages:                       # this rank owns none of the sequence yet
             return torch.full_like(p, -1)
         # positions owned elsewhere index past this rank's pages: clamp, then mask them out
-        page = torch.tensor(pages, dtype=torch.int64)[(j // self.page_size).clamp(max=len(pages) - 1)]
+        page = torch.tensor(pages, dtype=torch.int64)[
+            (j // self.page_size).clamp(max=len(pages) - 1)]
         return torch.where(mine, page * self.page_size + j % self.page_size, -1)
 
     def truncate(self, seq_id: int, length: int) -> None:

@@ -48,7 +48,8 @@ class MLAAttention(nn.Module):
         else:
             self.q_proj = ColumnShardLinear(D, H * qk, q0 * qk, (q0 + self.hq) * qk, False, dtype)
         self.q_lora = bool(cfg.q_lora_rank)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(D, self.lora + self.rdim, cfg.attention_bias, dtype)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(D, self.lora + self.rdim, cfg.attention_bias,
+                                                   dtype)
         self.kv_a_layernorm = RMSNorm(self.lora, cfg.rms_eps, dtype)
         # kv_b_proj rows of the local query heads: per head [W_UK (nope rows) | W_UV (v rows)]
         per = self.nope + self.vdim

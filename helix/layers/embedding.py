@@ -22,7 +22,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab, self.shard = vocab, -(-vocab // n)
         self.start = r * self.shard
         self.weight = nn.Parameter(torch.zeros((self.shard, dim), dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = sliced_loader((vocab, dim), 0, self.start, self.start + self.shard)
+        self.weight.weight_loader = sliced_loader((vocab, dim), 0, self.start,
+                                                  self.start + self.shard)
         self.comm = comm
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -44,7 +45,8 @@ class ParallelLMHead(nn.Module):
         self.vocab, self.shard = vocab, -(-vocab // n)
         self.tied = tied
         if tied is None:
-            self.weight = nn.Parameter(torch.zeros((self.shard, dim), dtype=dtype), requires_grad=False)
+            self.weight = nn.Parameter(torch.zeros((self.shard, dim), dtype=dtype),
+                                       requires_grad=False)
             self.weight.weight_loader = sliced_loader((vocab, dim), 0, r * self.shard,
                                                       (r + 1) * self.shard)
         self.comm = comm

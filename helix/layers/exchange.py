@@ -23,6 +23,7 @@ class KVPExchange(nn.Module):
             return o
         with phase("a2a"):
             send = backend.pack_partials(o, lse, self.kvp)    # [kvp, T, H/N, d + c]
-            recv = self.comm.all_to_all(send, "kvp")          # chunk i: rank i's partial of my heads
+            recv = self.comm.all_to_all(send, "kvp")          # chunk i: rank i's partial of
+                                                              # my heads
         with phase("merge"):
             return backend.merge_received(recv, o.shape[-1])

@@ -328,7 +328,8 @@ if HAS_TRITON:
         tl.store(out_ptr + i, tl.where(from_dev, t, x), mask=m)
 
 
-def select_tokens_triton(src: torch.Tensor, ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def select_tokens_triton(src: torch.Tensor, ids: torch.Tensor,
+                         tokens: torch.Tensor) -> torch.Tensor:
     T = src.numel()
     assert ids.shape == src.shape and src.is_contiguous() and ids.is_contiguous()
     out = torch.empty_like(ids)

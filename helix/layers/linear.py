@@ -40,7 +40,8 @@ class ColumnShardLinear(nn.Module):
     def __init__(self, in_f: int, out_f: int, start: int, stop: int, bias: bool = False,
                  dtype=torch.float32):
         super().__init__()
-        self.weight = _param((stop - start, in_f), dtype, sliced_loader((out_f, in_f), 0, start, stop))
+        self.weight = _param((stop - start, in_f), dtype,
+                             sliced_loader((out_f, in_f), 0, start, stop))
         self.bias = (_param((stop - start,), dtype, sliced_loader((out_f,), 0, start, stop))
                      if bias else None)
 
@@ -84,10 +85,12 @@ class MergedColumnLinear(nn.Module):
 class RowShardLinear(nn.Module):
     """x [T, stop - start] (this rank's input features) -> [T, out], all-reduced over `axis`."""
 
-    def __init__(self, in_f: int, out_f: int, start: int, stop: int, comm: Comm, axis: str = "world",
-                 bias: bool = False, dtype=torch.float32, reduce: bool = True):
+    def __init__(self, in_f: int, out_f: int, start: int, stop: int, comm: Comm,
+                 axis: str = "world", bias: bool = False, dtype=torch.float32,
+                 reduce: bool = True):
         super().__init__()
-        self.weight = _param((out_f, stop - start), dtype, sliced_loader((out_f, in_f), 1, start, stop))
+        self.weight = _param((out_f, stop - start), dtype,
+                             sliced_loader((out_f, in_f), 1, start, stop))
         self.bias = _param((out_f,), dtype, load_full) if bias else None
         self.comm, self.axis, self.reduce = comm, axis, reduce
 

@@ -40,9 +40,12 @@ class LocalExperts(nn.Module):
         width, dim = cfg.moe_intermediate_size, cfg.hidden_size
         part = width // lay.tpf
         a, b = mesh.tpf_rank * part, (mesh.tpf_rank + 1) * part
-        self.gate_proj = nn.Parameter(torch.zeros((n_local, part, dim), dtype=dtype), requires_grad=False)
-        self.up_proj = nn.Parameter(torch.zeros((n_local, part, dim), dtype=dtype), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.zeros((n_local, dim, part), dtype=dtype), requires_grad=False)
+        self.gate_proj = nn.Parameter(torch.zeros((n_local, part, dim), dtype=dtype),
+                                      requires_grad=False)
+        self.up_proj = nn.Parameter(torch.zeros((n_local, part, dim), dtype=dtype),
+                                    requires_grad=False)
+        self.down_proj = nn.Parameter(torch.zeros((n_local, dim, part), dtype=dtype),
+                                      requires_grad=False)
         self.loaders = {"gate_proj": sliced_loader((width, dim), 0, a, b),
                         "up_proj": sliced_loader((width, dim), 0, a, b),
                         "down_proj": sliced_loader((dim, width), 1, a, b)}
@@ -58,7 +61,8 @@ class LocalExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], weights/ids [T, k] -> partial [T, D] from this rank's experts."""
         if self.graph_safe:
-            return fused_moe(x, self.gate_proj, self.up_proj, self.down_proj, weights, ids, self.first)
+            return fused_moe(x, self.gate_proj, self.up_proj, self.down_proj, weights, ids,
+                             self.first)
         out = torch.zeros_like(x)
         local = ids - self.first
         hit = (local >= 0) & (local < self.n_local)

@@ -12,6 +12,7 @@ def build(cfg, comm, dtype, max_position):
     rope = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, max_position)
     layers = [DecoderLayer(cfg, MLAAttention(cfg, comm, rope, dtype),
                            MoE(cfg, comm, dtype) if cfg.moe_layers[i]
-                           else ParallelMLP(cfg.hidden_size, cfg.intermediate_size, comm, dtype=dtype), dtype)
+                           else ParallelMLP(cfg.hidden_size, cfg.intermediate_size, comm,
+                                            dtype=dtype), dtype)
               for i in range(cfg.num_layers)]
     return CausalLM(cfg, comm, layers, dtype)

@@ -9,6 +9,7 @@ from helix.models.base import CausalLM, DecoderLayer
 def build(cfg, comm, dtype, max_position):
     rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_position)
     layers = [DecoderLayer(cfg, GQAAttention(cfg, comm, rope, dtype),
-                           ParallelMLP(cfg.hidden_size, cfg.intermediate_size, comm, cfg.mlp_bias, dtype), dtype)
+                           ParallelMLP(cfg.hidden_size, cfg.intermediate_size, comm, cfg.mlp_bias,
+                                       dtype), dtype)
               for _ in range(cfg.num_layers)]
     return CausalLM(cfg, comm, layers, dtype)

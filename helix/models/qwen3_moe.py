@@ -11,6 +11,7 @@ def build(cfg, comm, dtype, max_position):
     rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_position)
     layers = [DecoderLayer(cfg, GQAAttention(cfg, comm, rope, dtype),
                            MoE(cfg, comm, dtype) if cfg.moe_layers[i]
-                           else ParallelMLP(cfg.hidden_size, cfg.intermediate_size, comm, dtype=dtype), dtype)
+                           else ParallelMLP(cfg.hidden_size, cfg.intermediate_size, comm,
+                                            dtype=dtype), dtype)
               for i in range(cfg.num_layers)]
     return CausalLM(cfg, comm, layers, dtype)

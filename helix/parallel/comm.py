@@ -27,7 +27,8 @@ class Comm:
         raise NotImplementedError
 
     def all_to_all(self, x: torch.Tensor, axis: str = "kvp") -> torch.Tensor:
-        """x [n, ...] with chunk j going to rank j of the axis; returns [n, ...], chunk i from rank i."""
+        """x [n, ...] with chunk j going to rank j of the axis; returns [n, ...], chunk i from
+        rank i."""
         raise NotImplementedError
 
     def all_gather(self, x: torch.Tensor, axis: str = "world") -> torch.Tensor:

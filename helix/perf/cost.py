@@ -120,7 +120,7 @@ def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size
         proj = Phase("attn_proj", cfg.num_layers, (D + norms + gemm) * es, 2 * B * gemm,
                      1 + (3 if ql else 1) + 2 + 3 + 1 + 2 + 2 + 1)
         pos_bytes = (lora + rope) * es
-        att_flops = 2 * B * hq * t_local * ((lora + rope) + lora)   # QK over lora+rope, PV over lora
+        att_flops = 2 * B * hq * t_local * ((lora + rope) + lora)  # QK over lora+rope, PV over lora
         o_dim = lora
         o_w = hm * v * lora + hm * v * D                 # W_UV of the merged heads, o_proj shard
         o_kern = 4                                       # bmm + 2 layout copies, GEMM
@@ -163,7 +163,8 @@ def _ffn_phases(cfg: ModelConfig, lay: Layout, B: int, es: int) -> list[Phase]:
         router_es = 4 if cfg.arch.startswith("deepseek") else es     # DeepSeek's router is fp32
         expert_w = 3 * D * (cfg.moe_intermediate_size // lay.tpf)
         hit = expected_experts_hit(E, k, B, E // lay.ep)
-        pairs = B * k / lay.ep                                       # expected (token, expert) pairs
+        pairs = B * k / lay.ep                                       # expected (token, expert)
+                                                                     # pairs
         shared_w = 3 * D * (cfg.moe_intermediate_size * cfg.num_shared_experts // n)
         nbytes = D * es + E * D * router_es + hit * expert_w * es + shared_w * es
         flops = 2 * B * D * E + 2 * pairs * expert_w + 2 * B * shared_w

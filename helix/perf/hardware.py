@@ -147,7 +147,8 @@ def load_hardware(name: str) -> Hardware:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}{at}: invalid YAML ({getattr(e, 'problem', None) or e})") from None
+        raise ConfigError(f"{path}{at}: invalid YAML "
+                          f"({getattr(e, 'problem', None) or e})") from None
     if not isinstance(spec, dict):
         raise ConfigError(f"{path}: a hardware file is a mapping of keys "
                           f"(see configs/hardware/h200.yaml)")
@@ -187,6 +188,6 @@ def load_hardware(name: str) -> Hardware:
             raise ConfigError(f"{where(key)}: '{key}' is a fraction of the peak: give a number in "
                               f"(0, 1], got {values[key]}")
     if values["reserve_gib"] >= values["hbm_gib"]:
-        raise ConfigError(f"{where('reserve_gib')}: 'reserve_gib' ({values['reserve_gib']}) must be "
-                          f"below hbm_gib ({values['hbm_gib']})")
+        raise ConfigError(f"{where('reserve_gib')}: 'reserve_gib' ({values['reserve_gib']}) "
+                          f"must be below hbm_gib ({values['hbm_gib']})")
     return Hardware(**values, path=path)

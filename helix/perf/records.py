@@ -81,7 +81,8 @@ def read_records(path: str) -> list[dict]:
         with open(path) as f:
             data = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot resume from {path}: {e}; move it away or drop --resume") from None
+        raise ConfigError(f"cannot resume from {path}: {e}; "
+                          f"move it away or drop --resume") from None
     if not isinstance(data, list) or not all(isinstance(r, dict) and "layout" in r for r in data):
         raise ConfigError(f"cannot resume from {path}: not a list of sweep records; move it away "
                           f"or drop --resume")

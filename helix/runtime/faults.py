@@ -17,5 +17,6 @@ def check(rank: int, step: int) -> None:
     parts = spec.split(":")
     if int(parts[0]) == rank and int(parts[1]) == step:
         if len(parts) > 2 and parts[2] == "oom":
-            raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 32.00 GiB")
+            raise torch.OutOfMemoryError("injected: CUDA out of memory. "
+                                         "Tried to allocate 32.00 GiB")
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")

@@ -47,7 +47,8 @@ _open_multi_rank: list["LLM"] = []        # the multi-rank LLM open in this proc
 
 
 class LLM:
-    def __init__(self, model: str, layout: Layout | None = None, runtime: RuntimeConfig | None = None):
+    def __init__(self, model: str, layout: Layout | None = None,
+                 runtime: RuntimeConfig | None = None):
         layout = Layout() if layout is None else layout
         runtime = RuntimeConfig() if runtime is None else runtime
         if not isinstance(layout, Layout) or not isinstance(runtime, RuntimeConfig):
@@ -55,7 +56,8 @@ class LLM:
                               "helix.RuntimeConfig")
         self._closed, self._dead, self._broken = True, None, False   # until started
         self._procs: list = []
-        cfg, ckpt = read_model_config(model, runtime.layers)   # bad model: fails before any process starts
+        cfg, ckpt = read_model_config(model, runtime.layers)   # bad model: fails before any
+                                                               # process starts
         layout.validate(cfg)                          # bad layout: likewise
         world = layout.world_size
         launched = torchrun_world()
@@ -336,15 +338,16 @@ class LLM:
         self.errors.update(out.errors or {})
         return out
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[list[int]]:
         """Run the prompts as one batch to completion; returns the generated ids per prompt."""
         self._check_open()
         if not isinstance(params, list):
             params = [params] * len(prompts)
         if len(params) != len(prompts):  # zip would silently drop prompts
-            raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params: give one "
-                               f"SamplingParams, or one per prompt")
+            raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params: "
+                               f"give one SamplingParams, or one per prompt")
         checked = [self._check_request(p, sp) for p, sp in zip(prompts, params)]  # all or none
         ids = [self._queue(*c) for c in checked]
         while any(i not in self.finish_reasons for i in ids):

@@ -35,7 +35,8 @@ class KVPool:
         tokens = self.num_pages * page_size
         return (f"KV pool: {self.num_pages} pages of {page_size} positions per rank "
                 f"({self.gib:.2f} GiB), {tokens} positions per rank; ~{tokens * kvp} tokens "
-                f"over the {kvp} KVP rank(s), {self.num_pages / max(1, self.needed_pages) * 100:.0f}"
+                f"over the {kvp} KVP rank(s), "
+                f"{self.num_pages / max(1, self.needed_pages) * 100:.0f}"
                 f" % of max_batch x max_context ({max_context})")
 
 
@@ -55,7 +56,8 @@ def activation_reserve(cfg: ModelConfig, layout: Layout, runtime: RuntimeConfig)
     n = layout.world_size
     heads = cfg.num_heads // layout.tpa
     qkv = heads * max(cfg.head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
-    ffn = 3 * max(cfg.intermediate_size, cfg.moe_intermediate_size * max(1, cfg.experts_per_token)) // n
+    ffn = 3 * max(cfg.intermediate_size,
+                  cfg.moe_intermediate_size * max(1, cfg.experts_per_token)) // n
     per_token = (8 * cfg.hidden_size + qkv + ffn) * max(elem, 4)
     logits = 3 * runtime.max_batch * cfg.vocab_size * 4
     reference_scores = 1 << 28 if runtime.resolved_backend == "torch" else 0

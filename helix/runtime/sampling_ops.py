@@ -14,7 +14,8 @@ sample of softmax(x), and a filtered entry (x_v = -inf) is never chosen.
 Filtering (`filter_rows`), row by row: logits / temperature, keep
 the top_k largest (0: all), then the smallest set of most likely tokens whose mass reaches
 top_p, computed on the top-k-filtered distribution; entries tied with the last kept one are
-kept too (tests/test_sampler.py has the per-row reference, which drops by index). One sort of [B, V] serves both filters.
+kept too (tests/test_sampler.py has the per-row reference, which drops by index). One sort of
+[B, V] serves both filters.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def gumbel_torch(keys: torch.Tensor, V: int) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def gumbel_argmax_torch(x: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+def gumbel_argmax_torch(x: torch.Tensor, seeds: torch.Tensor,
+                        counters: torch.Tensor) -> torch.Tensor:
     return (x.float() + gumbel_torch(row_keys_torch(seeds, counters), x.shape[-1])).argmax(-1)
 
 
@@ -87,7 +89,8 @@ if HAS_TRITON:
         tl.store(out_ptr + b, best_idx.to(tl.int64))
 
 
-def gumbel_argmax_triton(x: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+def gumbel_argmax_triton(x: torch.Tensor, seeds: torch.Tensor,
+                         counters: torch.Tensor) -> torch.Tensor:
     B, V = x.shape
     assert x.stride(-1) == 1
     keys = row_keys_torch(seeds, counters)
