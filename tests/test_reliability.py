@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from proc_helpers import alive, descendants
 
 from helix import LLM, Layout, RuntimeConfig, SamplingParams
 from helix.errors import CapacityError, CheckpointError, ConfigError, EngineDeadError, HelixError
@@ -316,33 +317,6 @@ def test_no_room_for_the_kv_cache_is_a_clear_error():
 
 # -- signals -----------------------------------------------------------------------------------
 
-def _children(pid: int) -> set[int]:
-    """Every descendant of pid (workers are children of the fork server, a child of the driver)."""
-    out = set()
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                kids = {int(c) for c in f.read().split()}
-        except OSError:
-            continue
-        out |= kids
-        for k in kids:
-            out |= _children(k)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("sig,code,line", [(signal.SIGINT, 130, "helix: interrupted"),
                                            (signal.SIGTERM, 143, "helix: terminated")])
 def test_signal_ends_a_two_rank_run_promptly(sig, code, line):
@@ -358,7 +332,7 @@ def test_signal_ends_a_two_rank_run_promptly(sig, code, line):
         started = time.time()                  # the pool line is logged once every rank is built
         while time.time() - started < 60 and not any("KV pool" in ln for ln in err_lines):
             time.sleep(0.2)
-        workers = {c for c in _children(proc.pid) if _alive(c)}
+        workers = {c for c in descendants(proc.pid) if alive(c)}
         time.sleep(1)                          # into the decode loop
         proc.send_signal(sig)
         t0 = time.time()
@@ -372,4 +346,4 @@ def test_signal_ends_a_two_rank_run_promptly(sig, code, line):
     lines = [ln for ln in err.strip().splitlines() if not ln.startswith("helix: KV pool")]
     assert lines == [line], err
     time.sleep(0.5)
-    assert workers and not any(_alive(w) for w in workers)
+    assert workers and not any(alive(w) for w in workers)

@@ -16,6 +16,7 @@ import time
 
 import pytest
 from hf_fixtures import hf_greedy
+from proc_helpers import children
 from serving_fixtures import checkpoint_with_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -285,21 +286,13 @@ def test_kv_import_by_file(served):
     assert r.choices[0].text == served.want(ids, 10)
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(c) for c in f.read().split()]
-    return out
-
-
 def _worker_ranks(pid: int) -> list[int]:
     """The engine's worker processes: its descendants without children of their own (spawned
     directly, or forked by a fork server), resource trackers aside."""
-    out, todo = [], _children(pid)
+    out, todo = [], list(children(pid))
     while todo:
         p = todo.pop()
-        kids = _children(p)
+        kids = children(p)
         with open(f"/proc/{p}/cmdline", "rb") as f:
             tracker = b"resource_tracker" in f.read()
         if kids:

@@ -14,35 +14,9 @@ import sys
 import time
 
 import pytest
+from proc_helpers import alive, descendants
 
 pytest.importorskip("uvicorn")
-
-
-def _descendants(pid: int) -> set[int]:
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    kids = {int(c) for c in f.read().split()}
-            except OSError:
-                continue
-            todo += list(kids - out)
-            out |= kids
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("sig,code,line", [(signal.SIGINT, 130, "helix: interrupted"),
@@ -62,7 +36,7 @@ def test_signal_stops_the_server_and_every_rank(sig, code, line):
             m = re.search(r"on http://([\d.]+):(\d+)", ln)
             if m:
                 break
-        family = _descendants(proc.pid)
+        family = descendants(proc.pid)
         body = json.dumps({"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": 1500,
                            "stream": True, "ignore_eos": True}).encode()
         s = socket.create_connection((m.group(1), int(m.group(2))))
@@ -90,4 +64,4 @@ def test_signal_stops_the_server_and_every_rank(sig, code, line):
              if not ln.startswith(("helix: KV pool", "helix: serving"))]
     assert lines == [line], lines
     time.sleep(0.5)
-    assert len(family) >= 2 and not any(_alive(p) for p in family)
+    assert len(family) >= 2 and not any(alive(p) for p in family)

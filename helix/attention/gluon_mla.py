@@ -33,7 +33,8 @@ import functools
 import torch
 import triton
 
-from helix.attention.triton_splits import LOG2E, fill_num_splits, reduce_splits, sm_count_of
+from helix.attention.triton_splits import (LOG2E, fill_num_splits, reduce_splits, sm_count_of,
+                                           split_workspace)
 
 BLOCK_H = 64                 # query heads per program: the wgmma M (heads < 64 are padded)
 BLOCK_N = 64                 # tokens per KV tile
@@ -172,14 +173,7 @@ def mla_decode_gluon(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: tor
         return o, lse
     p = plan(B, H, block_tables.shape[1] * page_size, sm_count_of(q_latent.device), page_size,
              num_splits, variant)
-    if p.num_splits == 1:
-        o_ws, lse_ws = o, lse
-        so, sl = (o.stride(0), o.stride(1), 0), (lse.stride(0), lse.stride(1))
-    else:
-        o_ws = torch.empty((B, H, p.num_splits, Dl), dtype=partial_dtype, device=o.device)
-        lse_ws = torch.empty((B, H, p.num_splits), dtype=torch.float32, device=o.device)
-        so = (o_ws.stride(0), o_ws.stride(1), o_ws.stride(2))
-        sl = (lse_ws.stride(0), lse_ws.stride(1))
+    o_ws, lse_ws, so, sl = split_workspace(o, lse, p.num_splits, partial_dtype)
     desc_lat, desc_rope = make_descriptors(kv_cache, p)
     launch(mla_decode_kernel, p.grid, q_latent, q_rope, desc_lat, desc_rope, block_tables,
            kv_lens, o_ws, lse_ws, scale * LOG2E, q_latent.stride(0), q_latent.stride(1),

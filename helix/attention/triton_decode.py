@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, reduce_splits,
-                                           sm_count_of, split_range, token_rows)
+                                           sm_count_of, split_range, split_workspace, token_rows)
 from helix.triton_util import run_kernel
 
 __all__ = ["choose_num_splits", "gqa_decode", "gqa_num_splits"]
@@ -146,15 +146,7 @@ def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     config = gqa_launch_config(d, group, k_cache.dtype)
     if block_n is not None:
         config["BLOCK_N"] = block_n
-    if num_splits == 1:                  # write the final O / LSE directly, no stage 2
-        o_ws, lse_ws = o, lse
-        so = (o.stride(0), o.stride(1), 0)
-        sl = (lse.stride(0), lse.stride(1))
-    else:
-        o_ws = torch.empty((B, Hq, num_splits, d), dtype=torch.float32, device=q.device)
-        lse_ws = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
-        so = (o_ws.stride(0), o_ws.stride(1), o_ws.stride(2))
-        sl = (lse_ws.stride(0), lse_ws.stride(1))
+    o_ws, lse_ws, so, sl = split_workspace(o, lse, num_splits)   # 1 split: final O / LSE
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     run_kernel(
         _gqa_split_kernel, (Hkv, num_splits, B),

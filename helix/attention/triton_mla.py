@@ -68,8 +68,8 @@ import triton.language as tl
 
 from helix.attention import triton_mla_few
 from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, fill_num_splits,
-                                           next_page_id, page_rows, reduce_splits,
-                                           sm_count_of, split_range, token_rows)
+                                           next_page_id, page_rows, reduce_splits, sm_count_of,
+                                           split_range, split_workspace, token_rows)
 from helix.triton_util import run_kernel
 
 
@@ -384,14 +384,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
                                               block_tables.shape[1] * page_size,
                                               q_latent.device, config, num_splits)
     head_blocks = triton.cdiv(H, cfg["BLOCK_H"])
-    if num_splits == 1:
-        o_ws, lse_ws = o, lse
-        so, sl = (o.stride(0), o.stride(1), 0), (lse.stride(0), lse.stride(1))
-    else:
-        o_ws = torch.empty((B, H, num_splits, Dl), dtype=partial_dtype, device=o.device)
-        lse_ws = torch.empty((B, H, num_splits), dtype=torch.float32, device=o.device)
-        so = (o_ws.stride(0), o_ws.stride(1), o_ws.stride(2))
-        sl = (lse_ws.stride(0), lse_ws.stride(1))
+    o_ws, lse_ws, so, sl = split_workspace(o, lse, num_splits, partial_dtype)
     precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
     if cfg["PIPE_QK"] and page_size % cfg["BLOCK_N"]:
         cfg["PIPE_QK"] = False                  # the pipelined loop needs a page id per tile

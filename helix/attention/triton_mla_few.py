@@ -30,7 +30,7 @@ import triton.language as tl
 
 from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, fill_num_splits,
                                            reduce_splits, run_kernel, sm_count_of, split_range,
-                                           token_rows)
+                                           split_workspace, token_rows)
 
 MODE = os.environ.get("HELIX_MLA_FEW", "")       # "" default, "0" off, anything else: up to 64
 FEW_HEADS_MAX = 64                # the kernel's limit
@@ -182,14 +182,7 @@ def mla_decode_few(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch
     cfg, num_splits, partial_dtype = few_plan(B, H, Dl, Dr, kv_cache.dtype,
                                               block_tables.shape[1] * page_size,
                                               q_latent.device, config, num_splits)
-    if num_splits == 1:
-        o_ws, lse_ws = o, lse
-        so, sl = (o.stride(0), o.stride(1), 0), (lse.stride(0), lse.stride(1))
-    else:
-        o_ws = torch.empty((B, H, num_splits, Dl), dtype=partial_dtype, device=o.device)
-        lse_ws = torch.empty((B, H, num_splits), dtype=torch.float32, device=o.device)
-        so = (o_ws.stride(0), o_ws.stride(1), o_ws.stride(2))
-        sl = (lse_ws.stride(0), lse_ws.stride(1))
+    o_ws, lse_ws, so, sl = split_workspace(o, lse, num_splits, partial_dtype)
     precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
     run_kernel(
         _mla_few_kernel, (num_splits, B),

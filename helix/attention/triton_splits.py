@@ -153,6 +153,20 @@ def _reduce_splits_kernel(
         tl.store(lse_ptr + row, out_lse)
 
 
+def split_workspace(o: torch.Tensor, lse: torch.Tensor, num_splits: int,
+                    partial_dtype: torch.dtype = torch.float32):
+    """Where a split kernel writes: o [B, H, d] and lse [B, H] themselves with one split, else
+    fp32-LSE partials o_ws [B, H, S, d] (partial_dtype), lse_ws [B, H, S] for reduce_splits.
+    -> (o_ws, lse_ws, o strides (b, h, split), lse strides (b, h))."""
+    if num_splits == 1:
+        return o, lse, (o.stride(0), o.stride(1), 0), (lse.stride(0), lse.stride(1))
+    B, H, d = o.shape
+    o_ws = torch.empty((B, H, num_splits, d), dtype=partial_dtype, device=o.device)
+    lse_ws = torch.empty((B, H, num_splits), dtype=torch.float32, device=o.device)
+    return (o_ws, lse_ws, (o_ws.stride(0), o_ws.stride(1), o_ws.stride(2)),
+            (lse_ws.stride(0), lse_ws.stride(1)))
+
+
 def reduce_splits(o_ws: torch.Tensor, lse_ws: torch.Tensor, o: torch.Tensor,
                   lse: torch.Tensor) -> None:
     """o_ws [B, H, S, D] fp32, lse_ws [B, H, S] fp32 -> o [B, H, D] (its dtype), lse [B, H]."""
