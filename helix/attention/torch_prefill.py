@@ -14,7 +14,8 @@ position only when local index = global position and every sequence's queries ar
 positions: kvp == 1 (a prefill chunk always ends its sequence's KV). With kvp > 1 a rank's keys
 interleave with the other ranks' positions, and the Triton kernel runs. Also: 16-bit CUDA
 tensors, dk == dv, head dim a multiple of 8 up to 256, not under CUDA graph capture (the gather
-needs the key counts on the host: one sync a call), and a gathered copy that stays under
+needs the key counts on the host: meta.host_lens, which the engine's steps carry, else one
+sync a call), and a gathered copy that stays under
 GATHER_BYTES for every key the block tables can hold (and cuDNN's K/V repeated to the query
 heads, one sequence at a time).
 
@@ -137,8 +138,11 @@ def prefill_gqa(kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                 meta: LocalKVMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, d], k_cache / v_cache [P, page, Hkv, d], meta of prefill rows with kvp == 1
     (see `usable`) -> o [T, Hq, d] in q.dtype, lse [T, Hq] fp32, through `kernel`."""
-    counts = torch.stack((meta.kv_lens, meta.cu_q[1:] - meta.cu_q[:-1]))
-    kv_lens, q_lens = counts.tolist()                    # host: gathered size (one sync)
+    if meta.host_lens is not None:                       # the engine's steps: no sync
+        kv_lens, q_lens = meta.host_lens
+    else:
+        counts = torch.stack((meta.kv_lens, meta.cu_q[1:] - meta.cu_q[:-1]))
+        kv_lens, q_lens = counts.tolist()                # host: gathered size (one sync)
     total = sum(kv_lens)
     k = gather_keys(k_cache, meta, total)
     v = gather_keys(v_cache, meta, total)

@@ -9,6 +9,7 @@ import torch
 
 from helix.kv.allocator import PageAllocator
 from helix.kv.ownership import KVSharding, kv_owner, local_index
+from helix.kv.page_table import PageTable
 
 
 @dataclass
@@ -29,6 +30,8 @@ class LocalKVMeta:
     max_q: int = 1              # most query tokens of any sequence (prefill kernels' grid)
     max_kv: int = 0             # most local KV positions of any prefill sequence (host; 0: none)
     cp: object = None           # helix.kv.context_parallel.CPPlan: this step's chunks pass KV
+    host_lens: tuple | None = None   # (kv_lens, query counts) as host lists, when known: kernels
+                                     # that size work on the host read them without a sync
     micro_batches: int = 1      # HOP-B: decode rows split into this many micro-batches
 
     @property
@@ -53,18 +56,15 @@ class LocalKVMeta:
         d = self.num_decode if d is None else d
         common = dict(kvp_rank=self.kvp_rank, kvp=self.kvp, interleave=self.interleave,
                       page_size=self.page_size)
+        lens = self.host_lens
         dec = LocalKVMeta(self.slots[:d], self.block_tables[:d], self.kv_lens[:d],
-                          self.cu_q[:d + 1], self.q_pos[:d], num_decode=d, max_q=1, **common)
+                          self.cu_q[:d + 1], self.q_pos[:d], num_decode=d, max_q=1,
+                          host_lens=lens and (lens[0][:d], lens[1][:d]), **common)
         pre = LocalKVMeta(self.slots[d:], self.block_tables[d:], self.kv_lens[d:],
                           self.cu_q[d:] - d, self.q_pos[d:], num_decode=0, max_q=self.max_q,
-                          max_kv=self.max_kv,
+                          max_kv=self.max_kv, host_lens=lens and (lens[0][d:], lens[1][d:]),
                           **common)
         return dec, pre
-
-
-def _cat(parts: list) -> torch.Tensor:
-    """ints and int64 tensors, in order -> one int64 tensor."""
-    return torch.cat([torch.as_tensor(x, dtype=torch.int64).reshape(-1) for x in parts])
 
 
 class KVManager:
@@ -75,8 +75,7 @@ class KVManager:
         self.sharding = KVSharding(kvp, interleave, page_size)
         self.pages: dict[int, list[int]] = {}   # seq id -> local pages
         self.lengths: dict[int, int] = {}       # seq id -> global length written
-        self._tables: dict[int, torch.Tensor] = {}  # seq id -> its pages as int32, rebuilt
-                                                    # on growth
+        self.table = PageTable()                # the same pages as one int32 table
 
     def local_tokens(self, seq_id: int) -> int:
         return self.sharding.local_len(self.lengths.get(seq_id, 0), self.kvp_rank)
@@ -86,14 +85,8 @@ class KVManager:
         pages = self.pages.setdefault(seq_id, [])
         if need > len(pages):
             pages.extend(self.alloc.allocate(need - len(pages)))
-            self._tables.pop(seq_id, None)
+            self.table.set(seq_id, pages)
         self.lengths[seq_id] = new_len
-
-    def _table(self, seq_id: int) -> torch.Tensor:
-        """The sequence's pages as an int32 tensor (cached: a long context has thousands)."""
-        if seq_id not in self._tables:
-            self._tables[seq_id] = torch.tensor(self.pages[seq_id], dtype=torch.int32)
-        return self._tables[seq_id]
 
     def assume_prefix(self, seq_id: int, length: int) -> None:
         """Take positions [0, length) of a new sequence as already written (their pages hold
@@ -122,7 +115,7 @@ class KVManager:
     def free(self, seq_id: int) -> None:
         self.alloc.free(self.pages.pop(seq_id, []))
         self.lengths.pop(seq_id, None)
-        self._tables.pop(seq_id, None)
+        self.table.drop(seq_id)
 
     def _slots(self, pages: list[int], p):
         """Flat slot of position(s) p (an int, or a tensor of a prompt's positions) on this rank;
@@ -147,41 +140,57 @@ class KVManager:
         if len(pages) > keep:
             self.alloc.free(pages[keep:])
             del pages[keep:]
-            self._tables.pop(seq_id, None)
+            self.table.set(seq_id, pages)
         self.lengths[seq_id] = length
 
     def prepare(self, batch: list[tuple[int, int, int]], device) -> LocalKVMeta:
         """batch: (seq_id, start position, number of new tokens) per sequence, in batch order,
         decode rows (one token) first. Grows each sequence's pages and returns this rank's
-        metadata for the step."""
-        slots, q_pos, cu, lens = [], [], [0], []
+        metadata for the step. Decode rows stay Python ints until one tensor per field (a
+        step's host work is paid per row: ~1 us a row here, not a torch op per row)."""
+        slots, q_pos, prompts, cu, lens = [], [], [], [0], []
         for seq_id, start, n in batch:
             have = self.lengths.get(seq_id, 0)
             if have != start:
                 raise RuntimeError(f"sequence {seq_id}: step starts at position {start}, the "
                                    f"KV cache holds {have} (scheduler and KV out of step)")
             self._grow(seq_id, start + n)
-            pos = start if n == 1 else torch.arange(start, start + n)   # prompts: vectorised
-            slots.append(self._slots(self.pages[seq_id], pos))
-            q_pos.append(pos)
+            if n == 1:
+                slots.append(self._slots(self.pages[seq_id], start))
+                q_pos.append(start)
+            else:                                           # prompts: vectorised
+                pos = torch.arange(start, start + n)
+                prompts.append((len(slots), self._slots(self.pages[seq_id], pos), pos))
+                slots.append(None)
+                q_pos.append(None)
             cu.append(cu[-1] + n)
             lens.append(self.local_tokens(seq_id))
-        width = max([len(self.pages[s]) for s, _, _ in batch] + [1])
-        table = torch.zeros((len(batch), width), dtype=torch.int32)
-        for i, (seq_id, _, _) in enumerate(batch):
-            row = self._table(seq_id)
-            table[i, :row.numel()] = row
+        table = self.table.rows([s for s, _, _ in batch])
         num_decode = next((i for i, (_, _, n) in enumerate(batch) if n != 1), len(batch))
         return LocalKVMeta(
-            slots=upload(_cat(slots), device),
+            slots=upload(_join(slots, prompts, 1), device),
             block_tables=upload(table, device),
             kv_lens=upload(torch.tensor(lens, dtype=torch.int32), device),
             cu_q=upload(torch.tensor(cu, dtype=torch.int32), device),
-            q_pos=upload(_cat(q_pos), device),
+            q_pos=upload(_join(q_pos, prompts, 2), device),
             kvp_rank=self.kvp_rank, kvp=self.kvp, interleave=self.interleave,
             page_size=self.page_size, num_decode=num_decode,
             max_q=max([n for _, _, n in batch] + [1]),
-            max_kv=max([n for (_, _, q), n in zip(batch, lens) if q > 1] + [0]))
+            max_kv=max([n for (_, _, q), n in zip(batch, lens) if q > 1] + [0]),
+            host_lens=(lens, [n for _, _, n in batch]))
+
+
+def _join(ints: list, prompts: list, field: int) -> torch.Tensor:
+    """One int64 tensor of per-row values: `ints` holds a decode row's int, or None where
+    prompts' (row, slots, positions) entry `field` goes."""
+    if not prompts:
+        return torch.tensor(ints, dtype=torch.int64)
+    parts, prev = [], 0
+    for i, *tensors in prompts:
+        parts += [torch.tensor(ints[prev:i], dtype=torch.int64), tensors[field - 1]]
+        prev = i + 1
+    parts.append(torch.tensor(ints[prev:], dtype=torch.int64))
+    return torch.cat(parts)
 
 
 def upload(t: torch.Tensor, device) -> torch.Tensor:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from helix.runtime.sampling import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)       # identity: the scheduler's `in` tests must not compare fields
 class Request:
     id: int
     prompt: list[int]

@@ -61,6 +61,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []      # in admission order
         self.pages: dict[int, int] = {}       # request id -> pages it holds (rank 0's count)
+        self.used = 0                         # sum of self.pages (kept by _hold / _drop)
         self.dropped: list[Request] = []      # finished while waiting (abort, error)
         self._admitted = 0
 
@@ -69,7 +70,16 @@ class Scheduler:
         return self.sharding.max_pages(length)
 
     def free_pages(self) -> int:
-        return self.num_pages - sum(self.pages.values())
+        return self.num_pages - self.used
+
+    def _hold(self, r: Request, length: int) -> None:
+        """r now holds the pages of `length` positions."""
+        n = self.pages_for(length)
+        self.used += n - self.pages.get(r.id, 0)
+        self.pages[r.id] = n
+
+    def _drop(self, req_id: int) -> None:
+        self.used -= self.pages.pop(req_id, 0)
 
     def _grow(self, r: Request, length: int) -> int:
         """Pages r needs beyond what it holds to hold `length` positions."""
@@ -109,7 +119,7 @@ class Scheduler:
                 if victim is r:
                     break
             if r in self.running:
-                self.pages[r.id] = self.pages_for(r.num_tokens)
+                self._hold(r, r.num_tokens)
                 plan.decode.append(r)
         budget = self._plan_prefill(plan)
         while not plan and len(self.running) > 1 and any(   # prompts blocked on pages
@@ -137,7 +147,7 @@ class Scheduler:
             return 0
         if n < len(ids):
             ids, samples = ids[:n], False
-        self.pages[r.id] = self.pages_for(start + n)
+        self._hold(r, start + n)
         plan.prefill.append(Chunk(r, start, ids, samples))
         return n
 
@@ -173,7 +183,7 @@ class Scheduler:
 
     def _preempt(self, r: Request, plan: StepPlan) -> None:
         self.running.remove(r)
-        self.pages.pop(r.id, None)
+        self._drop(r.id)
         r.reset_kv()
         self.waiting.appendleft(r)
         plan.preempted.append(r)
@@ -186,11 +196,11 @@ class Scheduler:
         done += [r for r in self.waiting if r.finished]
         self.waiting = deque(r for r in self.waiting if not r.finished)
         for r in done:
-            self.pages.pop(r.id, None)
+            self._drop(r.id)
         done, self.dropped = self.dropped + done, []
         return done
 
     def stats(self) -> dict:
         return {"running": len(self.running), "queued": len(self.waiting),
-                "pages_used": sum(self.pages.values()), "pages_free": self.free_pages(),
+                "pages_used": self.used, "pages_free": self.free_pages(),
                 "num_pages": self.num_pages}
