@@ -226,8 +226,12 @@ class RuntimeConfig:
                                    # max_batch full contexts need)
     memory_utilization: float = 0.0   # share of the device's memory (cpu: of the RAM available)
                                    # the process may fill, KV pool included (0: 0.9 cuda, 0.5 cpu)
-    max_prefill_tokens: int = 0    # prompt tokens one step prefills, in chunks across requests
-                                   # (0: 8192 on cuda, 1024 on cpu)
+    max_prefill_tokens: int = 0    # prompt tokens one step prefills while requests decode, in
+                                   # chunks across requests (0: 8192 on cuda, 1024 on cpu)
+    idle_prefill_tokens: int = 0   # ... in a step with no request decoding: nobody waits on it,
+                                   # and fewer, longer chunks reach the first token sooner
+                                   # (0: 32768 on cuda, max_prefill_tokens on cpu; never less
+                                   # than max_prefill_tokens)
     attention_backend: str = "auto"   # auto (triton on cuda, torch on cpu) | torch | triton |
                                    # flash-attn
     prefill_cp: str = "auto"       # prompt chunks over KVP ranks: pass-kv (each rank projects the
@@ -260,6 +264,7 @@ class RuntimeConfig:
         parse_dtype(self.dtype)
         for name, lo in (("page_size", 1), ("max_batch", 1), ("max_context", 0), ("num_pages", 0),
                          ("layers", 0), ("seed", 0), ("max_prefill_tokens", 0),
+                         ("idle_prefill_tokens", 0),
                          ("cp_gather_mb", 0), ("hopb", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -318,6 +323,17 @@ class RuntimeConfig:
     @property
     def resolved_max_prefill_tokens(self) -> int:
         return self.max_prefill_tokens or (8192 if self.device == "cuda" else 1024)
+
+    @property
+    def resolved_idle_prefill_tokens(self) -> int:
+        idle = self.idle_prefill_tokens or (32768 if self.device == "cuda" else 0)
+        return max(idle, self.resolved_max_prefill_tokens)
+
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one step feeds the model (sizes buffers and the activation
+        reserve)."""
+        return self.max_batch + self.resolved_idle_prefill_tokens
 
     def resolved_max_context(self, model: ModelConfig) -> int:
         return self.max_context or min(model.max_position, 8192)

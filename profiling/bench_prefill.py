@@ -152,6 +152,7 @@ class Bench:
 
     def runtime(self, context: int, **kw) -> RuntimeConfig:
         kw.setdefault("max_prefill_tokens", self.args.chunk)
+        kw.setdefault("idle_prefill_tokens", self.args.idle_chunk)
         return RuntimeConfig(device=self.s["device"], dtype=self.s["dtype"],
                              page_size=self.s["page"], max_context=context + self.s["page"],
                              layers=self.s["layers"], **kw)
@@ -174,12 +175,14 @@ class Bench:
         cfg = read_model_config(model, self.s["layers"])[0]
         with LLM(model, Layout(), self.runtime(max(prompts), max_batch=1)) as llm:
             chunk = llm.runtime.resolved_max_prefill_tokens
-            self.ttft(llm, min(chunk + 5, max(prompts)))         # compiles; two chunks
+            idle = llm.runtime.resolved_idle_prefill_tokens      # alone: its chunks are these
+            self.ttft(llm, min(idle + 5, max(prompts)))          # compiles; two chunks
             for n in prompts:
                 t = self.ttft(llm, n)
                 floor = prefill_floor.floor_s(cfg, n, self.matmul)
                 self.add(part=part, engine="helix", model=name, prompt_tokens=n, ttft_s=t,
                          floor_s=floor, floor_fraction=floor / t, max_prefill_tokens=chunk,
+                         idle_prefill_tokens=idle,
                          prefill=getattr(llm.engine.backend, "prefill", "torch"),
                          mla_prefill_form=mla_prefill.FORM if cfg.is_mla else None)
         self.free()
@@ -335,6 +338,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk", type=int, default=0,
                     help="max_prefill_tokens of parts (b), (c) and part (a)'s chunk queries "
                          "(0: the runtime default, 8K on CUDA)")
+    ap.add_argument("--idle-chunk", type=int, default=0,
+                    help="idle_prefill_tokens of parts (b), (c): a prompt alone runs in chunks "
+                         "of this size (0: the runtime default, 32K on CUDA)")
     ap.add_argument("--prefill", choices=PREFILL_IMPLS, default=None,
                     help="GQA prefill path of the engine runs (HELIX_PREFILL)")
     ap.add_argument("--mla-form", choices=mla_prefill.FORMS, default=None,

@@ -92,7 +92,7 @@ def run_clients(host: str, port: int, model: str, prompts, max_tokens: int) -> l
 
     async def main():
         return await asyncio.gather(*(one(p) for p in prompts))
-    return asyncio.run(main())
+    return http_client.run(main())
 
 
 def _client_process(q, *args):

@@ -213,7 +213,9 @@ def _fake_flash(padded_lse: bool):
 
 
 def _fake_cudnn(q, k, v, causal, scale):
-    """torch_prefill.cudnn_attention's contract: [1, H, t, d] in, top-left causal."""
+    """torch_prefill.cudnn_attention's contract: q [1, H, t, d], k / v [1, Hkv, n, d] in (GQA
+    groups read natively), top-left causal."""
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
     o, lse = _dense(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), scale,
                     0 if causal else None)
     return o.transpose(0, 1).unsqueeze(0).to(q.dtype), lse.unsqueeze(0)

@@ -16,14 +16,12 @@ interleave with the other ranks' positions, and the Triton kernel runs. Also: 16
 tensors, dk == dv, head dim a multiple of 8 up to 256, not under CUDA graph capture (the gather
 needs the key counts on the host: meta.host_lens, which the engine's steps carry, else one
 sync a call), and a gathered copy that stays under
-GATHER_BYTES for every key the block tables can hold (and cuDNN's K/V repeated to the query
-heads, one sequence at a time).
+GATHER_BYTES for every key the block tables can hold.
 
 Layouts: keys of sequence s are gathered to rows [cu_k[s], cu_k[s + 1]) of [N, Hkv, d]; FA2
-reads the GQA groups natively, cuDNN gets K/V repeated to the query heads. torch's LSE (natural
-log) is [Hq, T] from current FA2 builds, [S, Hq, max_q] (padded) from older ones, [1, Hq, t]
-from cuDNN: all become [T, Hq]. Rows that see no key (none here, with kvp == 1) get O = 0,
-LSE = -inf.
+and cuDNN read the GQA groups natively (no K/V repeated to the query heads). torch's LSE
+(natural log) is [Hq, T] from current FA2 builds, [S, Hq, max_q] (padded) from older ones,
+[1, Hq, t] from cuDNN: all become [T, Hq]. With kvp == 1 no row is without keys.
 """
 
 from __future__ import annotations
@@ -46,23 +44,28 @@ def usable(kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             and not torch.cuda.is_current_stream_capturing()):
         return False
     keys = meta.block_tables.numel() * meta.page_size
-    heads = k_cache.shape[2] + (q.shape[1] if kernel == "cudnn" else 0)   # + cuDNN's repeat
-    if 2 * keys * heads * d * q.element_size() > GATHER_BYTES:
+    if 2 * keys * k_cache.shape[2] * d * q.element_size() > GATHER_BYTES:
         return False
     if kernel == "flash":
         return torch.backends.cuda.is_flash_attention_available()
     return torch.backends.cudnn.is_available()
 
 
-def gather_keys(cache: torch.Tensor, meta: LocalKVMeta, total: int) -> torch.Tensor:
-    """cache [P, page, ...] -> the local keys of every sequence, sequence after sequence:
-    [total, ...] (total = sum of meta.kv_lens, known on the host)."""
+def gather_slots(meta: LocalKVMeta, total: int, device) -> torch.Tensor:
+    """The flat cache slot of every sequence's local keys, sequence after sequence: [total]
+    (total = sum of meta.kv_lens, known on the host)."""
     S = meta.kv_lens.shape[0]
     lens = meta.kv_lens.long()
-    seq = torch.repeat_interleave(torch.arange(S, device=cache.device), lens, output_size=total)
-    j = torch.arange(total, device=cache.device) - (torch.cumsum(lens, 0) - lens)[seq]
+    seq = torch.repeat_interleave(torch.arange(S, device=device), lens, output_size=total)
+    j = torch.arange(total, device=device) - (torch.cumsum(lens, 0) - lens)[seq]
     page = meta.block_tables[seq, j // meta.page_size].long()
-    return cache.flatten(0, 1)[page * meta.page_size + j % meta.page_size]
+    return page * meta.page_size + j % meta.page_size
+
+
+def gather_keys(cache: torch.Tensor, meta: LocalKVMeta, total: int) -> torch.Tensor:
+    """cache [P, page, ...] -> the local keys of every sequence, sequence after sequence:
+    [total, ...]."""
+    return cache.flatten(0, 1)[gather_slots(meta, total, cache.device)]
 
 
 def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float):
@@ -84,9 +87,10 @@ def _cudnn_op(q, k, v, causal: bool, scale: float):
 
 
 def cudnn_attention(q, k, v, causal: bool, scale: float):
-    """cuDNN attention with its LSE: q [1, H, t, d], k, v [1, H, n, d] -> (o [1, H, t, d],
-    lse [1, H, t] natural log); causal: top-left aligned (used with t == n only). Raises NoLSE
-    where cuDNN gives none (seen on the H200 for a 32K-token chunk followed by a 5-token one)."""
+    """cuDNN attention with its LSE: q [1, H, t, d], k, v [1, Hkv, n, d] (H a multiple of Hkv)
+    -> (o [1, H, t, d], lse [1, H, t] natural log); causal: top-left aligned (used with t == n
+    only). Raises NoLSE where cuDNN gives none (seen on the H200 for a 32K-token chunk followed
+    by a 5-token one)."""
     out = _cudnn_op(q, k, v, causal, scale)
     if out[1] is None or out[1].numel() != q.shape[0] * q.shape[1] * q.shape[2]:
         raise NoLSE("cuDNN attention returned no log-sum-exp")
@@ -111,27 +115,27 @@ def _flash(q, k, v, meta: LocalKVMeta, kv_lens: list[int], q_lens: list[int], sc
 
 
 def _cudnn(q, k, v, meta: LocalKVMeta, kv_lens: list[int], q_lens: list[int], scale: float):
+    """Per sequence: the chunk's queries against its own keys (causal, square) and, after a
+    cached prefix, against the prefix (no mask), merged by LSE. cuDNN reads the GQA groups
+    natively ([1, Hkv, n, d] keys) and writes o in q's layout, so one sequence needs no copy."""
     T, hq, d = q.shape
-    group = hq // k.shape[1]
-    o = torch.empty_like(q)
-    lse = torch.empty((T, hq), dtype=torch.float32, device=q.device)
+    parts = []
     a = c = 0
     for n, t in zip(kv_lens, q_lens):
         qs = q[a:a + t].transpose(0, 1).unsqueeze(0)                       # [1, Hq, t, d]
-        ks, vs = (x[c:c + n].transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
-                  for x in (k, v))                                          # [1, Hq, n, d]
+        ks, vs = (x[c:c + n].transpose(0, 1).unsqueeze(0) for x in (k, v))  # [1, Hkv, n, d]
         p = n - t                                                           # cached keys
         oc, lc = cudnn_attention(qs, ks[:, :, p:], vs[:, :, p:], True, scale)
         if p:
             op, lp = cudnn_attention(qs, ks[:, :, :p], vs[:, :, :p], False, scale)
-            m = torch.logaddexp(lc, lp)
-            oc = (oc.float() * torch.exp(lc - m).unsqueeze(-1)
-                  + op.float() * torch.exp(lp - m).unsqueeze(-1)).to(q.dtype)
-            lc = m
-        o[a:a + t] = oc[0].transpose(0, 1)
-        lse[a:a + t] = lc[0].t()
+            share = torch.sigmoid(lc - lp).unsqueeze(-1)                    # oc's weight
+            oc = torch.lerp(op.float(), oc.float(), share).to(q.dtype)
+            lc = torch.logaddexp(lc, lp)
+        parts.append((oc[0].transpose(0, 1), lc[0].t()))                  # [t, Hq, d], [t, Hq]
         a, c = a + t, c + n
-    return o, lse
+    if len(parts) == 1:                  # contiguous already when cuDNN kept q's layout
+        return parts[0][0].contiguous(), parts[0][1].float().contiguous()
+    return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts]).float()
 
 
 def prefill_gqa(kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -144,10 +148,9 @@ def prefill_gqa(kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         counts = torch.stack((meta.kv_lens, meta.cu_q[1:] - meta.cu_q[:-1]))
         kv_lens, q_lens = counts.tolist()                # host: gathered size (one sync)
     total = sum(kv_lens)
-    k = gather_keys(k_cache, meta, total)
-    v = gather_keys(v_cache, meta, total)
+    slots = gather_slots(meta, total, q.device)           # one index for K and V
+    k, v = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
     if q.stride(-1) != 1:
         q = q.contiguous()
-    o, lse = (_flash if kernel == "flash" else _cudnn)(q, k, v, meta, kv_lens, q_lens, scale)
-    empty = ~torch.isfinite(lse)                         # +inf / NaN where a row saw no key
-    return o.masked_fill(empty.unsqueeze(-1), 0), lse.masked_fill(empty, float("-inf"))
+    # kvp == 1 (usable): every query sees at least its own key, so no row is empty
+    return (_flash if kernel == "flash" else _cudnn)(q, k, v, meta, kv_lens, q_lens, scale)

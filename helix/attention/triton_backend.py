@@ -35,11 +35,10 @@ GLUON_VARIANT = "simple"     # the faster variant at every shape of profiling/re
 # By device name: (torch kernel, keys of the longest prefill sequence (meta.max_kv) from which it
 # beats the Triton prefill kernel), as profiling/bench_prefill.py part (a) measures and prints it.
 # A device not listed runs the Triton kernel under "auto". H200 (profiling/results/prefill.md):
-# cuDNN won the whole prompt at 16K, 64K and 128K keys and its last 8K-query chunk at 64K and
-# 128K (by 26-29 %), lost that chunk at 16K keys (by 10 %) and the 4K prompt. From 64K keys, the
-# smallest count where it won both; cuDNN from 16K gave no faster 128K prompt (13.86 s against
-# 13.40 s, two runs).
-TORCH_PREFILL: dict[str, tuple[str, int]] = {"NVIDIA H200": ("cudnn", 65536)}
+# cuDNN reading the GQA groups natively, with host-known lengths (no sync) and no copies, wins
+# from the 8K-key prompt on (run e); the first try (K/V repeated per query head, a sync, an
+# output copy: ~0.5-2 ms a call) won only from 64K keys.
+TORCH_PREFILL: dict[str, tuple[str, int]] = {"NVIDIA H200": ("cudnn", 8192)}
 
 
 def _check_device(t: torch.Tensor) -> None:

@@ -69,8 +69,11 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="share of device memory (cpu: RAM) to fill, KV pool included "
                         "(0: 0.9 cuda, 0.5 cpu)")
     g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
-                   help="prompt tokens prefilled per step, longer prompts in chunks "
-                        "(0: 8192 cuda, 1024 cpu)")
+                   help="prompt tokens prefilled per step while requests decode, longer "
+                        "prompts in chunks (0: 8192 cuda, 1024 cpu)")
+    g.add_argument("--idle-prefill-tokens", type=int, default=d.idle_prefill_tokens,
+                   help="... in a step where no request decodes (0: 32768 cuda, "
+                        "--max-prefill-tokens cpu)")
     g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS),
                    default=d.attention_backend,
                    help="attention kernels (auto: triton on cuda, the torch reference on cpu)")
@@ -124,6 +127,7 @@ def configs(args) -> tuple[Layout, RuntimeConfig]:
                             max_context=args.max_context, max_batch=args.max_batch,
                             num_pages=args.num_pages, memory_utilization=args.memory_utilization,
                             max_prefill_tokens=args.max_prefill_tokens,
+                            idle_prefill_tokens=args.idle_prefill_tokens,
                             attention_backend=args.attention_backend, seed=args.seed,
                             layers=args.layers, timeout_s=args.timeout,
                             cuda_graphs=args.cuda_graphs, graph_buckets=tuple(args.graph_buckets),

@@ -80,14 +80,15 @@ class Engine:
         self.kv = KVManager(num_pages, runtime.page_size, mesh.kvp_rank, layout.kvp,
                             layout.kv_interleave)
         self.scheduler = Scheduler(num_pages, self.sharding, runtime.max_batch,
-                                   runtime.resolved_max_prefill_tokens)
+                                   runtime.resolved_max_prefill_tokens,
+                                   runtime.resolved_idle_prefill_tokens)
         self.backend = get_backend(runtime.resolved_backend, runtime.device)
         self.backend.prepare(device, cfg.is_mla)
         self.seeds: dict[int, int] = {}       # request id -> sampling seed
         self.kv_tokens_released = 0
         ladder = (BucketLadder(buckets=runtime.graph_buckets) if runtime.graph_buckets
                   else BucketLadder(max_size=runtime.max_batch))
-        rows = max(runtime.max_batch + runtime.resolved_max_prefill_tokens, ladder.max)
+        rows = max(runtime.step_tokens, ladder.max)
         self.sampler = Sampler(rows, device)
         self.overlap = runtime.resolved_overlap
         self.inflight: _Launched | None = None

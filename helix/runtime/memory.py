@@ -48,11 +48,11 @@ def page_bytes(model, page_size: int, dtype: torch.dtype) -> int:
 
 
 def activation_reserve(cfg: ModelConfig, layout: Layout, runtime: RuntimeConfig) -> int:
-    """A generous bound on one step's transient memory: max_prefill_tokens + max_batch tokens
+    """A generous bound on one step's transient memory: the largest step's tokens
     of hidden states, this rank's q/k/v/o and FFN activations, a layer's attention workspace,
     and the logits of the sampled rows."""
     elem = runtime.torch_dtype.itemsize
-    tokens = runtime.resolved_max_prefill_tokens + runtime.max_batch
+    tokens = runtime.step_tokens
     n = layout.world_size
     heads = cfg.num_heads // layout.tpa
     qkv = heads * max(cfg.head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4

@@ -197,6 +197,8 @@ class _Format:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self._chunk_head = _sse(self._head("chat.completion.chunk" if chat else
+                                           "text_completion"))[:-3] + b',"choices":['
 
     def usage(self, n: int) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
@@ -220,11 +222,10 @@ class _Format:
         if self.chat:
             choice["delta"] = ({"role": "assistant", "content": text} if first
                                else {"content": text} if text or finish is None else {})
-            obj = "chat.completion.chunk"
         else:
             choice["text"] = text
-            obj = "text_completion"
-        return _sse({**self._head(obj), "choices": [choice]})
+        # = _sse({**head, "choices": [choice]}); the head's JSON is made once per request
+        return self._chunk_head + json.dumps(choice, separators=(",", ":")).encode() + b"]}\n\n"
 
     async def events(self, stream, include_usage: bool):
         """The SSE body: chunks as tokens arrive, an error event if the request failed, the

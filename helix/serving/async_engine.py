@@ -127,10 +127,13 @@ class RequestStream:
 class AsyncLLM:
     def __init__(self, model: str, layout: Layout | None = None,
                  runtime: RuntimeConfig | None = None, tokenizer=None,
-                 max_in_flight: int | None = None, start_timeout_s: float = 600.0):
-        """Start the engine process and wait until its LLM is built (raises its error if it
-        fails). tokenizer: a helix.serving.tokenizer.Tokenizer for text outputs, or None.
-        max_in_flight: requests accepted at once (default 4 x max_batch, at least 64)."""
+                 max_in_flight: int | None = None, start_timeout_s: float = 600.0,
+                 warmup: bool = True):
+        """Start the engine process and wait until its LLM is built and warmed up (raises its
+        error if it fails). tokenizer: a helix.serving.tokenizer.Tokenizer for text outputs, or
+        None. max_in_flight: requests accepted at once (default 4 x max_batch, at least 64).
+        warmup: run helix/serving/warmup.py's steps first (kernels compiled before the first
+        client)."""
         layout = Layout() if layout is None else layout
         runtime = RuntimeConfig() if runtime is None else runtime
         cfg, _ = read_model_config(model, runtime.layers)   # a bad model or layout: before any
@@ -147,7 +150,8 @@ class AsyncLLM:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._send_lock = threading.Lock()
-        self._proc = ctx.Process(target=engine_main, args=(child, model, layout, runtime),
+        self._proc = ctx.Process(target=engine_main,
+                                 args=(child, model, layout, runtime, warmup),
                                  name="helix-engine")
         self._proc.start()
         child.close()

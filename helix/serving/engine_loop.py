@@ -32,6 +32,7 @@ import sys
 import time
 
 from helix.errors import CapacityError, EngineDeadError, HelixError, RequestError
+from helix.serving.warmup import warm_up
 
 STATS_INTERVAL_S = 1.0      # engine stats pushed at least this often (also a liveness probe)
 
@@ -151,8 +152,9 @@ class EngineLoop:
         self._send(("stats", stats))
 
 
-def engine_main(conn, model: str, layout, runtime) -> None:
-    """Entry point of the engine process: build the LLM, say ready (or why not), serve."""
+def engine_main(conn, model: str, layout, runtime, warmup: bool = True) -> None:
+    """Entry point of the engine process: build the LLM, warm it up (helix/serving/warmup.py),
+    say ready (or why not), serve."""
     from helix.runtime.launch import _die_with_parent
     _die_with_parent()                                  # no engine outlives a killed server
     signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C reaches us too: the server decides
@@ -171,6 +173,13 @@ def engine_main(conn, model: str, layout, runtime) -> None:
         conn.send(("failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
         return
     try:
+        if warmup:
+            try:
+                steps, seconds = warm_up(llm)
+            except HelixError as e:
+                conn.send(("failed", f"the warm-up failed: {e}"))
+                return
+            log.info(f"warm-up: {steps} steps in {seconds:.1f} s")
         info = {"vocab_size": llm.cfg.vocab_size, "max_context": llm.max_context,
                 "world_size": layout.world_size, "num_pages": llm.stats()["num_pages"]}
         conn.send(("ready", info))
