@@ -19,6 +19,8 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 
+import dataclasses  # noqa: E402
+
 import pytest  # noqa: E402
 
 from helix import LLM, Layout, RuntimeConfig, SamplingParams  # noqa: E402
@@ -248,6 +250,33 @@ def test_torch_path_glue(monkeypatch, kernel):
     q = torch.randn(T, 8, 16, generator=gen).to(DEV)
     o, lse = torch_prefill.prefill_gqa(kernel.split("-")[0], q, k, v, meta, 0.25)
     _check(o, lse, *TorchAttention().prefill_gqa(q, k, v, meta, 0.25), torch.float32)
+
+
+@pytest.mark.skipif(ON_GPU, reason="fake kernels on the CPU; test_torch_path_on_gpu runs torch's")
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+@pytest.mark.parametrize("host", [True, False], ids=["host-lens", "device-lens"])
+def test_torch_path_padding_rows(monkeypatch, kernel, host):
+    """A prefill graph's attention break: the step's sequences, then its padding rows as one
+    sequence of KV length 0 (helix/runtime/prefill_graphs.py). Real rows equal the reference,
+    padding rows get O = 0, LSE = -inf; with the lengths from the host (the engine's steps) or
+    read from the device."""
+    monkeypatch.setattr(torch_prefill, "flash_varlen", _fake_flash(False))
+    monkeypatch.setattr(torch_prefill, "cudnn_attention", _fake_cudnn)
+    gen = torch.Generator().manual_seed(5)
+    meta = _meta(LAYOUTS["ragged-prefix"][0], 8)
+    T, pad = meta.q_pos.shape[0], 3
+    k, v = _pool(meta, (2, 16), torch.float32, gen), _pool(meta, (2, 16), torch.float32, gen)
+    q = torch.randn(T + pad, 8, 16, generator=gen).to(DEV)
+    lens = meta.host_lens
+    padded = dataclasses.replace(
+        meta, cu_q=torch.cat((meta.cu_q, meta.cu_q.new_tensor([T + pad]))),
+        kv_lens=torch.cat((meta.kv_lens, meta.kv_lens.new_zeros(1))),
+        block_tables=torch.cat((meta.block_tables, meta.block_tables[:1] * 0)),
+        max_q=max(meta.max_q, pad),
+        host_lens=(lens[0] + [0], lens[1] + [pad]) if host else None)
+    o, lse = torch_prefill.prefill_gqa(kernel, q, k, v, padded, 0.25)
+    _check(o[:T], lse[:T], *TorchAttention().prefill_gqa(q[:T], k, v, meta, 0.25), torch.float32)
+    assert (o[T:] == 0).all() and (lse[T:] == float("-inf")).all()
 
 
 def test_backend_prefill_choice(monkeypatch):

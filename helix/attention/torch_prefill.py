@@ -122,6 +122,11 @@ def _cudnn(q, k, v, meta: LocalKVMeta, kv_lens: list[int], q_lens: list[int], sc
     parts = []
     a = c = 0
     for n, t in zip(kv_lens, q_lens):
+        if n == 0:                                    # no keys (padding rows): O = 0, no LSE
+            parts.append((q.new_zeros(t, hq, d), q.new_full((t, hq), float("-inf"),
+                                                             dtype=torch.float32)))
+            a += t
+            continue
         qs = q[a:a + t].transpose(0, 1).unsqueeze(0)                       # [1, Hq, t, d]
         ks, vs = (x[c:c + n].transpose(0, 1).unsqueeze(0) for x in (k, v))  # [1, Hkv, n, d]
         p = n - t                                                           # cached keys
@@ -148,9 +153,16 @@ def prefill_gqa(kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         counts = torch.stack((meta.kv_lens, meta.cu_q[1:] - meta.cu_q[:-1]))
         kv_lens, q_lens = counts.tolist()                # host: gathered size (one sync)
     total = sum(kv_lens)
+    if any(0 < n < t for n, t in zip(kv_lens, q_lens)):
+        raise NoLSE("a sequence with fewer keys than queries")   # never at kvp 1: Triton's
     slots = gather_slots(meta, total, q.device)           # one index for K and V
     k, v = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
     if q.stride(-1) != 1:
         q = q.contiguous()
-    # kvp == 1 (usable): every query sees at least its own key, so no row is empty
-    return (_flash if kernel == "flash" else _cudnn)(q, k, v, meta, kv_lens, q_lens, scale)
+    # kvp == 1 (usable): every query sees at least its own key; only a prefill graph's padding
+    # rows (one sequence of KV length 0) see none
+    o, lse = (_flash if kernel == "flash" else _cudnn)(q, k, v, meta, kv_lens, q_lens, scale)
+    if 0 in kv_lens:
+        empty = ~torch.isfinite(lse)                     # rows that saw no key: O = 0
+        o, lse = o.masked_fill(empty.unsqueeze(-1), 0), lse.masked_fill(empty, float("-inf"))
+    return o, lse

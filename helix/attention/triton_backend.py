@@ -36,9 +36,11 @@ GLUON_VARIANT = "simple"     # the faster variant at every shape of profiling/re
 # beats the Triton prefill kernel), as profiling/bench_prefill.py part (a) measures and prints it.
 # A device not listed runs the Triton kernel under "auto". H200 (profiling/results/prefill.md):
 # cuDNN reading the GQA groups natively, with host-known lengths (no sync) and no copies, wins
-# from the 8K-key prompt on (run e); the first try (K/V repeated per query head, a sync, an
-# output copy: ~0.5-2 ms a call) won only from 64K keys.
-TORCH_PREFILL: dict[str, tuple[str, int]] = {"NVIDIA H200": ("cudnn", 8192)}
+# from 16K keys (run e; the first try, with K/V repeated per query head, a sync and an output
+# copy, won only from 64K). But cuDNN builds a graph for every new (queries, keys) shape, 40 ms
+# or more of host time (run e), and a server's shapes are all new: from 32K keys, where one
+# chunk's attention over 32 layers saves several times that.
+TORCH_PREFILL: dict[str, tuple[str, int]] = {"NVIDIA H200": ("cudnn", 32768)}
 
 
 def _check_device(t: torch.Tensor) -> None:

@@ -136,18 +136,19 @@ class PrefillGraphs:
         local: the padding rows as one sequence of KV length 0."""
         T, bufs = self.tokens(mode, bucket), self.bufs
         cu_q, kv_lens, tables, max_q = meta.cu_q, meta.kv_lens, meta.block_tables, meta.max_q
-        pad, cp = T - meta.slots.numel(), meta.cp
+        pad, cp, lens = T - meta.slots.numel(), meta.cp, meta.host_lens
         if mode == LOCAL and pad:
             cu_q = torch.cat((cu_q, cu_q.new_tensor([T])))
             kv_lens = torch.cat((kv_lens, kv_lens.new_zeros(1)))
             tables = torch.cat((tables, tables.new_zeros(1, tables.shape[1])))
             max_q = max(max_q, pad)
+            lens = lens and (lens[0] + [0], lens[1] + [pad])
         if cp is not None:
             cp = dataclasses.replace(cp, rows=bufs["rows"][:bucket])
         return dataclasses.replace(
             meta, slots=bufs["slots"][:T], q_pos=bufs["pos"][:T], cu_q=upload(cu_q, self.device),
             kv_lens=upload(kv_lens, self.device), block_tables=upload(tables, self.device),
-            max_q=max_q, cp=cp)
+            max_q=max_q, cp=cp, host_lens=lens)
 
     def _padding_meta(self, mode: str, bucket: int) -> LocalKVMeta:
         """A step of padding rows only, what capture runs on: one sequence of KV length 0

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from helix.config import Layout, RuntimeConfig
 from helix.errors import CapacityError, EngineDeadError, HelixError, RequestError
 from helix.loader import read_model_config
-from helix.serving.engine_loop import engine_main
+from helix.serving.engine_loop import engine_main, quiet_gc
 from helix.serving.metrics import Metrics, RequestMetrics
 from helix.serving.stop import StopStrings
 
@@ -164,6 +164,7 @@ class AsyncLLM:
         self._reader = threading.Thread(target=self._read, name="helix-engine-reader",
                                         daemon=True)
         self._reader.start()
+        quiet_gc()                                   # this (the server's) process too
 
     def _wait_ready(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
