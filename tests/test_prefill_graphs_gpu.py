@@ -21,7 +21,8 @@ JOINER = 21                       # joins at step 3, next to 4 decode rows
 
 def _run(model, world, prefill_cp, dtype="bfloat16", **rt):
     runtime = RuntimeConfig(device="cuda", dtype=dtype, page_size=16, max_batch=5,
-                            max_prefill_tokens=48, attention_backend="triton",
+                            max_prefill_tokens=48, idle_prefill_tokens=48,
+                            attention_backend="triton",
                             prefill_cp=prefill_cp, **rt)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 100, (n,), generator=g).tolist() for n in LENGTHS + (JOINER,)]

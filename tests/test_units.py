@@ -374,6 +374,52 @@ def test_runtime_config_validation(kw, match):
         RuntimeConfig(**kw)
 
 
+def test_page_table_rows_follow_the_pages():
+    """PageTable: rows written as pages are added, grown past its start size (rows and
+    columns), zero padded to the widest sequence asked for, zeroed and reused when dropped; a
+    sequence without pages reads as a zero row."""
+    from helix.kv.page_table import PageTable
+    t = PageTable(rows=2, cols=2)
+    t.set(7, [3, 4, 5])                         # wider than the table
+    t.set(8, [9])
+    t.set(9, [1, 2])                            # a third row
+    assert t.rows([7, 8, 9]).tolist() == [[3, 4, 5], [9, 0, 0], [1, 2, 0]]
+    t.set(7, [3, 4, 5, 6, 10])                  # appended
+    t.set(9, [1])                               # truncated: its tail zeroed
+    assert t.rows([9, 7]).tolist() == [[1, 0, 0, 0, 0], [3, 4, 5, 6, 10]]
+    t.drop(7)
+    t.set(11, [8])                              # reuses 7's row, which reads clean
+    assert t.rows([11, 12]).tolist() == [[8], [0]]
+    assert t.rows([8, 11]).dtype == torch.int32
+
+
+def test_idle_steps_prefill_longer_chunks():
+    """A step with no request decoding prefills up to idle_prefill_tokens, one with decode rows
+    up to max_prefill_tokens (plus its decode rows); the tokens do not depend on the chunking."""
+    from helix import LLM
+
+    def run(idle):
+        rt = RuntimeConfig(max_prefill_tokens=8, idle_prefill_tokens=idle, max_batch=4)
+        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        with LLM("tiny-llama", runtime=rt) as llm:
+            a = llm.add_request(list(range(1, 41)), params)
+            fed = [llm.step().num_tokens]                 # alone: an idle step
+            while not llm.outputs[a]:
+                fed.append(llm.step().num_tokens)
+            b = llm.add_request(list(range(3, 30)), params)
+            while not llm.outputs[b]:
+                fed.append(llm.step().num_tokens)         # a decodes beside b's chunks
+            while llm.has_unfinished():
+                llm.step()
+            return fed, llm.outputs[a], llm.outputs[b]
+    fed, out_a, out_b = run(32)
+    assert fed[:2] == [32, 8] and max(fed[2:]) <= 8 + 1
+    small = RuntimeConfig(max_prefill_tokens=8, idle_prefill_tokens=4)
+    assert small.resolved_idle_prefill_tokens == 8                  # never below the other
+    fed8, out_a8, out_b8 = run(8)
+    assert fed8[:5] == [8] * 5 and (out_a8, out_b8) == (out_a, out_b)
+
+
 def test_kv_pool_is_capped_by_what_max_batch_contexts_need():
     """With plenty of memory the pool holds max_batch full contexts on KVP rank 0, no more."""
     from helix.runtime.memory import KVPool, plan_kv_pool

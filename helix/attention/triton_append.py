@@ -14,7 +14,7 @@ import triton.language as tl
 from helix.triton_util import run_kernel
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _append_kernel(rows_ptr, slots_ptr, cache_ptr, stride_row, stride_slot, R,
                    BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -25,7 +25,7 @@ def _append_kernel(rows_ptr, slots_ptr, cache_ptr, stride_row, stride_slot, R,
     tl.store(cache_ptr + slot * stride_slot + col, vals.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _append_pair_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stride_k, stride_v,
                         stride_slot, R, BLOCK: tl.constexpr):
     """K and V rows of one position in one launch (GQA: the two caches share slots)."""

@@ -22,7 +22,7 @@ from helix.triton_util import run_kernel
 _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _pack_kernel(o_ptr, lse_ptr, out_ptr, stride_ot, stride_oh, stride_lt, stride_lh,
                  T, H, HN, D,
                  C: tl.constexpr, WORD_BITS: tl.constexpr,
@@ -80,7 +80,7 @@ def _lse_of(words_ptr, row, hmask, D: tl.constexpr, C: tl.constexpr, WORD_BITS: 
     return tl.where(bad | ~hmask, float("-inf"), lse)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _merge_kernel(recv_ptr, words_ptr, o_ptr, T, HN, stride_ot, stride_oh,
                   N: tl.constexpr, D: tl.constexpr, C: tl.constexpr, WORD_BITS: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):

@@ -67,7 +67,7 @@ if HAS_TRITON:
         tl.store(dst + D_LAT + f, (a * cs - b * sn).to(dt), mask=fmask)
         tl.store(dst + D_LAT + HALF + f, (b * cs + a * sn).to(dt), mask=fmask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])
     def _absorb_v_kernel(o_ptr, w_ptr, out_ptr, T, V, K,
                          stride_ot, stride_oh, stride_wh, stride_wv, stride_outt,
                          BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -102,7 +102,7 @@ if HAS_TRITON:
             v = v.to(tl.float32)
         return v
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R"])
     def _rms_norm_kernel(
         x_ptr, r_ptr, w_ptr, y_ptr, h_ptr,
         R, N1, D, inv_d, eps,
@@ -317,7 +317,7 @@ def select_tokens_torch(src: torch.Tensor, ids: torch.Tensor, tokens: torch.Tens
 
 
 if HAS_TRITON:
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])
     def _select_tokens_kernel(src_ptr, ids_ptr, tok_ptr, out_ptr, T, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = i < T

@@ -120,7 +120,7 @@ def _acc_done(acc, MODE: tl.constexpr):
         return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "first"])
 def _gate_up_kernel(
     x_ptr, g_ptr, u_ptr, ids_ptr, h_ptr,
     N, first, E, D, I,
@@ -182,7 +182,7 @@ def _combine(y_ptr, ids_ptr, out_ptr, T, first, E, n, nmask,
                  acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "T", "first"])
 def _down_kernel(
     h_ptr, d_ptr, w_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr,
     N, T, first, E, D, I, k_chunk,
@@ -232,7 +232,7 @@ def _down_kernel(
             tl.store(cnt, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "first"])
 def _combine_kernel(y_ptr, ids_ptr, out_ptr, T, first, E, D, stride_ys, stride_yp, stride_ot,
                     TOPK: tl.constexpr, K_SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_N: tl.constexpr):

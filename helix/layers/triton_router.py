@@ -149,7 +149,7 @@ def _select_rows(lg_ptr, stride_lt, t0, T, bias_ptr, w_ptr, id_ptr, stride_wt, s
     tl.store(id_ptr + r64 * stride_it + kk, id_out.to(tl.int64), mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _route_select_kernel(lg_ptr, stride_lt, T, bias_ptr, w_ptr, id_ptr, stride_wt, stride_it,
                          EG, G, scaling,
                          K: tl.constexpr, SIGMOID: tl.constexpr, GROUP_RULE: tl.constexpr,
@@ -161,7 +161,7 @@ def _route_select_kernel(lg_ptr, stride_lt, T, bias_ptr, w_ptr, id_ptr, stride_w
                  NORM, HAS_BIAS, False, BLOCK_T, BLOCK_G, BLOCK_EG, BLOCK_K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _route_fused_kernel(x_ptr, wr_ptr, lg_ptr, cnt_ptr, bias_ptr, w_ptr, id_ptr,
                         T, D, E, EG, G, scaling,
                         stride_xt, stride_re, stride_lt, stride_wt, stride_it,
