@@ -158,6 +158,7 @@ def main(argv=None) -> dict:
             direct = server.call(engine.run_direct(prompts, params))
             m = engine.metrics
             before = (m.steps, m.step_seconds)
+            m.slowest = (0.0, 0, 0)
             wait0 = server.call(engine.stats())["device_wait_s"]
             reqs = clients_elsewhere(server.host, server.port, args.model, prompts,
                                      args.max_tokens, args.smoke)
@@ -165,6 +166,8 @@ def main(argv=None) -> dict:
             steps = m.steps - before[0]              # the engine's own view of the HTTP run
             http["engine_steps"] = steps
             http["engine_step_ms"] = 1e3 * (m.step_seconds - before[1]) / max(1, steps)
+            http["slowest_step"] = {"ms": 1e3 * m.slowest[0], "tokens": m.slowest[1],
+                                    "step": m.slowest[2] - before[0]}
             # of which waiting for the device (the rest: host work in the step)
             http["device_wait_ms"] = 1e3 * (server.call(engine.stats())["device_wait_s"]
                                             - wait0) / max(1, steps)
@@ -183,7 +186,9 @@ def main(argv=None) -> dict:
                   f"{http['tpot_s']['p50'] * 1e3:.3f} ms, {http['tokens_per_event']:.2f} tokens"
                   f" per event; engine step {direct['step_ms']:.3f} ms alone (device wait "
                   f"{direct['device_wait_ms']:.3f}), {http['engine_step_ms']:.3f} ms serving "
-                  f"(device wait {http['device_wait_ms']:.3f}); same tokens {same}", flush=True)
+                  f"(device wait {http['device_wait_ms']:.3f}), slowest step "
+                  f"{http['slowest_step']['ms']:.1f} ms ({http['slowest_step']['tokens']} tokens, "
+                  f"step {http['slowest_step']['step']}); same tokens {same}", flush=True)
         stats = server.call(engine.stats())
     finally:
         server.stop()

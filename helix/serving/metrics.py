@@ -65,6 +65,8 @@ class Metrics:
         self.steps = 0
         self.step_seconds = 0.0
         self.fed_tokens = 0
+        self.slowest = (0.0, 0, 0)                  # (seconds, tokens fed, step number): the
+                                                    # slowest step since the last reset
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
         self.engine: dict = {}                      # the engine's last stats
@@ -73,6 +75,8 @@ class Metrics:
         self.steps += 1
         self.step_seconds += seconds
         self.fed_tokens += fed
+        if seconds > self.slowest[0]:
+            self.slowest = (seconds, fed, self.steps)
 
     def finished(self, m: RequestMetrics, reason: str) -> None:
         self.requests[reason] = self.requests.get(reason, 0) + 1
