@@ -221,17 +221,18 @@ def _floor_bytes(llm, batch: int, context: int) -> float:
     return total + routed * hit_frac + batch * context * kv
 
 
-STEP_MODES = ("before", "after", "after-nofew")
+STEP_MODES = ("before", "after", "after-nofew", "after-v1moe")
 
 
 def set_kernels(mode: str) -> None:
     """'before': the previous router, MoE v1, triton_mla; 'after': the new defaults with the
-    few-heads MLA kernel on; 'after-nofew': the same with triton_mla."""
+    few-heads MLA kernel on; 'after-nofew': the same with triton_mla; 'after-v1moe': the new
+    defaults with MoE v1 (step_kernels.md: v1 measured faster inside the batch-1 step)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
     rt.Router.forward = _NEW_FORWARD if after else _legacy_forward
-    fm.VARIANT = "auto" if after else "v1"
+    fm.VARIANT = "v1" if mode in ("before", "after-v1moe") else "auto"
     triton_mla_few.MODE = "" if mode == "after" else "0"
 
 

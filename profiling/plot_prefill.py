@@ -15,6 +15,8 @@ def main(src: str, dst: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     recs = json.load(open(src))["records"]
+    if any(r.get("current") for r in recs):          # the latest runs (earlier ones: history)
+        recs = [r for r in recs if r.get("current")]
     fig, (ka, kb) = plt.subplots(1, 2, figsize=(11, 4))
     gqa = sorted((r for r in recs if r.get("kernel") == "gqa"), key=lambda r: r["prompt_tokens"])
     xs = [r["prompt_tokens"] // 1024 for r in gqa]

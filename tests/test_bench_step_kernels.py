@@ -62,6 +62,9 @@ def test_kernel_switch(monkeypatch):
     assert fm.VARIANT == "auto" and not triton_mla_few.routes(16)
     assert rt.Router.forward is bench._NEW_FORWARD
     bench.set_kernels("after")
-    assert triton_mla_few.routes(16)
+    assert triton_mla_few.routes(16) and fm.VARIANT == "auto"
+    bench.set_kernels("after-v1moe")
+    assert fm.VARIANT == "v1" and triton_mla_few.routes(16)
+    assert rt.Router.forward is bench._NEW_FORWARD
     with pytest.raises(SystemExit):
         bench.set_kernels("later")

@@ -393,6 +393,26 @@ def test_page_table_rows_follow_the_pages():
     assert t.rows([8, 11]).dtype == torch.int32
 
 
+def test_mixed_step_prefill_metadata_is_aligned():
+    """A mixed step's prefill part starts its metadata on 16-byte boundaries whatever the number
+    of decode rows before it (Triton compiles one variant per pointer alignment), with the same
+    values as the slices."""
+    kv = KVManager(64, 4, 0, 1, 1)
+    for d in range(1, 6):
+        ids = list(range(10 * d, 10 * d + d + 1))
+        kv.prepare([(s, 0, 3) for s in ids], "cpu")
+        meta = kv.prepare([(s, 3, 1) for s in ids[:d]] + [(ids[d], 3, 5)], "cpu")
+        _, pre = meta.split()
+        for name in ("slots", "block_tables", "kv_lens", "q_pos", "cu_q"):
+            t = getattr(pre, name)
+            assert t.data_ptr() % 16 == 0, (d, name)
+        assert pre.slots.tolist() == meta.slots[d:].tolist()
+        assert pre.block_tables.tolist() == meta.block_tables[d:].tolist()
+        assert pre.host_lens == (meta.host_lens[0][d:], meta.host_lens[1][d:])
+        for s in ids:
+            kv.free(s)
+
+
 def test_idle_steps_prefill_longer_chunks():
     """A step with no request decoding prefills up to idle_prefill_tokens, one with decode rows
     up to max_prefill_tokens (plus its decode rows); the tokens do not depend on the chunking."""

@@ -89,13 +89,16 @@ class KVManager:
     def local_tokens(self, seq_id: int) -> int:
         return self.sharding.local_len(self.lengths.get(seq_id, 0), self.kvp_rank)
 
-    def _grow(self, seq_id: int, new_len: int) -> None:
-        need = self.sharding.pages(new_len, self.kvp_rank)
+    def _grow(self, seq_id: int, new_len: int) -> int:
+        """Pages for new_len positions; returns the positions this rank then holds."""
+        local = self.sharding.local_len(new_len, self.kvp_rank)
+        need = -(-local // self.page_size)
         pages = self.pages.setdefault(seq_id, [])
         if need > len(pages):
             pages.extend(self.alloc.allocate(need - len(pages)))
             self.table.set(seq_id, pages)
         self.lengths[seq_id] = new_len
+        return local
 
     def assume_prefix(self, seq_id: int, length: int) -> None:
         """Take positions [0, length) of a new sequence as already written (their pages hold
@@ -163,7 +166,7 @@ class KVManager:
             if have != start:
                 raise RuntimeError(f"sequence {seq_id}: step starts at position {start}, the "
                                    f"KV cache holds {have} (scheduler and KV out of step)")
-            self._grow(seq_id, start + n)
+            local = self._grow(seq_id, start + n)
             if n == 1:
                 slots.append(self._slots(self.pages[seq_id], start))
                 q_pos.append(start)
@@ -173,7 +176,7 @@ class KVManager:
                 slots.append(None)
                 q_pos.append(None)
             cu.append(cu[-1] + n)
-            lens.append(self.local_tokens(seq_id))
+            lens.append(local)
         table = self.table.rows([s for s, _, _ in batch])
         num_decode = next((i for i, (_, _, n) in enumerate(batch) if n != 1), len(batch))
         return LocalKVMeta(

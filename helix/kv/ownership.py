@@ -26,6 +26,8 @@ def local_to_global(j, kvp_rank: int, kvp: int, interleave: int):
 
 def local_len(length: int, kvp_rank: int, kvp: int, interleave: int) -> int:
     """How many of positions [0, length) rank `kvp_rank` owns. KVP rank 0 always owns the most."""
+    if kvp == 1:
+        return length
     cycle = kvp * interleave
     full, rem = divmod(length, cycle)
     return full * interleave + min(max(rem - kvp_rank * interleave, 0), interleave)

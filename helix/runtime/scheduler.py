@@ -113,16 +113,19 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         for r in list(self.running):                    # decode rows, oldest first
-            if r not in self.running or r.finished or r.exhausted or r.prefilling:
+            if r.finished or r.exhausted or r.prefilling or (plan.preempted
+                                                             and r not in self.running):
                 continue
-            need = self._grow(r, r.num_tokens)
+            n = self.pages_for(r.num_tokens)
+            need = n - self.pages.get(r.id, 0)
             while need > self.free_pages():
                 victim = self.running[-1]               # the newest request makes room
                 self._preempt(victim, plan)
                 if victim is r:
                     break
-            if r in self.running:
-                self._hold(r, r.num_tokens)
+            if not plan.preempted or r in self.running:
+                self.used += need                       # = _hold(r, r.num_tokens)
+                self.pages[r.id] = n
                 plan.decode.append(r)
         budget = self._plan_prefill(plan)
         while not plan and len(self.running) > 1 and any(   # prompts blocked on pages

@@ -26,6 +26,7 @@ is released from the LLM at once (a server runs for weeks).
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import signal
@@ -157,9 +158,16 @@ def quiet_gc() -> None:
     """Move everything alive after start-up out of the cyclic collector's reach (gc.freeze): a
     full collection then scans only what serving allocates, not torch's and the model's objects.
     Without it a full collection paused every stream of a 32-client run for ~245 ms on the H200
-    machine (profiling/results/serve.md)."""
+    machine (profiling/results/serve.md). Undone at exit, so the interpreter's shutdown frees
+    them as before (extension modules such as Triton's report instances still alive then)."""
     gc.collect()
     gc.freeze()
+    if not _unfreeze_registered:
+        atexit.register(gc.unfreeze)
+        _unfreeze_registered.append(True)
+
+
+_unfreeze_registered: list = []
 
 
 def engine_main(conn, model: str, layout, runtime, warmup: bool = True) -> None:
