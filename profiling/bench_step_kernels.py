@@ -233,7 +233,7 @@ def set_kernels(mode: str) -> None:
     after = mode != "before"
     rt.Router.forward = _NEW_FORWARD if after else _legacy_forward
     fm.VARIANT = "v1" if mode in ("before", "after-v1moe") else "auto"
-    triton_mla_few.MODE = "" if mode == "after" else "0"
+    triton_mla_few.MODE = "" if mode in ("after", "after-v1moe") else "0"
 
 
 _NEW_FORWARD = rt.Router.forward

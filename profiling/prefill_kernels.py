@@ -36,7 +36,8 @@ O_TOL, LSE_TOL = 2e-2, 1e-2          # bf16 outputs of N(0, 1) data; a path off 
 
 def sequence_meta(keys: int, queries: int, page: int, device) -> LocalKVMeta:
     """One sequence of `keys` local keys (kvp 1) whose last `queries` positions are the chunk;
-    its pages a random permutation of the pool's."""
+    its pages a random permutation of the pool's; its lengths known on the host, as in the
+    engine's steps (run e timed torch's kernels without them: one sync a call)."""
     pages = -(-keys // page)
     gen = torch.Generator().manual_seed(keys)
     return LocalKVMeta(
@@ -45,7 +46,8 @@ def sequence_meta(keys: int, queries: int, page: int, device) -> LocalKVMeta:
         kv_lens=torch.tensor([keys], dtype=torch.int32, device=device),
         cu_q=torch.tensor([0, queries], dtype=torch.int32, device=device),
         q_pos=torch.arange(keys - queries, keys, device=device), kvp_rank=0, kvp=1,
-        interleave=1, page_size=page, num_decode=0, max_q=queries)
+        interleave=1, page_size=page, num_decode=0, max_q=queries, max_kv=keys,
+        host_lens=([keys], [queries]))        # as the engine's steps carry them: no sync
 
 
 def _err(o: torch.Tensor, want: torch.Tensor) -> float:

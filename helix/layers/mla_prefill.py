@@ -79,7 +79,10 @@ def decompress_plan(pre: LocalKVMeta, heads: int, dims: MLADims) -> list[int] | 
         return None
     if FORM == "auto" and T < MIN_TOKENS:
         return None
-    q_lens, kv_lens = torch.stack((pre.cu_q[1:] - pre.cu_q[:-1], pre.kv_lens)).tolist()
+    if pre.host_lens is not None:                  # the engine's steps: no sync
+        kv_lens, q_lens = pre.host_lens
+    else:
+        q_lens, kv_lens = torch.stack((pre.cu_q[1:] - pre.cu_q[:-1], pre.kv_lens)).tolist()
     if FORM == "decompressed":
         return kv_lens
     page = pre.page_size
