@@ -27,7 +27,7 @@ from helix.triton_util import run_kernel
 __all__ = ["choose_num_splits", "gqa_decode", "gqa_num_splits"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_btb"])   # block-table width: varies per step
 def _gqa_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2,
     stride_qb, stride_qh,                  # q [B, Hq, d]

@@ -118,7 +118,7 @@ def _softmax_pv(s, c, m_i, l_i, acc, RESCALE_LOG2: tl.constexpr, DEFER_L: tl.con
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_btb"])   # block-table width: varies per step
 def _mla_split_kernel(
     ql_ptr, qr_ptr, kv_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2,
     stride_qlb, stride_qlh,                # q_latent [B, H, Dl]

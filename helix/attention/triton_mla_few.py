@@ -46,7 +46,7 @@ FEW_TUNABLES = ("SWAP", "BLOCK_N", "num_warps", "num_stages", "split_policy", "m
                 "partial_dtype")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_btb"])   # block-table width: varies per step
 def _mla_few_kernel(
     ql_ptr, qr_ptr, kv_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2,
     stride_qlb, stride_qlh,                # q_latent [B, H, Dl]

@@ -120,7 +120,7 @@ def _tile(q1, q2, k1_base, k2_base, v_base, page, t0, limit, pos, m_i, l_i, acc,
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_btb"])   # block-table width: varies per step
 def _prefill_kernel(
     q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, bt_ptr, lens_ptr, cu_ptr, pos_ptr, o_ptr, lse_ptr,
     scale_log2, kvp_rank, kvp, interleave,

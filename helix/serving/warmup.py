@@ -7,7 +7,11 @@ of the round waiting on it.
 
 The pattern: prompts of lengths 1, 2, 3, 16, 17, ... join one per step while the earlier ones
 decode (mixed steps of 0..n decode rows beside a chunk of each length), then 17 join at once
-(a prefill of many sequences, decode batches of 16 / 17). Everything is released afterwards.
+(a prefill of many sequences, decode batches of 16 / 17), then a decode row at each context
+length 512, 1K, 2K, ... up to max_context (a synthetic prefix: no prefill) beside a joining
+prompt, so every split count the decode kernels pick by context (a power of two) is compiled.
+Everything is released afterwards. tests/test_compile_variants.py checks on the CPU that a
+random serving pattern then launches no kernel variant the warm-up did not.
 """
 
 from __future__ import annotations
@@ -33,11 +37,17 @@ def warm_up(llm) -> tuple[int, float]:
 
     ids = []
 
-    def add(n: int, salt: int) -> None:
+    def add(n: int, salt: int, prefix: int = 0) -> None:
         try:
-            ids.append(llm.add_request(prompt(n, salt), params))
+            ids.append(llm.add_request(prompt(n, salt), params, synthetic_prefix=prefix))
         except (CapacityError, RequestError):   # a pool or context too small for it: skip
             pass
+
+    def drain() -> None:
+        nonlocal steps
+        while any(r not in llm.finish_reasons for r in ids):
+            llm.step()
+            steps += 1
 
     if room < 1:
         return 0, 0.0
@@ -47,9 +57,15 @@ def warm_up(llm) -> tuple[int, float]:
         steps += 1
     for i in range(min(TOGETHER, llm.runtime.max_batch)):
         add(20, 100 + i)
-    while any(r not in llm.finish_reasons for r in ids):
+    drain()
+    context = 512
+    while context + 8 <= room:
+        add(1, 200, prefix=context)            # decodes at `context` positions ...
         llm.step()
         steps += 1
+        add(5, 201)                            # ... beside a joining prompt
+        drain()
+        context *= 2
     for r in ids:
         llm.release(r)
     return steps, time.perf_counter() - t0
