@@ -111,7 +111,11 @@ def _lse_rows(lse: torch.Tensor, meta: LocalKVMeta, T: int) -> torch.Tensor:
 def _flash(q, k, v, meta: LocalKVMeta, kv_lens: list[int], q_lens: list[int], scale: float):
     cu_k = F.pad(torch.cumsum(meta.kv_lens, 0, dtype=torch.int32), (1, 0))
     o, lse = flash_varlen(q, k, v, meta.cu_q, cu_k, meta.max_q, max(kv_lens + [1]), scale)
-    return o, _lse_rows(lse, meta, q.shape[0])
+    lse = _lse_rows(lse, meta, q.shape[0])
+    if 0 in kv_lens:                                 # rows that saw no key: O = 0, LSE = -inf
+        empty = ~torch.isfinite(lse)
+        o, lse = o.masked_fill(empty.unsqueeze(-1), 0), lse.masked_fill(empty, float("-inf"))
+    return o, lse
 
 
 def _cudnn(q, k, v, meta: LocalKVMeta, kv_lens: list[int], q_lens: list[int], scale: float):
@@ -160,9 +164,5 @@ def prefill_gqa(kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if q.stride(-1) != 1:
         q = q.contiguous()
     # kvp == 1 (usable): every query sees at least its own key; only a prefill graph's padding
-    # rows (one sequence of KV length 0) see none
-    o, lse = (_flash if kernel == "flash" else _cudnn)(q, k, v, meta, kv_lens, q_lens, scale)
-    if 0 in kv_lens:
-        empty = ~torch.isfinite(lse)                     # rows that saw no key: O = 0
-        o, lse = o.masked_fill(empty.unsqueeze(-1), 0), lse.masked_fill(empty, float("-inf"))
-    return o, lse
+    # rows (one sequence of KV length 0) see none, and get O = 0, LSE = -inf
+    return (_flash if kernel == "flash" else _cudnn)(q, k, v, meta, kv_lens, q_lens, scale)

@@ -160,7 +160,8 @@ class KVManager:
         decode rows (one token) first. Grows each sequence's pages and returns this rank's
         metadata for the step. Decode rows stay Python ints until one tensor per field (a
         step's host work is paid per row: ~1 us a row here, not a torch op per row)."""
-        slots, q_pos, prompts, cu, lens = [], [], [], [0], []
+        slots, q_pos, cu, lens = [], [], [0], []
+        prompt_slots, prompt_pos = [], []         # (row, tensor) of the prompt chunks
         for seq_id, start, n in batch:
             have = self.lengths.get(seq_id, 0)
             if have != start:
@@ -172,7 +173,8 @@ class KVManager:
                 q_pos.append(start)
             else:                                           # prompts: vectorised
                 pos = torch.arange(start, start + n)
-                prompts.append((len(slots), self._slots(self.pages[seq_id], pos), pos))
+                prompt_slots.append((len(slots), self._slots(self.pages[seq_id], pos)))
+                prompt_pos.append((len(slots), pos))
                 slots.append(None)
                 q_pos.append(None)
             cu.append(cu[-1] + n)
@@ -180,11 +182,11 @@ class KVManager:
         table = self.table.rows([s for s, _, _ in batch])
         num_decode = next((i for i, (_, _, n) in enumerate(batch) if n != 1), len(batch))
         return LocalKVMeta(
-            slots=upload(_join(slots, prompts, 1), device),
+            slots=upload(_join(slots, prompt_slots), device),
             block_tables=upload(table, device),
             kv_lens=upload(torch.tensor(lens, dtype=torch.int32), device),
             cu_q=upload(torch.tensor(cu, dtype=torch.int32), device),
-            q_pos=upload(_join(q_pos, prompts, 2), device),
+            q_pos=upload(_join(q_pos, prompt_pos), device),
             kvp_rank=self.kvp_rank, kvp=self.kvp, interleave=self.interleave,
             page_size=self.page_size, num_decode=num_decode,
             max_q=max([n for _, _, n in batch] + [1]),
@@ -192,14 +194,14 @@ class KVManager:
             host_lens=(lens, [n for _, _, n in batch]))
 
 
-def _join(ints: list, prompts: list, field: int) -> torch.Tensor:
-    """One int64 tensor of per-row values: `ints` holds a decode row's int, or None where
-    prompts' (row, slots, positions) entry `field` goes."""
-    if not prompts:
+def _join(ints: list, chunks: list) -> torch.Tensor:
+    """One int64 tensor of per-row values: `ints` holds a decode row's int, or None at the row
+    of each (row, tensor) in `chunks`, whose tensor goes there."""
+    if not chunks:
         return torch.tensor(ints, dtype=torch.int64)
     parts, prev = [], 0
-    for i, *tensors in prompts:
-        parts += [torch.tensor(ints[prev:i], dtype=torch.int64), tensors[field - 1]]
+    for i, t in chunks:
+        parts += [torch.tensor(ints[prev:i], dtype=torch.int64), t]
         prev = i + 1
     parts.append(torch.tensor(ints[prev:], dtype=torch.int64))
     return torch.cat(parts)

@@ -75,9 +75,8 @@ class Scheduler:
     def free_pages(self) -> int:
         return self.num_pages - self.used
 
-    def _hold(self, r: Request, length: int) -> None:
-        """r now holds the pages of `length` positions."""
-        n = self.pages_for(length)
+    def _hold(self, r: Request, n: int) -> None:
+        """r now holds n pages."""
         self.used += n - self.pages.get(r.id, 0)
         self.pages[r.id] = n
 
@@ -124,8 +123,7 @@ class Scheduler:
                 if victim is r:
                     break
             if not plan.preempted or r in self.running:
-                self.used += need                       # = _hold(r, r.num_tokens)
-                self.pages[r.id] = n
+                self._hold(r, n)
                 plan.decode.append(r)
         budget = self._plan_prefill(plan)
         while not plan and len(self.running) > 1 and any(   # prompts blocked on pages
@@ -153,7 +151,7 @@ class Scheduler:
             return 0
         if n < len(ids):
             ids, samples = ids[:n], False
-        self._hold(r, start + n)
+        self._hold(r, self.pages_for(start + n))
         plan.prefill.append(Chunk(r, start, ids, samples))
         return n
 

@@ -162,12 +162,9 @@ def quiet_gc() -> None:
     them as before (extension modules such as Triton's report instances still alive then)."""
     gc.collect()
     gc.freeze()
-    if not _unfreeze_registered:
-        atexit.register(gc.unfreeze)
-        _unfreeze_registered.append(True)
 
 
-_unfreeze_registered: list = []
+atexit.register(gc.unfreeze)      # quiet_gc's undo (a no-op where nothing was frozen)
 
 
 def engine_main(conn, model: str, layout, runtime, warmup: bool = True) -> None:
