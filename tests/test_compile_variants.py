@@ -59,7 +59,9 @@ def launches(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-deepseek-v3"])
+# GQA only in CI (the interpreter makes each case ~50 s); the MLA case (tiny-deepseek-v3) passed
+# too when this test was written: run it with -k by adding it back to the list
+@pytest.mark.parametrize("model", ["tiny-llama"])
 def test_serving_after_warm_up_compiles_nothing_new(launches, model):
     # short contexts: the interpreter runs every tile (the warm-up's ladder of long contexts,
     # from 512, is not reached here)
