@@ -49,10 +49,15 @@ def parse(argv):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--client-procs", type=lambda v: [int(x) for x in v.split(",")],
+                   default=[4], help="client processes the streams are spread over; a comma "
+                   "list runs each round once per value (a Python client reads ~20 us an "
+                   "event: one process at 32 x 1,000 events/s is most of a core)")
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--smoke", action="store_true",
-                   help="CPU, tiny-llama, 4 clients, 8 tokens, 1 round, client in a thread")
+                   help="CPU, tiny-llama, 4 clients, 8 tokens, 1 round, one client process in a "
+                   "thread")
     args = p.parse_args(argv)
     if args.smoke:
         args.model, args.layers, args.device, args.dtype = "tiny-llama", 0, "cpu", "float32"
@@ -77,9 +82,11 @@ def pct(xs: list[float]) -> dict:
             "max": s[-1]}
 
 
-def run_clients(host: str, port: int, model: str, prompts, max_tokens: int) -> list[dict]:
-    """Every prompt as one streaming request at once; per request: send time, event arrivals,
-    tokens."""
+def run_clients(host: str, port: int, model: str, prompts, max_tokens: int,
+                start=None) -> dict:
+    """Every prompt as one streaming request at once (after `start`, a barrier shared with the
+    other client processes); per request: send time, event arrivals, tokens; and this
+    process's CPU seconds against its wall seconds."""
     async def one(p):
         body = {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
@@ -92,30 +99,44 @@ def run_clients(host: str, port: int, model: str, prompts, max_tokens: int) -> l
 
     async def main():
         return await asyncio.gather(*(one(p) for p in prompts))
-    return http_client.run(main())
+    if start is not None:
+        start.wait()
+    wall, cpu = time.perf_counter(), time.process_time()
+    reqs = http_client.run(main())
+    return {"reqs": reqs, "cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall}
 
 
-def _client_process(q, *args):
-    q.put(run_clients(*args))
+def _client_process(q, i, *args):
+    q.put((i, run_clients(*args)))
 
 
-def clients_elsewhere(host, port, model, prompts, max_tokens, in_thread: bool) -> list[dict]:
-    """run_clients in another process (its Python does not compete with the server's), or in
-    a thread (smoke)."""
+def clients_elsewhere(host, port, model, prompts, max_tokens, procs: int, in_thread: bool
+                      ) -> tuple[list[dict], list[float]]:
+    """run_clients in `procs` other processes, prompt i in process i % procs, all starting
+    together (their Python does not compete with the server's, nor with each other's), or in a
+    thread (smoke). Returns the requests in prompt order and each process's CPU / wall."""
     if in_thread:
         box = []
         t = threading.Thread(target=lambda: box.append(run_clients(host, port, model, prompts,
                                                                    max_tokens)))
         t.start()
         t.join()
-        return box[0]
+        return box[0]["reqs"], [box[0]["cpu_s"] / box[0]["wall_s"]]
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    proc = ctx.Process(target=_client_process, args=(q, host, port, model, prompts, max_tokens))
-    proc.start()
-    out = q.get()
-    proc.join()
-    return out
+    q, start = ctx.Queue(), ctx.Barrier(procs)
+    group = [prompts[i::procs] for i in range(procs)]
+    ps = [ctx.Process(target=_client_process, args=(q, i, host, port, model, group[i],
+                                                    max_tokens, start))
+          for i in range(procs)]
+    for p in ps:
+        p.start()
+    got = dict(q.get() for _ in ps)
+    for p in ps:
+        p.join()
+    reqs: list = [None] * len(prompts)
+    for i in range(procs):
+        reqs[i::procs] = got[i]["reqs"]
+    return reqs, [got[i]["cpu_s"] / got[i]["wall_s"] for i in range(procs)]
 
 
 def summarize_http(reqs: list[dict]) -> dict:
@@ -134,6 +155,32 @@ def summarize_http(reqs: list[dict]) -> dict:
             "errors": [r["error"] for r in reqs if r["error"] or r["status"] != 200],
             "ttft_s": pct(ttft), "tpot_s": pct(tpot), "event_gap_s": pct(gaps),
             "tokens_per_event": tokens / max(1, events)}
+
+
+def http_round(server, engine, args, prompts, procs: int, direct: dict) -> tuple[dict, bool]:
+    """The same requests through HTTP; with the engine's own view of that run (steps, step
+    time, its loop's time between steps, device wait, slowest step) and the CPU share of the
+    server process (uvicorn's thread, the pipe reader) and of each client process."""
+    m = engine.metrics
+    before = (m.steps, m.step_seconds, m.idle_seconds)
+    m.slowest = (0.0, 0, 0)
+    wait0 = server.call(engine.stats())["device_wait_s"]
+    wall, cpu = time.perf_counter(), time.process_time()
+    reqs, client_cpu = clients_elsewhere(server.host, server.port, args.model, prompts,
+                                         args.max_tokens, procs, args.smoke and procs == 1)
+    server_cpu = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    http = summarize_http(reqs)
+    steps = m.steps - before[0]
+    http["engine_steps"] = steps
+    http["engine_step_ms"] = 1e3 * (m.step_seconds - before[1]) / max(1, steps)
+    http["engine_idle_ms"] = 1e3 * (m.idle_seconds - before[2]) / max(1, steps)
+    http["slowest_step"] = {"ms": 1e3 * m.slowest[0], "tokens": m.slowest[1],
+                            "step": m.slowest[2] - before[0]}
+    # of which waiting for the device (the rest: host work in the step)
+    http["device_wait_ms"] = 1e3 * (server.call(engine.stats())["device_wait_s"]
+                                    - wait0) / max(1, steps)
+    http["server_cpu"], http["client_cpu"] = server_cpu, client_cpu
+    return http, [r["token_ids"] for r in reqs] == direct["outputs"]
 
 
 def main(argv=None) -> dict:
@@ -156,39 +203,34 @@ def main(argv=None) -> dict:
                                                                  ignore_eos=True)))  # warm-up
         for i in range(args.rounds):
             direct = server.call(engine.run_direct(prompts, params))
-            m = engine.metrics
-            before = (m.steps, m.step_seconds)
-            m.slowest = (0.0, 0, 0)
-            wait0 = server.call(engine.stats())["device_wait_s"]
-            reqs = clients_elsewhere(server.host, server.port, args.model, prompts,
-                                     args.max_tokens, args.smoke)
-            http = summarize_http(reqs)
-            steps = m.steps - before[0]              # the engine's own view of the HTTP run
-            http["engine_steps"] = steps
-            http["engine_step_ms"] = 1e3 * (m.step_seconds - before[1]) / max(1, steps)
-            http["slowest_step"] = {"ms": 1e3 * m.slowest[0], "tokens": m.slowest[1],
-                                    "step": m.slowest[2] - before[0]}
-            # of which waiting for the device (the rest: host work in the step)
-            http["device_wait_ms"] = 1e3 * (server.call(engine.stats())["device_wait_s"]
-                                            - wait0) / max(1, steps)
             d_tps = direct["tokens"] / direct["seconds"]
-            same = [r["token_ids"] for r in reqs] == direct["outputs"]
             direct["step_ms"] = 1e3 * direct["seconds"] / max(1, direct["steps"])
             direct["device_wait_ms"] = 1e3 * direct["device_wait_s"] / max(1, direct["steps"])
-            rounds.append({"direct": {k: direct[k] for k in ("tokens", "seconds", "steps",
-                                                              "first_token_s", "step_ms",
-                                                              "device_wait_ms")},
-                           "direct_tokens_per_s": d_tps, "http": http,
-                           "ratio": http["tokens_per_s"] / d_tps, "same_tokens": same})
-            print(f"round {i}: engine {d_tps:,.0f} tok/s, through HTTP "
-                  f"{http['tokens_per_s']:,.0f} tok/s ({http['tokens_per_s'] / d_tps:.1%}), "
-                  f"TTFT p50 {http['ttft_s']['p50'] * 1e3:.1f} ms, TPOT p50 "
-                  f"{http['tpot_s']['p50'] * 1e3:.3f} ms, {http['tokens_per_event']:.2f} tokens"
-                  f" per event; engine step {direct['step_ms']:.3f} ms alone (device wait "
-                  f"{direct['device_wait_ms']:.3f}), {http['engine_step_ms']:.3f} ms serving "
-                  f"(device wait {http['device_wait_ms']:.3f}), slowest step "
-                  f"{http['slowest_step']['ms']:.1f} ms ({http['slowest_step']['tokens']} tokens, "
-                  f"step {http['slowest_step']['step']}); same tokens {same}", flush=True)
+            rec = {"direct": {k: direct[k] for k in ("tokens", "seconds", "steps",
+                                                     "first_token_s", "step_ms",
+                                                     "device_wait_ms")},
+                   "direct_tokens_per_s": d_tps}
+            for procs in args.client_procs:
+                http, same = http_round(server, engine, args, prompts, procs, direct)
+                rec[f"http_{procs}"] = http
+                rec.setdefault("ratio", http["tokens_per_s"] / d_tps)   # the first value's
+                rec[f"ratio_{procs}"] = http["tokens_per_s"] / d_tps
+                rec[f"same_tokens_{procs}"] = same
+                print(f"round {i}, {procs} client processes: engine {d_tps:,.0f} tok/s, "
+                      f"through HTTP {http['tokens_per_s']:,.0f} tok/s "
+                      f"({http['tokens_per_s'] / d_tps:.1%}), TTFT p50 "
+                      f"{http['ttft_s']['p50'] * 1e3:.1f} ms, TPOT p50 "
+                      f"{http['tpot_s']['p50'] * 1e3:.3f} ms, {http['tokens_per_event']:.2f} "
+                      f"tokens per event; engine step {direct['step_ms']:.3f} ms alone (device "
+                      f"wait {direct['device_wait_ms']:.3f}), {http['engine_step_ms']:.3f} ms "
+                      f"serving (device wait {http['device_wait_ms']:.3f}, loop between steps "
+                      f"{http['engine_idle_ms']:.3f}), slowest step "
+                      f"{http['slowest_step']['ms']:.1f} ms ({http['slowest_step']['tokens']} "
+                      f"tokens, step {http['slowest_step']['step']}); CPU busy: server "
+                      f"{http['server_cpu']:.0%}, clients "
+                      f"{max(http['client_cpu']):.0%} (busiest); same tokens {same}",
+                      flush=True)
+            rounds.append(rec)
         stats = server.call(engine.stats())
     finally:
         server.stop()
@@ -200,13 +242,14 @@ def main(argv=None) -> dict:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     r = rounds[len(rounds) // 2]
+    r = {**r, "http": r[f"http_{args.client_procs[0]}"]}
     print(f"summary: {args.clients} streaming clients, {args.model} ({args.layers or 'all'} "
           f"layers) on {args.device}: HTTP delivered {result['ratio_median']:.1%} of the "
           f"engine's tokens/s (median of {len(rounds)} rounds; target >= 90 %); TTFT p50/p99 "
           f"{r['http']['ttft_s']['p50'] * 1e3:.1f}/{r['http']['ttft_s']['p99'] * 1e3:.1f} ms, "
           f"TPOT p50/p99 {r['http']['tpot_s']['p50'] * 1e3:.3f}/"
           f"{r['http']['tpot_s']['p99'] * 1e3:.3f} ms; tokens equal to the direct run: "
-          f"{all(x['same_tokens'] for x in rounds)}")
+          f"{all(x[f'same_tokens_{args.client_procs[0]}'] for x in rounds)}")
     return result
 
 

@@ -166,11 +166,21 @@ def bench_moe(args, flush, copy_bw) -> list[dict]:
 MLA_SHAPE = (16, 512, 64, 64)            # heads, latent, rope, page: DeepSeek-V2-Lite's rank
 
 
+def _own_mla(ql, qr, kv, bt, lens, scale):
+    """triton_mla's kernel for any head count (mla_decode routes few heads to triton_mla_few;
+    records before this fix timed the few-heads kernel twice)."""
+    mode, triton_mla_few.MODE = triton_mla_few.MODE, "0"
+    try:
+        return triton_mla.mla_decode(ql, qr, kv, bt, lens, scale)
+    finally:
+        triton_mla_few.MODE = mode
+
+
 def bench_mla(args, flush, copy_bw) -> list[dict]:
     recs = []
     H, Dl, Dr, page = MLA_SHAPE
     variants = MLA_VARIANTS[:3] if args.quick else MLA_VARIANTS
-    for B in (1, 8):
+    for B in args.mla_batches:
         for ctx in args.mla_contexts:
             pages = B * ctx // page
             g = torch.Generator(device=DEVICE).manual_seed(2)
@@ -183,8 +193,8 @@ def bench_mla(args, flush, copy_bw) -> list[dict]:
             nbytes = kv.numel() * 2
             ref = None
             for vname, kern, cfg in variants:
-                if kern == "mla":
-                    fn = lambda: triton_mla.mla_decode(ql, qr, kv, bt, lens, scale)  # noqa: E731
+                if kern == "mla":                 # triton_mla's own kernel, not the routing
+                    fn = lambda: _own_mla(ql, qr, kv, bt, lens, scale)  # noqa: E731
                 else:
                     fn = lambda c=cfg: triton_mla_few.mla_decode_few(  # noqa: E731
                         ql, qr, kv, bt, lens, scale, config=c)
@@ -342,6 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer variants")
     ap.add_argument("--moe-batches", type=lambda s: [int(x) for x in s.split(",")],
                     default=[1, 2, 4, 8])
+    ap.add_argument("--mla-batches", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[1, 8], help="part (c) batches")
     ap.add_argument("--mla-contexts", type=lambda s: [int(x) for x in s.split(",")],
                     default=[1024, 32768, 131072])
     ap.add_argument("--step-contexts", type=lambda s: [int(x) for x in s.split(",")],

@@ -12,14 +12,19 @@ pytest.importorskip("uvicorn")
 def test_bench_serve_smoke(tmp_path, capsys):
     from profiling import bench_serve
     out = tmp_path / "bench.json"
-    bench_serve.main(["--smoke", "--out", str(out)])
+    bench_serve.main(["--smoke", "--client-procs", "1,2", "--out", str(out)])
     result = json.loads(out.read_text())
     (r,) = result["rounds"]
-    assert r["same_tokens"] and r["http"]["tokens"] == 4 * 8 and not r["http"]["errors"]
-    assert r["ratio"] > 0 and {"p50", "p90", "p99"} <= set(r["http"]["ttft_s"])
+    for procs in (1, 2):                  # one client in a thread; two client processes
+        http = r[f"http_{procs}"]
+        assert r[f"same_tokens_{procs}"] and http["tokens"] == 4 * 8 and not http["errors"]
+        assert r[f"ratio_{procs}"] > 0 and {"p50", "p90", "p99"} <= set(http["ttft_s"])
+        assert http["slowest_step"]["ms"] > 0 and http["slowest_step"]["tokens"] > 0
+        assert len(http["client_cpu"]) == procs and http["server_cpu"] > 0
+        assert http["engine_steps"] >= 8 and http["engine_idle_ms"] >= 0
+    assert r["ratio"] == r["ratio_1"]
     assert result["pages_used_after"] == [0]
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("summary: 4 streaming")
-    assert r["http"]["slowest_step"]["ms"] > 0 and r["http"]["slowest_step"]["tokens"] > 0
 
 
 def test_bench_host_step_runs_the_decode_path():

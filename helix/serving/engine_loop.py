@@ -14,8 +14,10 @@ Messages (tuples, pickled by multiprocessing's Connection):
   engine -> server   ("ready", info) | ("failed", message)          once, at start
                      ("added", key) | ("rejected", key, kind, message)   kind: request | capacity
                      ("out", keys, tokens, [(key, finish_reason, error)],
-                      (seconds, fed tokens))        once per step with news: tokens[i] is
-                                                    the new token of request keys[i]
+                      (seconds, fed tokens, idle))  once per step with news: tokens[i] is
+                                                    the new token of request keys[i]; idle:
+                                                    the loop's own seconds since the last
+                                                    step ended (0 after a wait for work)
                      ("stats", LLM.stats() + steps)                  every STATS_INTERVAL_S, and
                                                                      on ("stats",)
                      ("direct", key, result)   ("dead", message)   ("closed",)
@@ -47,6 +49,8 @@ class EngineLoop:
         self.stopping = False
         self.steps = 0
         self.last_stats = 0.0
+        self.last_end: float | None = None   # perf_counter when the previous step ended, None
+                                             # when the loop waited for work since
 
     def run(self) -> None:
         """Serve until ("shutdown",), the server's end of the pipe closing, or a dead engine."""
@@ -55,6 +59,8 @@ class EngineLoop:
                 busy = self.llm.has_unfinished()
                 wait = 0 if busy else max(0.0, self.last_stats + STATS_INTERVAL_S
                                           - time.monotonic())
+                if not busy:
+                    self.last_end = None
                 if self.conn.poll(wait):
                     self._drain()
                 if self.stopping:
@@ -129,6 +135,8 @@ class EngineLoop:
     # -- steps ------------------------------------------------------------------------------
     def _step(self) -> None:
         llm = self.llm
+        start = time.perf_counter()
+        idle = 0.0 if self.last_end is None else start - self.last_end
         out = llm.step()
         self.steps += 1
         keys, tokens, finished = [], [], []
@@ -145,7 +153,8 @@ class EngineLoop:
             finished.append((key, why, (out.errors or {}).get(rid)))
             llm.release(rid)
         if keys or finished:
-            self._send(("out", keys, tokens, finished, (out.seconds, out.num_tokens)))
+            self._send(("out", keys, tokens, finished, (out.seconds, out.num_tokens, idle)))
+        self.last_end = time.perf_counter()
 
     def _send_stats(self) -> None:
         self.last_stats = time.monotonic()

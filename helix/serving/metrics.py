@@ -65,15 +65,17 @@ class Metrics:
         self.steps = 0
         self.step_seconds = 0.0
         self.fed_tokens = 0
+        self.idle_seconds = 0.0                     # the engine loop's time between busy steps
         self.slowest = (0.0, 0, 0)                  # (seconds, tokens fed, step number): the
                                                     # slowest step since the last reset
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
         self.engine: dict = {}                      # the engine's last stats
 
-    def step(self, seconds: float, fed: int) -> None:
+    def step(self, seconds: float, fed: int, idle: float = 0.0) -> None:
         self.steps += 1
         self.step_seconds += seconds
+        self.idle_seconds += idle
         self.fed_tokens += fed
         if seconds > self.slowest[0]:
             self.slowest = (seconds, fed, self.steps)
