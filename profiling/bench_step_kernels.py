@@ -9,12 +9,14 @@ DeepSeek-V2-Lite steps, old kernels against new, with the copy rate measured in 
       kernels' variants (helix.layers.moe_decode tunables), DeepSeek-V2-Lite (64 x 1408 x 2048,
       top-6) and Qwen3-235B (128 x 1536 x 4096, top-8) layers, batch 1/2/4/8: time, bytes read
       (the hit experts' weights), fraction of the copy rate.
-  (c) MLA, 16 heads (DeepSeek-V2-Lite rank) at 1K / 32K / 128K, batch 1 and 8: triton_mla's
-      kernel against triton_mla_few's variants; fraction of the KV-read floor.
+  (c) MLA, 16 heads (DeepSeek-V2-Lite rank) at 1K / 32K / 128K, batch 1 and 8 (--mla-batches):
+      triton_mla's own kernel and, on sm_90, the Gluon kernel the backend runs there, against
+      triton_mla_few's variants; fraction of the KV-read floor.
   (d) whole DeepSeek-V2-Lite decode steps (27 layers, bf16, graphs, synthetic prefix), batch 1
       x 1K / 32K / 128K and 8 x 32K: step time, kernels per step, the top kernels, the
       weight + KV read floor; "before" (previous router, MoE v1, triton_mla), "after" (the
-      new kernels' defaults, few-heads MLA on) and optionally "after-nofew" (triton_mla).
+      new kernels' defaults) and optionally "after-nofew" (no few-heads kernel: Gluon on
+      sm_90, else triton_mla) and "after-v1moe" (fused_moe v1 for the experts).
 
 Times are CUDA-graph replays with L2 flushed (a)-(c), or the engine's step (d).
 
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from helix.attention import triton_mla, triton_mla_few  # noqa: E402
+from helix.attention import gluon_mla, triton_backend, triton_mla, triton_mla_few  # noqa: E402
 from helix.layers import fused_moe as fm  # noqa: E402
 from helix.layers import router as rt  # noqa: E402
 from helix.layers import triton_router as tr  # noqa: E402
@@ -166,6 +168,17 @@ def bench_moe(args, flush, copy_bw) -> list[dict]:
 MLA_SHAPE = (16, 512, 64, 64)            # heads, latent, rope, page: DeepSeek-V2-Lite's rank
 
 
+def _gluon_runs() -> bool:
+    """The Gluon MLA kernel compiles and passes its self-check here (sm_90)."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        return False
+    try:
+        return gluon_mla.self_check(torch.device(DEVICE), triton_backend.GLUON_VARIANT)[0]
+    except Exception as e:                            # no Gluon, not sm_90: not timed
+        print(f"  gluon MLA not timed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        return False
+
+
 def _own_mla(ql, qr, kv, bt, lens, scale):
     """triton_mla's kernel for any head count (mla_decode routes few heads to triton_mla_few;
     records before this fix timed the few-heads kernel twice)."""
@@ -180,6 +193,8 @@ def bench_mla(args, flush, copy_bw) -> list[dict]:
     recs = []
     H, Dl, Dr, page = MLA_SHAPE
     variants = MLA_VARIANTS[:3] if args.quick else MLA_VARIANTS
+    if _gluon_runs():
+        variants = variants + [("gluon", "gluon", None)]
     for B in args.mla_batches:
         for ctx in args.mla_contexts:
             pages = B * ctx // page
@@ -195,6 +210,9 @@ def bench_mla(args, flush, copy_bw) -> list[dict]:
             for vname, kern, cfg in variants:
                 if kern == "mla":                 # triton_mla's own kernel, not the routing
                     fn = lambda: _own_mla(ql, qr, kv, bt, lens, scale)  # noqa: E731
+                elif kern == "gluon":             # the sm_90 kernel the backend runs instead
+                    fn = lambda: gluon_mla.mla_decode_gluon(  # noqa: E731
+                        ql, qr, kv, bt, lens, scale, variant=triton_backend.GLUON_VARIANT)
                 else:
                     fn = lambda c=cfg: triton_mla_few.mla_decode_few(  # noqa: E731
                         ql, qr, kv, bt, lens, scale, config=c)

@@ -252,3 +252,19 @@ def test_bench_summary_and_child_timeout(tmp_path, monkeypatch):
         raise subprocess.TimeoutExpired(a[0], k["timeout"])
     monkeypatch.setattr(bench.subprocess, "run", hang)
     assert bench.sub("check", str(tmp_path), 5, variant="seesaw").startswith("TIMEOUT")
+
+
+@pytest.mark.parametrize("heads,batch,gluon", [(16, "1", False), (16, "from-1", False),
+                                               (16, "from", True), (16, "4from", True),
+                                               (128, "1", True)])
+def test_backend_sends_few_heads_small_batches_to_the_few_heads_kernel(heads, batch, gluon):
+    """On sm_90 the backend runs Gluon for a launch unless it has few heads (triton_mla_few.routes)
+    and a batch under GLUON_FEW_HEADS_FROM_BATCH (measured in whole steps, step_kernels.md)."""
+    from helix.attention import triton_backend
+    start = triton_backend.GLUON_FEW_HEADS_FROM_BATCH
+    B = {"1": 1, "from-1": start - 1, "from": start, "4from": 4 * start}[batch]
+    kv = torch.zeros(6, 64, 576, dtype=torch.bfloat16)
+    fits = triton_backend.TritonAttention._gluon_fits(
+        torch.zeros(B, heads, 512, dtype=torch.bfloat16),
+        torch.zeros(B, heads, 64, dtype=torch.bfloat16), kv)
+    assert fits is gluon

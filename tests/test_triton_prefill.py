@@ -279,6 +279,26 @@ def test_torch_path_padding_rows(monkeypatch, kernel, host):
     assert (o[T:] == 0).all() and (lse[T:] == float("-inf")).all()
 
 
+@pytest.mark.parametrize("lens", [[70], [5, 0, 64, 129], [0, 0]], ids=["one", "ragged", "empty"])
+def test_gather_slots_from_host_lengths(lens):
+    """The slots built per sequence from host key counts equal the device-count path's: partial
+    pages, a page-exact sequence, empty sequences, shuffled pages."""
+    page, width = 16, 10
+    gen = torch.Generator().manual_seed(7)
+    tables = torch.randperm(len(lens) * width, generator=gen).int().view(len(lens), width)
+    meta = LocalKVMeta(
+        slots=torch.zeros(0, dtype=torch.long), block_tables=tables.to(DEV),
+        kv_lens=torch.tensor(lens, dtype=torch.int32, device=DEV),
+        cu_q=torch.zeros(len(lens) + 1, dtype=torch.int32, device=DEV),
+        q_pos=torch.zeros(0, dtype=torch.long, device=DEV), kvp_rank=0, kvp=1, interleave=1,
+        page_size=page, num_decode=0, max_q=1, max_kv=max(lens))
+    want = [int(tables[s, j // page]) * page + j % page for s, n in enumerate(lens)
+            for j in range(n)]
+    for host in (None, lens):
+        got = torch_prefill.gather_slots(meta, sum(lens), DEV, host)
+        assert got.dtype == torch.long and got.tolist() == want
+
+
 def test_backend_prefill_choice(monkeypatch):
     """auto: the device's measured torch kernel from its key count on (a short chunk after a
     long prefix too), else Triton; a named kernel wherever it applies (never at kvp > 1, never

@@ -11,7 +11,8 @@ applies; "triton" never does.
 
 Absorbed MLA decode runs the Gluon kernel (helix.attention.gluon_mla, variant GLUON_VARIANT) on
 sm_90 where it compiled and passed its self-check in `prepare` and the shape suits it (16-bit KV,
-512 + 64 dims, not a few-heads launch: triton_mla_few.routes), else triton_mla (env
+512 + 64 dims, not a few-heads launch of a small batch: triton_mla_few.routes and
+GLUON_FEW_HEADS_FROM_BATCH), else triton_mla (env
 HELIX_MLA_GLUON=0 keeps triton_mla): profiling/results/mla_gluon.md measured it 3-10 % ahead of
 triton_mla at every shape timed.
 
@@ -32,6 +33,11 @@ from helix.kv.manager import LocalKVMeta
 
 PREFILL_IMPLS = ("auto", "triton") + torch_prefill.KERNELS
 GLUON_VARIANT = "simple"     # the faster variant at every shape of profiling/results/mla_gluon.md
+# A few-heads MLA launch (triton_mla_few.routes) of at least this batch runs the Gluon kernel where
+# it runs (sm_90): whole DeepSeek-V2-Lite steps on the H200 (profiling/results/step_kernels.md)
+# took the few-heads kernel 23 against Gluon's 34 us a layer at batch 1 x 32K, but 126 against
+# 104 at batch 8 x 32K.
+GLUON_FEW_HEADS_FROM_BATCH = 8
 # By device name: (torch kernel, keys of the longest prefill sequence (meta.max_kv) from which it
 # beats the Triton prefill kernel), as profiling/bench_prefill.py part (a) measures and prints it.
 # A device not listed runs the Triton kernel under "auto". H200 (profiling/results/prefill.md):
@@ -122,9 +128,10 @@ class TritonAttention(AttentionBackend):
     @staticmethod
     def _gluon_fits(q_latent, q_rope, kv_cache) -> bool:
         from helix.attention import gluon_mla
-        H, Dl, Dr = q_latent.shape[1], q_latent.shape[2], q_rope.shape[2]
+        B, H, Dl = q_latent.shape
+        Dr = q_rope.shape[2]
         P, page, _ = kv_cache.shape
-        return (not triton_mla_few.routes(H)
+        return ((not triton_mla_few.routes(H) or B >= GLUON_FEW_HEADS_FROM_BATCH)
                 and gluon_mla.unsupported_reason(H, Dl, Dr, page, kv_cache.dtype, P * page) is None
                 and gluon_mla.tma_ready(kv_cache) is None)
 
