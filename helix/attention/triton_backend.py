@@ -34,10 +34,11 @@ from helix.kv.manager import LocalKVMeta
 PREFILL_IMPLS = ("auto", "triton") + torch_prefill.KERNELS
 GLUON_VARIANT = "simple"     # the faster variant at every shape of profiling/results/mla_gluon.md
 # A few-heads MLA launch (triton_mla_few.routes) of at least this batch runs the Gluon kernel where
-# it runs (sm_90): whole DeepSeek-V2-Lite steps on the H200 (profiling/results/step_kernels.md)
-# took the few-heads kernel 23 against Gluon's 34 us a layer at batch 1 x 32K, but 126 against
-# 104 at batch 8 x 32K.
-GLUON_FEW_HEADS_FROM_BATCH = 8
+# it runs (sm_90). H200, 16 heads (profiling/results/step_kernels.md): alone, the few-heads
+# kernel wins at batch 1 (30 against 39 us at 32K, 75 against 108 at 128K), Gluon from batch 2
+# (44 against 48 us at 2 x 32K, 391 against 465 at 8 x 128K); in whole DeepSeek-V2-Lite steps
+# the few-heads kernel saves 0.30 ms at 1 x 32K and 0.90 at 1 x 128K, Gluon 0.05 at 8 x 32K.
+GLUON_FEW_HEADS_FROM_BATCH = 2
 # By device name: (torch kernel, keys of the longest prefill sequence (meta.max_kv) from which it
 # beats the Triton prefill kernel), as profiling/bench_prefill.py part (a) measures and prints it.
 # A device not listed runs the Triton kernel under "auto". H200 (profiling/results/prefill.md):
