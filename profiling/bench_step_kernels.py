@@ -278,12 +278,13 @@ def bench_steps(args, copy_bw) -> list[dict]:
     from helix.runtime.sampling import SamplingParams
     from helix.sweep import Sweep, open_llm
     recs = []
-    points = [(1, c) for c in args.step_contexts] + [(8, args.step_contexts[len(
-        args.step_contexts) // 2])]
+    mid = args.step_contexts[len(args.step_contexts) // 2]
+    points = [(1, c) for c in args.step_contexts] + [(b, mid) for b in args.step_batches]
     steps = args.step_steps
     cuda = DEVICE == "cuda"
     sweep = Sweep(name="step", models=(args.step_model,), layouts=(Layout(),),
-                  batches=(1, 8), contexts=tuple(args.step_contexts),
+                  batches=tuple(dict.fromkeys((1, *args.step_batches))),
+                  contexts=tuple(args.step_contexts),
                   runtime=dict(device=DEVICE, dtype="bfloat16" if cuda else "float32",
                                layers=args.step_layers, cuda_graphs=True,
                                attention_backend="triton" if cuda else "torch", page_size=64,
@@ -378,6 +379,8 @@ def main(argv: list[str] | None = None) -> None:
                     default=[1024, 32768, 131072])
     ap.add_argument("--step-modes", type=lambda s: s.split(","), default=["before", "after"],
                     help=f"comma list of {', '.join(STEP_MODES)}")
+    ap.add_argument("--step-batches", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[8], help="part (d) batches beside 1, at the middle context")
     ap.add_argument("--step-steps", type=int, default=10)
     ap.add_argument("--step-model", default="deepseek-v2-lite")
     ap.add_argument("--step-layers", type=int, default=0, help="first n layers (0: all)")
