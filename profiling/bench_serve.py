@@ -7,8 +7,8 @@ the same requests (greedy, ignore_eos, fixed max_tokens) through HTTP from other
 (a standard-library asyncio client, profiling/http_client.py; the streams spread over
 --client-procs processes, since one Python client reads ~20 us an event and is most of a core
 at 32 x 1,000 events a second), and record every event's arrival. Reported per round and as
-medians: delivered tokens/s (tokens the clients received / wall time from the first request sent to the last token received) against the engine's
-tokens/s (`ratio`, target >= 0.9), TTFT and time per output token percentiles as the clients
+medians: delivered tokens/s (tokens the clients received / wall time from the first request
+sent to the last token received) against the engine's tokens/s (`ratio`, target >= 0.9), TTFT and time per output token percentiles as the clients
 see them, tokens per SSE event (> 1: the server coalesced), the engine's mean step time alone
 and while serving (LLM.step wall time, from the engine's own reports), the engine loop's time
 between steps, the CPU share of the server and client processes, and whether the HTTP tokens
