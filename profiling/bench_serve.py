@@ -1,18 +1,18 @@
 """Tokens/s through `helix serve` against the engine's own, for the same requests in the same run.
 
-One engine (its own process, as `helix serve` runs it) and the HTTP server (uvicorn in a thread of
-this process). Each round: (1) the engine alone runs the C requests straight through its step
+One engine (its own process, as `helix serve` runs it) and the HTTP server (uvicorn in a thread
+of this process). Each round: (1) the engine alone runs the C requests straight through its step
 loop (AsyncLLM.run_direct: no HTTP, no asyncio), then (2) C concurrent streaming clients send
-the same requests (greedy, ignore_eos, fixed max_tokens) through HTTP from other processes
-(a standard-library asyncio client, profiling/http_client.py; the streams spread over
---client-procs processes, since one Python client reads ~20 us an event and is most of a core
-at 32 x 1,000 events a second), and record every event's arrival. Reported per round and as
-medians: delivered tokens/s (tokens the clients received / wall time from the first request
-sent to the last token received) against the engine's tokens/s (`ratio`, target >= 0.9), TTFT and time per output token percentiles as the clients
-see them, tokens per SSE event (> 1: the server coalesced), the engine's mean step time alone
-and while serving (LLM.step wall time, from the engine's own reports), the engine loop's time
-between steps, the CPU share of the server and client processes, and whether the HTTP tokens
-equal the direct run's.
+the same requests (greedy, ignore_eos, fixed max_tokens) through HTTP from other processes (a
+standard-library asyncio client, profiling/http_client.py; the streams spread over
+--client-procs processes, since one Python client reads ~20 us an event and is most of a core at 32 x
+1,000 events a second), and record every event's arrival. Reported per round and as medians:
+delivered tokens/s (tokens the clients received / wall time from the first request sent to the
+last token received) against the engine's tokens/s (`ratio`, target >= 0.9), TTFT and time per
+output token percentiles as the clients see them, tokens per SSE event (> 1: the server
+coalesced), the engine's mean step time alone and while serving (LLM.step wall time, from the
+engine's own reports), the engine loop's time between steps, the CPU share of the server and
+client processes, and whether the HTTP tokens equal the direct run's.
 
     python profiling/bench_serve.py --out profiling/results/bench_serve.json    # one H200
     python profiling/bench_serve.py --smoke                                     # CPU, tiny
