@@ -5,8 +5,8 @@ of this process). Each round: (1) the engine alone runs the C requests straight 
 loop (AsyncLLM.run_direct: no HTTP, no asyncio), then (2) C concurrent streaming clients send
 the same requests (greedy, ignore_eos, fixed max_tokens) through HTTP from other processes (a
 standard-library asyncio client, profiling/http_client.py; the streams spread over
---client-procs processes, since one Python client reads ~20 us an event and is most of a core at 32 x
-1,000 events a second), and record every event's arrival. Reported per round and as medians:
+--client-procs processes, since one Python client reads ~20 us an event and is most of a core
+at 32 x 1,000 events a second), and record every event's arrival. Reported per round and as medians:
 delivered tokens/s (tokens the clients received / wall time from the first request sent to the
 last token received) against the engine's tokens/s (`ratio`, target >= 0.9), TTFT and time per
 output token percentiles as the clients see them, tokens per SSE event (> 1: the server
