@@ -141,9 +141,18 @@ def test_decode_config_validated():
         c = md.moe_decode_config(T, 6, 64, 1408, 2048, torch.bfloat16, 132,
                                  dict(mode="fma", BLOCK_M=4))
         assert all(4 * c[p]["BLOCK_N"] * c[p]["BLOCK_K"] <= 4096 for p in ("up", "down")), c
-    # 6 experts x 2048 features: 16-wide blocks give >= 4 programs per SM, no split needed
+    # one row, 16-bit weights: 32-wide feature blocks (measured), the down projection split in
+    # two so 6 experts x 2048 features still give >= 4 programs per SM
     c = md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132)
-    assert c["down"]["BLOCK_N"] == 16 and c["K_SPLITS"] == 1 and c["MODE"] == md.MODES["dot"]
+    assert c["up"]["BLOCK_N"] == c["down"]["BLOCK_N"] == 32 and c["K_SPLITS"] == 2
+    assert c["MODE"] == md.MODES["dot"] and c["up"]["BLOCK_K"] == 64 and c["num_stages"] == 3
+    # several rows: 128-element K tiles over 4 stages, feature blocks from the programs rule
+    c = md.moe_decode_config(8, 6, 64, 1408, 2048, torch.bfloat16, 132)
+    assert c["up"]["BLOCK_K"] == c["down"]["BLOCK_K"] == 128 and c["num_stages"] == 4
+    assert c["down"]["BLOCK_N"] == 64 and c["K_SPLITS"] == 1      # 48 experts can be hit
+    # fp32 (the CPU oracle's dtype) and explicit tunables keep the plain rule
+    c = md.moe_decode_config(8, 6, 64, 1408, 2048, torch.float32, 132, dict(num_stages=2))
+    assert c["up"]["BLOCK_K"] == 32 and c["num_stages"] == 2
     # one expert (EP), narrow D: split K to fill the GPU
     c = md.moe_decode_config(1, 1, 8, 4096, 256, torch.bfloat16, 132)
     assert c["K_SPLITS"] == 8

@@ -279,16 +279,26 @@ def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype:
     # FMA accumulators live in registers: BM x BN x BK fp32 products <= 32 per thread
     cap = max(1, 4096 // (block_m * bk)) if mode == "fma" else 64
     lo = min(cap, 16 if mode == "dot" else 4)
-    up_bn = cfg.pop("up_BLOCK_N", min(cap, _feature_block(inter, hit, lo, target)))
-    down_bn = cfg.pop("down_BLOCK_N", min(cap, _feature_block(dim, hit, lo, target)))
+    # Tensor cores on 16-bit weights, measured on the H200 (profiling/results/step_kernels.md,
+    # part b: DeepSeek-V2-Lite and Qwen3-235B layers, gate/up + down): one row streams fastest
+    # with 32-wide feature blocks (52.5 against 72.3 us with the 16-wide ones this rule gives,
+    # DeepSeek-V2-Lite), two or more rows with 128-element K tiles over 4 stages (175.7 against
+    # 184.9 us at batch 8; 106-476 us, the best or within 1 % of it, at every batch 1-8 of both).
+    tuned = mode == "dot" and dtype.itemsize == 2
+    wide = 32 if tuned and T == 1 else None
+    deep = tuned and T > 1
+    up_bn = cfg.pop("up_BLOCK_N", wide or min(cap, _feature_block(inter, hit, lo, target)))
+    down_bn = cfg.pop("down_BLOCK_N", wide or min(cap, _feature_block(dim, hit, lo, target)))
     programs = hit * -(-dim // down_bn)
     splits = cfg.pop("K_SPLITS", max(1, min(8, pow2(-(-target // programs)))))
+    bk = 128 if deep else bk
     return dict(MODE=MODES[mode], BLOCK_M=block_m,
                 up=dict(BLOCK_N=up_bn, BLOCK_K=cfg.pop("up_BLOCK_K", bk)),
                 down=dict(BLOCK_N=down_bn, BLOCK_K=cfg.pop("down_BLOCK_K", bk)),
                 K_SPLITS=splits, FUSED_COMBINE=cfg.pop("FUSED_COMBINE", True),
                 num_warps=cfg.pop("num_warps", 4),
-                num_stages=cfg.pop("num_stages", 2 if dtype == torch.float32 else 3))
+                num_stages=cfg.pop("num_stages", 4 if deep else
+                                   2 if dtype == torch.float32 else 3))
 
 
 def moe_decode(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
