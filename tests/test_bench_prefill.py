@@ -37,3 +37,9 @@ def test_bench_prefill_smoke(tmp_path, capsys, monkeypatch):
     assert all(r["tpot_p50_ms"] > 0 and r["tpot_p99_ms"] >= r["tpot_p50_ms"] for r in join)
     text = capsys.readouterr().out
     assert "TTFT" in text and "sdpa_ratio" in text
+    # every prompt past hf_max (the 256K run): Helix only
+    only = tmp_path / "only.json"
+    bench.main(["--smoke", "--iters", "1", "--parts", "b", "--ttft-prompts", "40", "--out",
+                str(only)])
+    assert [(r["engine"], r["prompt_tokens"]) for r in json.loads(only.read_text())["records"]
+            ] == [("helix", 40)]
