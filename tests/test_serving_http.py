@@ -269,6 +269,9 @@ def test_metrics_are_prometheus_text(served):
     assert int(samples["helix_time_to_first_token_seconds_count"]) >= 8
     assert int(samples['helix_requests_total{finish_reason="length"}']) >= 8
     assert int(samples['helix_requests_rejected_total{reason="overloaded"}']) >= 1
+    # the engine loop's time between busy steps: some, and far below the steps' own
+    loop, steps = (float(samples[f"helix_engine_{k}_seconds_total"]) for k in ("loop", "step"))
+    assert 0 < loop < steps
     for line in text.splitlines():
         assert line.startswith("# ") or len(line.rsplit(" ", 1)) == 2, line
 

@@ -3,7 +3,7 @@
 Per request: time to first token (arrival at the server -> first token back from the engine),
 time per output token (first -> last token, over the tokens after the first), tokens. Engine:
 running and queued requests, KV pages used / free per rank (LLM.stats(), pushed by the engine
-about once a second), steps, tokens fed, step time.
+about once a second), steps, tokens fed, step time, the engine loop's time between steps.
 """
 
 from __future__ import annotations
@@ -131,6 +131,9 @@ class Metrics:
                [f"helix_engine_steps_total {self.steps}"])
         metric("helix_engine_step_seconds_total", "counter", "wall time of those steps",
                [f"helix_engine_step_seconds_total {self.step_seconds:.6f}"])
+        metric("helix_engine_loop_seconds_total", "counter",
+               "the engine loop's own time between consecutive busy steps (messages, polling)",
+               [f"helix_engine_loop_seconds_total {self.idle_seconds:.6f}"])
         metric("helix_time_to_first_token_seconds", "histogram",
                "arrival to first token, per request", self.ttft.lines(
                    "helix_time_to_first_token_seconds"))
