@@ -179,16 +179,6 @@ def _gluon_runs() -> bool:
         return False
 
 
-def _own_mla(ql, qr, kv, bt, lens, scale):
-    """triton_mla's kernel for any head count (mla_decode routes few heads to triton_mla_few;
-    records before this fix timed the few-heads kernel twice)."""
-    mode, triton_mla_few.MODE = triton_mla_few.MODE, "0"
-    try:
-        return triton_mla.mla_decode(ql, qr, kv, bt, lens, scale)
-    finally:
-        triton_mla_few.MODE = mode
-
-
 def bench_mla(args, flush, copy_bw) -> list[dict]:
     recs = []
     H, Dl, Dr, page = MLA_SHAPE
@@ -208,8 +198,10 @@ def bench_mla(args, flush, copy_bw) -> list[dict]:
             nbytes = kv.numel() * 2
             ref = None
             for vname, kern, cfg in variants:
-                if kern == "mla":                 # triton_mla's own kernel, not the routing
-                    fn = lambda: _own_mla(ql, qr, kv, bt, lens, scale)  # noqa: E731
+                if kern == "mla":   # config={}: triton_mla's own kernel, not the few-heads
+                    # routing (records before this fix timed the few-heads kernel twice)
+                    fn = lambda: triton_mla.mla_decode(  # noqa: E731
+                        ql, qr, kv, bt, lens, scale, config={})
                 elif kern == "gluon":             # the sm_90 kernel the backend runs instead
                     fn = lambda: gluon_mla.mla_decode_gluon(  # noqa: E731
                         ql, qr, kv, bt, lens, scale, variant=triton_backend.GLUON_VARIANT)

@@ -5,7 +5,8 @@ One sequence (the whole prompt in one chunk, pages shuffled), Llama-3.1-8B shape
 heads, d 128), bf16, per --contexts length. Timed (CUDA events, median of --iters):
 - sdpa_flash / sdpa_cudnn: F.scaled_dot_product_attention (enable_gqa) restricted to one
   backend, on contiguous [1, H, T, d] tensors: the baseline of bench_prefill part (a).
-- slots, gather: torch_prefill.gather_slots, and K and V gathered with those slots.
+- slots, slots_host, gather: torch_prefill.gather_slots from the device key counts and from
+  the host's (what the engine's steps use), and K and V gathered with those slots.
 - kernel_cudnn / kernel_flash_varlen / kernel_flash_dense: each torch kernel alone on the
   gathered keys, in the layouts torch_prefill gives them (q [T, Hq, d] viewed as [1, Hq, T, d];
   FA2 varlen on [T, H, d]; FA2 dense, aten._scaled_dot_product_flash_attention, on the same
@@ -74,6 +75,7 @@ def point(T: int, iters: int) -> dict:
             rec[name + "_error"] = str(e).splitlines()[0][:200]
     slots = torch_prefill.gather_slots(meta, T, dev)
     rec["slots_ms"] = ms(lambda: torch_prefill.gather_slots(meta, T, dev), iters)
+    rec["slots_host_ms"] = ms(lambda: torch_prefill.gather_slots(meta, T, dev, [T]), iters)
     rec["gather_ms"] = ms(lambda: (kc.flatten(0, 1)[slots], vc.flatten(0, 1)[slots]), iters)
     k, v = kc.flatten(0, 1)[slots], vc.flatten(0, 1)[slots]
     qv = q.transpose(0, 1).unsqueeze(0)
