@@ -241,7 +241,7 @@ def _floor_bytes(llm, batch: int, context: int) -> float:
     return total + routed * hit_frac + batch * context * kv
 
 
-STEP_MODES = ("before", "after", "after-nofew", "after-v1moe")
+STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold")
 
 
 def set_kernels(mode: str) -> None:
@@ -253,7 +253,8 @@ def set_kernels(mode: str) -> None:
     after = mode != "before"
     rt.Router.forward = _NEW_FORWARD if after else _legacy_forward
     fm.VARIANT = "v1" if mode in ("before", "after-v1moe") else "auto"
-    triton_mla_few.MODE = "" if mode in ("after", "after-v1moe") else "0"
+    triton_mla_few.MODE = "" if mode in ("after", "after-v1moe", "after-nofold") else "0"
+    fm.FOLD_SHARED = mode not in ("before", "after-nofold")
 
 
 _NEW_FORWARD = rt.Router.forward

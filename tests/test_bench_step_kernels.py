@@ -55,6 +55,7 @@ def test_kernel_switch(monkeypatch):
     monkeypatch.setattr(rt.Router, "forward", rt.Router.forward)
     monkeypatch.setattr(fm, "VARIANT", fm.VARIANT)
     monkeypatch.setattr(triton_mla_few, "MODE", triton_mla_few.MODE)
+    monkeypatch.setattr(fm, "FOLD_SHARED", fm.FOLD_SHARED)
     bench.set_kernels("before")
     assert fm.VARIANT == "v1" and not triton_mla_few.routes(16)
     assert rt.Router.forward is bench._legacy_forward
@@ -62,7 +63,9 @@ def test_kernel_switch(monkeypatch):
     assert fm.VARIANT == "auto" and not triton_mla_few.routes(16)
     assert rt.Router.forward is bench._NEW_FORWARD
     bench.set_kernels("after")
-    assert triton_mla_few.routes(16) and fm.VARIANT == "auto"
+    assert triton_mla_few.routes(16) and fm.VARIANT == "auto" and fm.FOLD_SHARED
+    bench.set_kernels("after-nofold")
+    assert triton_mla_few.routes(16) and fm.VARIANT == "auto" and not fm.FOLD_SHARED
     bench.set_kernels("after-v1moe")
     assert fm.VARIANT == "v1" and triton_mla_few.routes(16)
     assert rt.Router.forward is bench._NEW_FORWARD

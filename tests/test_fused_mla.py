@@ -16,6 +16,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from helix.layers import fused_mla as fmla  # noqa: E402
+from helix.layers.fused_ops import rope_torch  # noqa: E402
 from helix.layers.rope import RotaryEmbedding  # noqa: E402
 from helix.config import RopeConfig  # noqa: E402
 
@@ -52,24 +53,36 @@ def ulps(a, b) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("dims,interleave", [((512, 64), True), ((48, 16), False)],
+@pytest.mark.parametrize("dims,interleave,heads", [((512, 64), True, 16), ((48, 16), False, 3)],
                          ids=["deepseek-interleaved", "small-halves"])
-def test_kv_row_matches_torch(dims, interleave, dtype):
+def test_kv_row_matches_torch(dims, interleave, heads, dtype):
+    """The cache row and, in the same launch, the queries' rope dims (a strided view of the
+    q projection, as the layer passes them) against the torch formulas."""
     Dl, Dr = dims
     g = torch.Generator().manual_seed(Dl)
     rope = RotaryEmbedding(RopeConfig(theta=10000.0, adjacent_pairs=interleave), Dr, 64)
     ckv = (torch.randn(5, Dl + Dr + 8, generator=g) * 3).to(dtype)[:, 4:4 + Dl + Dr]  # strided
     w = (torch.rand(Dl, generator=g) + 0.5).to(dtype)
+    q = (torch.randn(5, heads, 24 + Dr, generator=g) * 3).to(dtype)
+    q_rope = q.split([24, Dr], dim=-1)[1]                                 # [5, h, Dr] strided
     pos = torch.tensor([0, 7, 63, 2, 40])
-    ref = fmla.mla_kv_row_torch(ckv, w, 1e-6, rope.cos, rope.sin, pos, interleave)
-    out = fmla.mla_kv_row_triton(ckv.to(DEV), w.to(DEV), 1e-6, rope.cos.to(DEV),
-                                 rope.sin.to(DEV), pos.to(DEV), interleave)
+    ref, ref_q = fmla.mla_kv_row_torch(ckv, w, 1e-6, rope.cos, rope.sin, pos, interleave,
+                                       q_rope)
+    assert torch.equal(ref_q, rope_torch(q_rope, rope.cos, rope.sin, pos, interleave))
+    out, out_q = fmla.mla_kv_row_triton(ckv.to(DEV), w.to(DEV), 1e-6, rope.cos.to(DEV),
+                                        rope.sin.to(DEV), pos.to(DEV), interleave,
+                                        q_rope.to(DEV))
     assert out.dtype == dtype and out.shape == (5, Dl + Dr) and out.is_contiguous()
+    assert out_q.shape == (5, heads, Dr) and out_q.is_contiguous()
     assert ulps(out[:, Dl:].cpu(), ref[:, Dl:]) == 0                  # RoPE: bitwise
+    assert ulps(out_q.cpu(), ref_q) == 0
     # the norm's sum order differs from torch's: fp32 within a few ulps, half types within one
     assert ulps(out[:, :Dl].cpu(), ref[:, :Dl]) <= (8 if dtype == torch.float32 else 1)
     if dtype != torch.float32:                               # nearly all bitwise equal
         assert (out[:, :Dl].cpu() == ref[:, :Dl]).float().mean() > 0.97
+    alone, none = fmla.mla_kv_row_triton(ckv.to(DEV), w.to(DEV), 1e-6, rope.cos.to(DEV),
+                                         rope.sin.to(DEV), pos.to(DEV), interleave)
+    assert none is None and torch.equal(alone, out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -95,8 +108,10 @@ def test_dispatch_falls_back_off_cuda_and_for_prefill():
     rope = RotaryEmbedding(RopeConfig(theta=10000.0), 8, 16)
     ckv, w = torch.randn(3, 24, generator=g), torch.rand(16, generator=g)
     pos = torch.tensor([1, 2, 3])
-    assert torch.equal(fmla.mla_kv_row(ckv, w, 1e-6, rope.cos, rope.sin, pos, False),
-                       fmla.mla_kv_row_torch(ckv, w, 1e-6, rope.cos, rope.sin, pos, False))
+    q = torch.randn(3, 2, 8, generator=g)
+    got = fmla.mla_kv_row(ckv, w, 1e-6, rope.cos, rope.sin, pos, False, q)
+    want = fmla.mla_kv_row_torch(ckv, w, 1e-6, rope.cos, rope.sin, pos, False, q)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
     o, wv = torch.randn(fmla.ABSORB_MAX_ROWS + 1, 2, 16), torch.randn(2, 8, 16)
     assert torch.equal(fmla.absorb_v(o, wv), fmla.absorb_v_torch(o, wv))
 
@@ -105,11 +120,12 @@ def test_launch_grids_from_shapes():
     m = dict(device="meta")
     grids = []
     with mock.patch.object(fmla, "run_kernel", lambda k, grid, *a, **kw: grids.append(grid)):
-        out = fmla.mla_kv_row_triton(torch.empty(4, 576, dtype=torch.bfloat16, **m),
-                                     torch.empty(512, dtype=torch.bfloat16, **m),
-                                     1e-6, torch.empty(100, 32, **m), torch.empty(100, 32, **m),
-                                     torch.empty(4, dtype=torch.int64, **m), True)
-        assert out.shape == (4, 576)
+        out, q = fmla.mla_kv_row_triton(
+            torch.empty(4, 576, dtype=torch.bfloat16, **m),
+            torch.empty(512, dtype=torch.bfloat16, **m), 1e-6, torch.empty(100, 32, **m),
+            torch.empty(100, 32, **m), torch.empty(4, dtype=torch.int64, **m), True,
+            torch.empty(4, 16, 192, dtype=torch.bfloat16, **m)[..., 128:])
+        assert out.shape == (4, 576) and q.shape == (4, 16, 64)
         out = fmla.absorb_v_triton(torch.empty(4, 16, 512, dtype=torch.bfloat16, **m),
                                    torch.empty(16, 128, 512, dtype=torch.bfloat16, **m))
         assert out.shape == (4, 2048)
@@ -128,7 +144,8 @@ with mock.patch.object(fmla, "run_kernel", lambda k, g, *a, **kw: launches.appen
     bf = torch.bfloat16
     fmla.mla_kv_row_triton(torch.empty(8, 576, dtype=bf, **m), torch.empty(512, dtype=bf, **m),
                            1e-6, torch.empty(100, 32, **m), torch.empty(100, 32, **m),
-                           torch.empty(8, dtype=torch.int64, **m), True)
+                           torch.empty(8, dtype=torch.int64, **m), True,
+                           torch.empty(8, 128, 192, dtype=bf, **m)[..., 128:])
     fmla.absorb_v_triton(torch.empty(8, 16, 512, dtype=bf, **m),
                          torch.empty(16, 256, 512, dtype=bf, **m)[:, 128:])
 print(json.dumps([compile_sm90(k, a, kw) for k, a, kw in launches]))

@@ -129,6 +129,86 @@ def test_decode_kernel_configs(config, dtype):
     _check(out, _reference(x, gate, up, down, weights, ids, first), x, dtype)
 
 
+def _shared_shard(Is, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    gs = torch.randn(2 * Is, D, generator=g) / D ** 0.5        # [gate | up] as gate_up_proj
+    ds = torch.randn(D, Is, generator=g) / Is ** 0.5
+    gs, ds = gs.to(DEV, dtype), ds.to(DEV, dtype)
+    return gs[:Is], gs[Is:], ds                                  # views, as ParallelMLP.shards
+
+
+def _shared_reference(x, gs, us, ds):
+    x, gs, us, ds = (t.float().cpu() for t in (x, gs, us, ds))
+    return (F.silu(x @ gs.t()) * (x @ us.t())) @ ds.t()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", [dict(mode="dot", **WIDE),
+                                    dict(mode="fma", BLOCK_M=2, K_SPLITS=2, **WIDE),
+                                    dict(mode="dot", K_SPLITS=3, FUSED_COMBINE=False, **WIDE)],
+                         ids=["dot", "fma-ks2", "dot-ks3-unfused"])
+@pytest.mark.parametrize("T,Is", [(1, 24), (3, 2 * 24 - 5), (5, 3 * 24)])
+def test_decode_kernels_add_shared_experts(T, Is, config, dtype):
+    """moe_decode with the shared-expert shard: routed pairs (repeats, other ranks' experts)
+    plus the shared MLP for every token, the shard cut into cdiv(Is, I) pieces (the last one
+    short: 2 * I - 5), every inner-product mode, split-K, the unfused k-sum."""
+    E, first, k = 6, 6, 4
+    x, gate, up, down, weights, ids = _problem(T, 40, 24, E, k, first, 18, dtype, seed=31 + T)
+    ids[0, :2] = 7                                             # one expert twice in a token
+    gs, us, ds = _shared_shard(Is, 40, dtype, seed=T)
+    ref = _reference(x, gate, up, down, weights, ids, first) + _shared_reference(x, gs, us, ds)
+    out = md.moe_decode(x, gate, up, down, weights, ids, first, config, shared=(gs, us, ds))
+    _check(out, ref, x, dtype)
+    assert md.shared_pieces((gs, us, ds), 24) == -(-Is // 24)
+
+
+def test_shared_experts_only_on_the_decode_kernels():
+    x, gate, up, down, weights, ids = _problem(2, 32, 16, 4, 2, 0, 4, torch.float32, seed=4)
+    shared = _shared_shard(16, 32, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="decode kernels"):
+        fm.fused_moe(x, gate, up, down, weights, ids, 0, variant="v1", shared=shared)
+    assert fm.decode_kernels(2 * 2) and not fm.decode_kernels(4, "v1")
+    assert not fm.decode_kernels(md.MAX_PAIRS + 1) and not fm.decode_kernels(0)
+
+
+def test_moe_layer_same_with_shared_experts_folded():
+    """The MoE layer (router, experts, shared experts, one all-reduce) gives the same output
+    with the shared experts in the decode kernels as with the separate MLP, and only folds
+    them where the decode kernels run."""
+    from helix.config import Layout, ModelConfig
+    from helix.layers.moe import MoE
+    from helix.parallel.comm import LocalComm
+    from helix.parallel.mesh import Mesh
+    cfg = ModelConfig(arch="deepseek_v2", vocab_size=64, hidden_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32,
+                      num_experts=8, experts_per_token=3, moe_intermediate_size=16,
+                      num_shared_experts=2, moe_layers=(True,))
+    moe = MoE(cfg, LocalComm(Mesh(Layout(), 0)))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    moe = moe.to(DEV)
+    x = torch.randn(4, 32, generator=g).to(DEV)
+    calls = []
+    real = md.moe_decode
+
+    def spy(*a, **kw):
+        calls.append(a[-1] if len(a) > 8 else kw.get("shared"))
+        return real(*a, **kw)
+
+    with mock.patch.object(LocalExperts, "graph_safe", True), \
+            mock.patch.object(md, "moe_decode", spy):
+        folded = moe(x)
+        with mock.patch.object(fm, "FOLD_SHARED", False):
+            separate = moe(x)
+        with mock.patch.object(fm, "VARIANT", "v1"):
+            v1 = moe(x)
+    assert len(calls) == 2 and calls[0] is not None and calls[1] is None
+    torch.testing.assert_close(folded, separate, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(v1, separate, rtol=1e-4, atol=1e-4)
+
+
 def test_decode_config_validated():
     with pytest.raises(ValueError, match="unknown MoE decode tunables"):
         md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, config={"BLOCK": 1})
@@ -271,6 +351,13 @@ def test_runs_on_meta_tensors():
         c = md.moe_decode_config(T, k, E, I, D, torch.bfloat16, 2)      # 2: sm_count_of(meta)
         assert grids == [(T * k, -(-I // c["up"]["BLOCK_N"])),
                          (T * k, -(-D // c["down"]["BLOCK_N"]), c["K_SPLITS"])]
+        grids.clear()
+        shared = (torch.empty(2 * I + 8, D, dtype=torch.bfloat16, **m)[:I + 4],
+                  torch.empty(I + 4, D, dtype=torch.bfloat16, **m),
+                  torch.empty(D, I + 4, dtype=torch.bfloat16, **m))
+        out = fm.fused_moe(x, gate, up, down, weights, ids, first=64, shared=shared)
+        c = md.moe_decode_config(T, k, E, I, D, torch.bfloat16, 2, shared=2)
+        assert out.shape == (T, D) and grids[0][0] == grids[1][0] == T * k + 2
     order, bounds = fm.moe_routing(ids, 64, E)
     assert order.shape == (T * k,) and bounds.shape == (E + 2,)
     assert fm.fused_moe_torch(x[:, :64], gate[:2, :16, :64], up[:2, :16, :64],

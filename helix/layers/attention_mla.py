@@ -105,13 +105,13 @@ class MLAAttention(nn.Module):
                  else self.q_proj(x))
             q = q.view(R, self.hq, self.nope + self.rdim)
             q_nope, q_rope = q.split([self.nope, self.rdim], dim=-1)
-            q_rope = self.rope(q_rope, pos)
             A = R if plan is None else D          # rows in the absorbed form
             q_latent = torch.einsum("thn,hnc->thc", q_nope[:A], w_uk)        # [A, h, Dl]
             ckv = self.kv_a_proj_with_mqa(x)                               # [R, Dl + Dr]
             norm, rope = self.kv_a_layernorm, self.rope
-            row = mla_kv_row(ckv, norm.weight, norm.eps, rope.cos, rope.sin, pos,
-                             rope.adjacent_pairs)    # [normed latent | roped key]: [R, Dl + Dr]
+            # [normed latent | roped key] [R, Dl + Dr] and the roped queries, one launch
+            row, q_rope = mla_kv_row(ckv, norm.weight, norm.eps, rope.cos, rope.sin, pos,
+                                     rope.adjacent_pairs, q_rope)
         (kv_cache,) = cache
         slots = meta.slots
 

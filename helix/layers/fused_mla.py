@@ -2,8 +2,9 @@
 layer's previous torch formula as the fallback (off CUDA, HELIX_FUSED_OPS=0, or past the row
 counts the kernels serve).
 
-    mla_kv_row(ckv [T, Dl + Dr], norm_w [Dl], eps, cos, sin, pos, interleave) -> [T, Dl + Dr]
-        = cat(rms_norm(ckv[:, :Dl]) * norm_w, rope(ckv[:, Dl:]))      (3 launches -> 1)
+    mla_kv_row(ckv [T, Dl + Dr], norm_w [Dl], eps, cos, sin, pos, interleave, q_rope [T, h, Dr])
+        -> (cat(rms_norm(ckv[:, :Dl]) * norm_w, rope(ckv[:, Dl:])) [T, Dl + Dr],
+            rope(q_rope) [T, h, Dr] or None without q_rope)            (4 launches -> 1)
     absorb_v(o [T, h, Dl], w_uv [h, v, Dl]) -> [T, h * v]
         = einsum("thc,hvc->thv").reshape(T, -1)                        (bmm + copy -> 1)
 
@@ -23,11 +24,12 @@ from helix.triton_util import HAS_TRITON, pow2, run_kernel, tl, triton
 ABSORB_MAX_ROWS = 64          # absorb_v's kernel: a program's rows; more (prefill): torch
 
 
-def mla_kv_row_torch(ckv, norm_w, eps, cos, sin, pos, interleave):
+def mla_kv_row_torch(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope=None):
     Dl = norm_w.shape[0]
     latent, k_rope = ckv[:, :Dl], ckv[:, Dl:]
     k_rope = rope_torch(k_rope.unsqueeze(1), cos, sin, pos, interleave).squeeze(1)
-    return torch.cat((rms_norm_torch(latent, norm_w, eps), k_rope), dim=-1)
+    q = None if q_rope is None else rope_torch(q_rope, cos, sin, pos, interleave)
+    return torch.cat((rms_norm_torch(latent, norm_w, eps), k_rope), dim=-1), q
 
 
 def absorb_v_torch(o, w_uv):
@@ -36,10 +38,13 @@ def absorb_v_torch(o, w_uv):
 
 if HAS_TRITON:
     @triton.jit
-    def _kv_row_kernel(ckv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr,
-                       D_LAT, HALF, inv_d, eps, stride_ct, stride_ot, sct, sst,
-                       INTERLEAVE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr):
-        """One row: out[:Dl] = rms_norm(ckv[:Dl]) * w, out[Dl:] = rope(ckv[Dl:])."""
+    def _kv_row_kernel(ckv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, q_ptr, qo_ptr,
+                       D_LAT, HALF, HQ, inv_d, eps, stride_ct, stride_ot, sct, sst, sqt, sqh,
+                       INTERLEAVE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr,
+                       BLOCK_H: tl.constexpr):
+        """One row: out[:Dl] = rms_norm(ckv[:Dl]) * w, out[Dl:] = rope(ckv[Dl:]); with
+        BLOCK_H > 0 also qo[t, :HQ] = rope(q[t, :HQ]) (the query heads' rope dims, unit
+        stride along them), the formula of fused_ops' rope kernel."""
         t = tl.program_id(0).to(tl.int64)
         row = ckv_ptr + t * stride_ct
         dst = out_ptr + t * stride_ot
@@ -66,6 +71,16 @@ if HAS_TRITON:
         b = tl.load(row + D_LAT + fb, mask=fmask, other=0.0).to(tl.float32)
         tl.store(dst + D_LAT + f, (a * cs - b * sn).to(dt), mask=fmask)
         tl.store(dst + D_LAT + HALF + f, (b * cs + a * sn).to(dt), mask=fmask)
+        if BLOCK_H > 0:
+            hh = tl.arange(0, BLOCK_H).to(tl.int64)
+            m = (hh < HQ)[:, None] & fmask[None, :]
+            q_row = q_ptr + t * sqt + hh[:, None] * sqh                            # [BH, 1]
+            qa = tl.load(q_row + fa[None, :], mask=m, other=0.0).to(tl.float32)
+            qb = tl.load(q_row + fb[None, :], mask=m, other=0.0).to(tl.float32)
+            q_dst = qo_ptr + (t * HQ + hh[:, None]) * (2 * HALF) + f[None, :]
+            qt = qo_ptr.dtype.element_ty
+            tl.store(q_dst, (qa * cs[None, :] - qb * sn[None, :]).to(qt), mask=m)
+            tl.store(q_dst + HALF, (qb * cs[None, :] + qa * sn[None, :]).to(qt), mask=m)
 
     @triton.jit(do_not_specialize=["T"])
     def _absorb_v_kernel(o_ptr, w_ptr, out_ptr, T, V, K,
@@ -91,20 +106,30 @@ if HAS_TRITON:
                  acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & vmask[None, :])
 
 
-def mla_kv_row_triton(ckv, norm_w, eps, cos, sin, pos, interleave):
+def mla_kv_row_triton(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope=None):
     T, width = ckv.shape
     Dl = norm_w.shape[0]
     half = (width - Dl) // 2
     assert ckv.stride(1) == 1 and 2 * half == width - Dl and cos.shape[-1] == half
     assert cos.stride(1) == 1 and sin.stride(1) == 1 and pos.shape == (T,)
     out = torch.empty((T, width), dtype=ckv.dtype, device=ckv.device)
+    q_out, hq = None, 0
+    if q_rope is not None:
+        hq = q_rope.shape[1]
+        assert q_rope.shape == (T, hq, 2 * half) and q_rope.stride(2) == 1, q_rope.shape
+        q_out = torch.empty((T, hq, 2 * half), dtype=q_rope.dtype, device=q_rope.device)
+    q_in = q_rope if q_rope is not None else ckv
     if T:
         block_l = pow2(Dl)
-        run_kernel(_kv_row_kernel, (T,), ckv, norm_w, cos, sin, pos, out, Dl, half, 1.0 / Dl,
-                   float(eps), ckv.stride(0), out.stride(0), cos.stride(0), sin.stride(0),
+        block_h = pow2(hq) if hq else 0
+        warps = max(1, min(8, max(block_l, block_h * pow2(half)) // 256))
+        run_kernel(_kv_row_kernel, (T,), ckv, norm_w, cos, sin, pos, out, q_in,
+                   q_out if q_out is not None else out, Dl, half, hq, 1.0 / Dl, float(eps),
+                   ckv.stride(0), out.stride(0), cos.stride(0), sin.stride(0),
+                   q_in.stride(0), q_in.stride(1) if hq else 0,
                    INTERLEAVE=bool(interleave), BLOCK_L=block_l, BLOCK_F=pow2(half),
-                   num_warps=max(1, min(8, block_l // 256)), enable_fp_fusion=False)
-    return out
+                   BLOCK_H=block_h, num_warps=warps, enable_fp_fusion=False)
+    return out, q_out
 
 
 def absorb_v_triton(o, w_uv):
@@ -127,12 +152,15 @@ def absorb_v_triton(o, w_uv):
 
 
 def mla_kv_row(ckv: torch.Tensor, norm_w: torch.Tensor, eps: float, cos: torch.Tensor,
-               sin: torch.Tensor, pos: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """ckv [T, Dl + Dr] (the kv_a projection), norm_w [Dl] -> the latent cache row [T, Dl + Dr]:
-    RMS-normed latent, then the rope key rotated by pos [T] (cos / sin [P, Dr/2] fp32)."""
-    if use_triton(ckv) and ckv.stride(1) == 1 and norm_w.dtype == ckv.dtype:
-        return mla_kv_row_triton(ckv, norm_w, eps, cos, sin, pos, interleave)
-    return mla_kv_row_torch(ckv, norm_w, eps, cos, sin, pos, interleave)
+               sin: torch.Tensor, pos: torch.Tensor, interleave: bool,
+               q_rope: torch.Tensor | None = None):
+    """ckv [T, Dl + Dr] (the kv_a projection), norm_w [Dl] -> (the latent cache row
+    [T, Dl + Dr]: RMS-normed latent, then the rope key rotated by pos [T] (cos / sin [P, Dr/2]
+    fp32); the query heads' rope dims q_rope [T, h, Dr] rotated alike, contiguous, or None)."""
+    if (use_triton(ckv) and ckv.stride(1) == 1 and norm_w.dtype == ckv.dtype
+            and (q_rope is None or q_rope.stride(2) == 1)):
+        return mla_kv_row_triton(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope)
+    return mla_kv_row_torch(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope)
 
 
 def absorb_v(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:

@@ -38,10 +38,21 @@ import torch.nn.functional as F
 
 from helix.triton_util import HAS_TRITON, pow2, run_kernel, tl, triton
 
-__all__ = ["fused_moe", "fused_moe_torch", "moe_routing", "moe_launch_config", "HAS_TRITON"]
+__all__ = ["fused_moe", "fused_moe_torch", "decode_kernels", "moe_routing", "moe_launch_config",
+           "HAS_TRITON"]
 
 VARIANT = os.environ.get("HELIX_MOE_KERNEL", "auto")
 VARIANTS = ("v1", "decode", "auto")
+# The decode kernels also stream the shared experts (moe_decode's `shared`); 0 turns that off
+FOLD_SHARED = os.environ.get("HELIX_MOE_FOLD_SHARED", "1") not in ("0", "")
+
+
+def decode_kernels(pairs: int, variant: str | None = None) -> bool:
+    """Whether fused_moe runs moe_decode for T * k = pairs (and so can take `shared`)."""
+    variant = variant or VARIANT
+    if variant not in VARIANTS:
+        raise ValueError(f"MoE kernel variant {variant!r} not in {VARIANTS}")
+    return HAS_TRITON and variant != "v1" and 0 < pairs <= moe_decode.MAX_PAIRS
 
 
 def moe_routing(ids: torch.Tensor, first: int, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,21 +193,21 @@ if HAS_TRITON:
 
 def fused_moe(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
               weights: torch.Tensor, ids: torch.Tensor, first: int, variant: str | None = None,
-              config: dict | None = None) -> torch.Tensor:
+              config: dict | None = None, shared=None) -> torch.Tensor:
     """x [T, D]; gate, up [E, I, D]; down [E, D, I]; weights [T, k]; ids [T, k] global expert
     ids (int64) -> [T, D] in x.dtype: this rank's experts' weighted sum (fp32 accumulation).
-    variant: None (VARIANT), "v1", "decode" or "auto"; config: moe_decode's tunables."""
+    variant: None (VARIANT), "v1", "decode" or "auto"; config: moe_decode's tunables;
+    shared: moe_decode's shared-expert shard, only where decode_kernels(T * k, variant)."""
     T, D = x.shape
     E, I, _ = gate.shape
     k = ids.shape[1]
     N = T * k
+    if decode_kernels(N, variant) and E:
+        return moe_decode.moe_decode(x, gate, up, down, weights, ids, first, config, shared)
+    if shared is not None:
+        raise ValueError("fused_moe: shared experts ride only on the decode kernels")
     if N == 0 or E == 0:
         return torch.zeros_like(x)
-    variant = variant or VARIANT
-    if variant not in VARIANTS:
-        raise ValueError(f"MoE kernel variant {variant!r} not in {VARIANTS}")
-    if variant != "v1" and N <= moe_decode.MAX_PAIRS:
-        return moe_decode.moe_decode(x, gate, up, down, weights, ids, first, config)
     order, bounds = moe_routing(ids, first, E)                       # [N], [E + 2]
     w_flat = weights.reshape(-1)                                     # [N]
     cfg = moe_launch_config(N, E, I, D, gate.dtype)

@@ -22,6 +22,14 @@ class ParallelMLP(nn.Module):
                                                      ("up_proj", width, a, b)], bias, dtype)
         self.down_proj = RowShardLinear(width, dim, a, b, comm, "world", bias, dtype, reduce=reduce)
 
+    def shards(self):
+        """-> (gate [I/n, dim], up [I/n, dim], down [dim, I/n]): this rank's weight shards,
+        views (moe_decode streams the shared experts from them); None with biases."""
+        if self.gate_up_proj.bias is not None or self.down_proj.bias is not None:
+            return None
+        gate, up = self.gate_up_proj.weight.split(self.gate_up_proj.sizes, dim=0)
+        return gate, up, self.down_proj.weight
+
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         """x [T, D] replicated -> [T, D] (replicated if reduce, else this rank's partial sum)."""
         return self.down_proj(silu_mul(self.gate_up_proj.joint(x)))   # [T, 2I] -> [T, I]

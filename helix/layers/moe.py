@@ -3,7 +3,8 @@
 EP rank e owns experts [e*E/ep, (e+1)*E/ep); each of them is TP_F-sharded (gate/up rows, down
 columns) across the tpf ranks of that EP group. Every rank sees all T tokens (h is replicated),
 runs the replicated router, computes its experts' partial outputs for the tokens routed to them,
-adds its shard of the shared experts, and ONE all-reduce over all N ranks sums experts and TP_F
+adds its shard of the shared experts (at decode, in the experts' own two launches:
+helix.layers.moe_decode), and ONE all-reduce over all N ranks sums experts and TP_F
 partials. Only experts that received tokens are read.
 """
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helix.config import ModelConfig
+from helix.layers import fused_moe as fm
 from helix.layers.fused_moe import HAS_TRITON, fused_moe
 from helix.layers.mlp import ParallelMLP
 from helix.layers.regions import region
@@ -58,11 +60,20 @@ class LocalExperts(nn.Module):
         stack = getattr(self, proj)
         self.loaders[proj](stack[expert - self.first], full, name)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, D], weights/ids [T, k] -> partial [T, D] from this rank's experts."""
+    def takes_shared(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
+        """Whether forward can add the shared experts' shard in its own launches (the decode
+        kernels)."""
+        return (self.graph_safe and fm.FOLD_SHARED and fm.decode_kernels(ids.numel())
+                and x.dtype == self.gate_proj.dtype)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                shared=None) -> torch.Tensor:
+        """x [T, D], weights/ids [T, k] -> partial [T, D] from this rank's experts, plus the
+        shared experts' shard (gate, up, down) where given (only if takes_shared)."""
         if self.graph_safe:
             return fused_moe(x, self.gate_proj, self.up_proj, self.down_proj, weights, ids,
-                             self.first)
+                             self.first, shared=shared)
+        assert shared is None
         out = torch.zeros_like(x)
         local = ids - self.first
         hit = (local >= 0) & (local < self.n_local)
@@ -88,7 +99,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         """x [T, D] replicated -> [T, D] replicated."""
         weights, ids = self.gate(x)
-        y = region(ctx, "moe", lambda: self.experts(x, weights, ids))
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+        mlp = self.shared_experts
+        shared = mlp.shards() if mlp is not None and self.experts.takes_shared(x, ids) else None
+        y = region(ctx, "moe", lambda: self.experts(x, weights, ids, shared))
+        if mlp is not None and shared is None:
+            y = y + mlp(x)
         return self.comm.all_reduce(y, "world")

@@ -1,6 +1,9 @@
 """Routed experts for decode-sized batches: weight-streaming kernels, no sort, two launches.
 
-    moe_decode(x, gate, up, down, weights, ids, first, config) -> [T, D]   (fused_moe's contract)
+    moe_decode(x, gate, up, down, weights, ids, first, config, shared) -> [T, D]
+        fused_moe's contract; with shared = (gate_s [Is, D], up_s [Is, D], down_s [D, Is]),
+        this rank's shard of the shared experts (weight 1 for every token) is added in the
+        same launches.
 
 At decode each hit expert gets one to a few rows, so the work is a GEMV per expert that must
 stream the expert's weights at the copy rate. Programs are laid out per (token, expert) PAIR:
@@ -11,13 +14,21 @@ program p (p = t*k + j) leads expert e = ids[p] - first iff p is the first pair 
 exit before reading a weight, so only experts with tokens are read, and no routing metadata
 (sort, bounds) is built: the grid is (T*k, feature blocks), fixed by shapes.
 
-  1. _gate_up_kernel grid (N, cdiv(I, BLOCK_N)): h[p] = silu(x_t Wg_e^T) * (x_t Wu_e^T) for
-     the rows p of e -> h [N, I] in x.dtype (indexed by pair).
-  2. _down_kernel grid (N, cdiv(D, BLOCK_N), K_SPLITS): y[s, p] = w_p * h[p] Wd_e[:, K-range s]^T
-     (fp32, per pair and K split). Then out[t] = sum_j sum_s y[s, t*k + j] over t's LOCAL
-     pairs, in that fixed order (deterministic, no atomics on data): either by the last
+  1. _gate_up_kernel grid (N + S, cdiv(I, BLOCK_N)): h[p] = silu(x_t Wg_e^T) * (x_t Wu_e^T)
+     for the rows p of e -> h [N + S*T, I] in x.dtype (indexed by pair).
+  2. _down_kernel grid (N + S, cdiv(D, BLOCK_N), K_SPLITS):
+     y[s, p] = w_p * h[p] Wd_e[:, K-range s]^T (fp32, per pair and K split). Then
+     out[t] = sum_j sum_s y[s, t*k + j] over t's LOCAL pairs and its shared pairs, in that
+     fixed order (deterministic, no atomics on data): either by the last
      program of each feature block to arrive (FUSED_COMBINE: an arrival counter per block,
      the memory-ordering pattern of triton_decode's fused merge), or by a third launch.
+
+Shared experts: their shard is cut into S = cdiv(Is, I) "virtual experts" of the routed width I
+(virtual expert s = gate/up rows and down columns [s*I, min((s+1)*I, Is)); silu is elementwise
+along I, so the pieces' down outputs sum to the MLP's). Programs N .. N + S - 1 of each launch
+lead them, with every token t as a row (pair N + s*T + t), so one MoE layer is two launches
+instead of six (shared gate/up GEMM, silu-mul, down GEMM, add) and the shared weights stream
+beside the routed experts' at the decode kernels' tiles.
 
 Inner products (MODE): 0 = FMA: elementwise products of BLOCK_M rows (1, 2, 4) with a
 [BLOCK_N, BLOCK_K] weight tile accumulated in registers, reduced once after the K loop (an
@@ -64,15 +75,14 @@ def _chunk_pairs(same, rank, c0, count, BLOCK_M: tl.constexpr, BLOCK_P: tl.const
 
 
 @triton.jit
-def _w_tile(w_rows, kk, stride_k, nmask, kmask, MODE: tl.constexpr):
-    """A weight tile of a K step from its rows' pointers w_rows [BN, 1]: [1, BN, BK] (FMA, the
-    rank the accumulator has) or [BN, BK] (tensor cores)."""
+def _w_tile(w_rows, kk, nmask, kmask, MODE: tl.constexpr):
+    """A weight tile of a K step from its rows' pointers w_rows [BN, 1] (unit stride along K):
+    [1, BN, BK] (FMA, the rank the accumulator has) or [BN, BK] (tensor cores)."""
     if MODE == 0:
-        return tl.load(w_rows[None, :, :] + kk[None, None, :] * stride_k,
+        return tl.load(w_rows[None, :, :] + kk[None, None, :],
                        mask=nmask[None, :, None] & kmask[None, None, :], other=0.0)
     else:
-        return tl.load(w_rows + kk[None, :] * stride_k, mask=nmask[:, None] & kmask[None, :],
-                       other=0.0)
+        return tl.load(w_rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
 
 
 @triton.jit
@@ -120,35 +130,61 @@ def _acc_done(acc, MODE: tl.constexpr):
         return acc
 
 
-@triton.jit(do_not_specialize=["N", "first"])
+@triton.jit
+def _rows_of(same, rank, c0, count, p_shared, N, T, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_P: tl.constexpr):
+    """Rows c0 .. c0 + BLOCK_M - 1 of a program's expert -> (pair [BM], token [BM], valid [BM]):
+    routed (p_shared false): its pairs among `same`; shared virtual expert s = p_shared's
+    program - N: token r at pair N + s*T + r."""
+    pair, valid = _chunk_pairs(same, rank, c0, count, BLOCK_M, BLOCK_P)
+    r = c0 + tl.arange(0, BLOCK_M)
+    s = tl.program_id(0) - N
+    pair = tl.where(p_shared, N + s * T + r, pair)
+    token = tl.where(p_shared, r, pair // TOPK)
+    return pair, token, tl.where(p_shared, r < T, valid)
+
+
+@triton.jit(do_not_specialize=["N", "T", "first"])
 def _gate_up_kernel(
-    x_ptr, g_ptr, u_ptr, ids_ptr, h_ptr,
-    N, first, E, D, I,
+    x_ptr, g_ptr, u_ptr, ids_ptr, h_ptr, gs_ptr, us_ptr,
+    N, T, first, E, D, I, IS,
     stride_xt,                             # x [T, D], unit stride along D
-    stride_ge, stride_gi, stride_gd,       # gate [E, I, D]
-    stride_ue, stride_ui, stride_ud,       # up [E, I, D]
-    stride_hp,                             # h [N, I], unit stride along I
+    stride_ge, stride_gi,                  # gate [E, I, D], unit stride along D
+    stride_ue, stride_ui,                  # up [E, I, D], unit stride along D
+    stride_gsi, stride_usi,                # shared gate / up [IS, D], unit stride along D
+    stride_hp,                             # h [N + S*T, I], unit stride along I
     TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    lead, e, same, rank, count = _pair_group(ids_ptr, tl.program_id(0), N, first, E, BLOCK_P)
-    if not lead:                           # not this expert's first pair, or not local
+    p = tl.program_id(0)
+    shared = p >= N                        # a shared virtual expert (programs N .. N + S - 1)
+    lead, e, same, rank, count = _pair_group(ids_ptr, tl.minimum(p, N - 1), N, first, E,
+                                             BLOCK_P)
+    if not (lead | shared):                # not this expert's first pair, or not local
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < I
-    e64 = e.to(tl.int64)
-    g_rows = g_ptr + e64 * stride_ge + n.to(tl.int64)[:, None] * stride_gi      # [BN, 1]
-    u_rows = u_ptr + e64 * stride_ue + n.to(tl.int64)[:, None] * stride_ui
+    if shared:
+        fr = ((p - N) * I + n).to(tl.int64)                                      # shard rows
+        nmask = (n < I) & (fr < IS)
+        g_rows = gs_ptr + fr[:, None] * stride_gsi                               # [BN, 1]
+        u_rows = us_ptr + fr[:, None] * stride_usi
+        count = T
+    else:
+        nmask = n < I
+        e64 = e.to(tl.int64)
+        g_rows = g_ptr + e64 * stride_ge + n.to(tl.int64)[:, None] * stride_gi
+        u_rows = u_ptr + e64 * stride_ue + n.to(tl.int64)[:, None] * stride_ui
     for c0 in range(0, count, BLOCK_M):
-        pair, rvalid = _chunk_pairs(same, rank, c0, count, BLOCK_M, BLOCK_P)
-        x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_xt        # [BM, 1]
+        pair, tok, rvalid = _rows_of(same, rank, c0, count, shared, N, T, TOPK, BLOCK_M,
+                                     BLOCK_P)
+        x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt                   # [BM, 1]
         acc_g = _acc_init(BLOCK_M, BLOCK_N, BLOCK_K, MODE)
         acc_u = _acc_init(BLOCK_M, BLOCK_N, BLOCK_K, MODE)
         for k0 in range(0, D, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             kmask = kk < D
-            wg = _w_tile(g_rows, kk, stride_gd, nmask, kmask, MODE)
-            wu = _w_tile(u_rows, kk, stride_ud, nmask, kmask, MODE)
+            wg = _w_tile(g_rows, kk, nmask, kmask, MODE)
+            wu = _w_tile(u_rows, kk, nmask, kmask, MODE)
             xt = _row_tile(x_rows, kk, rvalid, kmask, BLOCK_N, MODE)
             acc_g = _acc_step(acc_g, xt, wg, MODE, DOT_PRECISION)
             acc_u = _acc_step(acc_u, xt, wu, MODE, DOT_PRECISION)
@@ -159,19 +195,24 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _combine(y_ptr, ids_ptr, out_ptr, T, first, E, n, nmask,
+def _combine(y_ptr, ids_ptr, out_ptr, N, T, first, E, n, nmask,
              stride_ys, stride_yp, stride_ot,
-             TOPK: tl.constexpr, K_SPLITS: tl.constexpr, FROM_L2: tl.constexpr,
-             BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[t, n] = sum_j sum_s y[s, t*k + j, n] over t's local pairs (fixed order), all t."""
+             TOPK: tl.constexpr, K_SPLITS: tl.constexpr, SHARED: tl.constexpr,
+             FROM_L2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t, n] = sum over t's local pairs, then its shared pairs N + s*T + t, of
+    sum_s y[s, pair, n] (fixed order), all t."""
     for t0 in range(0, T, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         tmask = t < T
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(TOPK):
-            pr = t.to(tl.int64) * TOPK + j
-            e = tl.load(ids_ptr + pr, mask=tmask, other=-1) - first
-            ok = (tmask & (e >= 0) & (e < E))[:, None] & nmask[None, :]
+        for j in tl.static_range(TOPK + SHARED):
+            if j < TOPK:
+                pr = t.to(tl.int64) * TOPK + j
+                e = tl.load(ids_ptr + pr, mask=tmask, other=-1) - first
+                ok = (tmask & (e >= 0) & (e < E))[:, None] & nmask[None, :]
+            else:
+                pr = N + (j - TOPK) * T + t.to(tl.int64)
+                ok = tmask[:, None] & nmask[None, :]
             for s in tl.static_range(K_SPLITS):
                 ptrs = y_ptr + s * stride_ys + pr[:, None] * stride_yp + n[None, :]
                 if FROM_L2:
@@ -184,37 +225,48 @@ def _combine(y_ptr, ids_ptr, out_ptr, T, first, E, n, nmask,
 
 @triton.jit(do_not_specialize=["N", "T", "first"])
 def _down_kernel(
-    h_ptr, d_ptr, w_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr,
-    N, T, first, E, D, I, k_chunk,
-    stride_hp,                             # h [N, I], unit stride along I
-    stride_de, stride_dd, stride_di,       # down [E, D, I]
-    stride_ys, stride_yp,                  # y [K_SPLITS, N, D] fp32, unit stride along D
+    h_ptr, d_ptr, w_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr, ds_ptr,
+    N, T, first, E, D, I, IS, k_chunk,
+    stride_hp,                             # h [N + S*T, I], unit stride along I
+    stride_de, stride_dd,                  # down [E, D, I], unit stride along I
+    stride_dsd,                            # shared down [D, IS], unit stride along IS
+    stride_ys, stride_yp,                  # y [K_SPLITS, N + S*T, D] fp32, unit stride along D
     stride_ot,                             # out [T, D]
     TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, K_SPLITS: tl.constexpr, MODE: tl.constexpr,
+    BLOCK_K: tl.constexpr, K_SPLITS: tl.constexpr, SHARED: tl.constexpr, MODE: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    p = tl.program_id(0)
+    shared = p >= N
     nb = tl.program_id(1)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < D
-    lead, e, same, rank, count = _pair_group(ids_ptr, tl.program_id(0), N, first, E, BLOCK_P)
-    if lead:
+    lead, e, same, rank, count = _pair_group(ids_ptr, tl.minimum(p, N - 1), N, first, E,
+                                             BLOCK_P)
+    if lead | shared:
         ks = tl.program_id(2)
         k_lo = ks * k_chunk
-        k_hi = tl.minimum(k_lo + k_chunk, I)
-        d_rows = d_ptr + e.to(tl.int64) * stride_de + n.to(tl.int64)[:, None] * stride_dd
+        if shared:                         # virtual expert s: shard columns [s*I, (s+1)*I)
+            c_lo = (p - N) * I
+            k_hi = tl.minimum(tl.minimum(k_lo + k_chunk, I), IS - c_lo)
+            d_rows = ds_ptr + n.to(tl.int64)[:, None] * stride_dsd + c_lo             # [BN, 1]
+            count = T
+        else:
+            k_hi = tl.minimum(k_lo + k_chunk, I)
+            d_rows = d_ptr + e.to(tl.int64) * stride_de + n.to(tl.int64)[:, None] * stride_dd
         for c0 in range(0, count, BLOCK_M):
-            pair, rvalid = _chunk_pairs(same, rank, c0, count, BLOCK_M, BLOCK_P)
+            pair, tok, rvalid = _rows_of(same, rank, c0, count, shared, N, T, TOPK, BLOCK_M,
+                                         BLOCK_P)
             h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_hp                 # [BM, 1]
             acc = _acc_init(BLOCK_M, BLOCK_N, BLOCK_K, MODE)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 kk = k0 + tl.arange(0, BLOCK_K)
                 kmask = kk < k_hi
-                wd = _w_tile(d_rows, kk, stride_di, nmask, kmask, MODE)
+                wd = _w_tile(d_rows, kk, nmask, kmask, MODE)
                 ht = _row_tile(h_rows, kk, rvalid, kmask, BLOCK_N, MODE)
                 acc = _acc_step(acc, ht, wd, MODE, DOT_PRECISION)
-            wgt = tl.load(w_ptr + pair, mask=rvalid, other=0.0).to(tl.float32)      # [BM]
-            y = _acc_done(acc, MODE) * wgt[:, None]
+            wgt = tl.load(w_ptr + pair, mask=rvalid & (pair < N), other=1.0).to(tl.float32)
+            y = _acc_done(acc, MODE) * wgt[:, None]                   # shared pairs: weight 1
             tl.store(y_ptr + ks * stride_ys + pair.to(tl.int64)[:, None] * stride_yp
                      + n[None, :], y, mask=rvalid[:, None] & nmask[None, :])
     if FUSED_COMBINE:
@@ -227,18 +279,18 @@ def _down_kernel(
         cnt = cnt_ptr + nb
         arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
         if arrived == tl.num_programs(0) * tl.num_programs(2) - 1:
-            _combine(y_ptr, ids_ptr, out_ptr, T, first, E, n, nmask, stride_ys, stride_yp,
-                     stride_ot, TOPK, K_SPLITS, True, BLOCK_T, BLOCK_N)
+            _combine(y_ptr, ids_ptr, out_ptr, N, T, first, E, n, nmask, stride_ys, stride_yp,
+                     stride_ot, TOPK, K_SPLITS, SHARED, True, BLOCK_T, BLOCK_N)
             tl.store(cnt, 0)
 
 
-@triton.jit(do_not_specialize=["T", "first"])
-def _combine_kernel(y_ptr, ids_ptr, out_ptr, T, first, E, D, stride_ys, stride_yp, stride_ot,
-                    TOPK: tl.constexpr, K_SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+@triton.jit(do_not_specialize=["N", "T", "first"])
+def _combine_kernel(y_ptr, ids_ptr, out_ptr, N, T, first, E, D, stride_ys, stride_yp,
+                    stride_ot, TOPK: tl.constexpr, K_SPLITS: tl.constexpr,
+                    SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    _combine(y_ptr, ids_ptr, out_ptr, T, first, E, n, n < D, stride_ys, stride_yp, stride_ot,
-             TOPK, K_SPLITS, False, BLOCK_T, BLOCK_N)
+    _combine(y_ptr, ids_ptr, out_ptr, N, T, first, E, n, n < D, stride_ys, stride_yp, stride_ot,
+             TOPK, K_SPLITS, SHARED, False, BLOCK_T, BLOCK_N)
 
 
 # -- launch configuration -------------------------------------------------------------------------
@@ -257,13 +309,15 @@ def _feature_block(width: int, experts: int, lo: int, target: int) -> int:
 
 
 def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype: torch.dtype,
-                      sm_count: int = 132, config: dict | None = None) -> dict:
+                      sm_count: int = 132, config: dict | None = None,
+                      shared: int = 0) -> dict:
     """Static launch parameters (shapes only). Defaults before measuring (profiling/
     bench_step_kernels.py compares the alternatives on the GPU): tensor cores for any row
     count (an FMA GEMV spends ~2.5 instructions per weight element: bf16 -> fp32 conversions
     of both operands and the FMA; tl.dot streams the same bytes in ~6x fewer), feature blocks
     narrowed until ~4 programs per SM can stream, split-K of the down projection while its
-    programs fall short of that, the k-sum fused into the down launch."""
+    programs fall short of that, the k-sum fused into the down launch. shared: the shared
+    experts' virtual experts (shared_pieces), counted with the experts that can be hit."""
     cfg = dict(config or {})
     unknown = set(cfg) - set(MOE_TUNABLES)
     if unknown:
@@ -271,7 +325,7 @@ def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype:
     mode = cfg.pop("mode", "dot")
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} not in {tuple(MODES)}")
-    hit = max(1, min(T * k, n_local))            # experts that can have rows
+    hit = max(1, min(T * k, n_local)) + shared   # experts that can have rows
     target = 4 * sm_count
     block_m = cfg.pop("BLOCK_M", 1 if mode == "fma" else 16)
     # K tile: 512 B of a weight row per step (FMA), 128 B (tensor cores: operands via smem)
@@ -301,12 +355,19 @@ def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype:
                                    2 if dtype == torch.float32 else 3))
 
 
+def shared_pieces(shared, inter: int) -> int:
+    """The virtual experts a shared-expert shard (gate_s [Is, D], ...) is cut into: cdiv(Is, I)."""
+    return 0 if shared is None else -(-shared[0].shape[0] // inter)
+
+
 def moe_decode(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                weights: torch.Tensor, ids: torch.Tensor, first: int,
-               config: dict | None = None) -> torch.Tensor:
+               config: dict | None = None, shared=None) -> torch.Tensor:
     """fused_moe's contract for T * k <= MAX_PAIRS: x [T, D]; gate, up [E, I, D]; down
     [E, D, I]; weights [T, k]; ids [T, k] global ids -> [T, D] in x.dtype. `config` overrides
-    any of MOE_TUNABLES."""
+    any of MOE_TUNABLES. shared: None or (gate_s [Is, D], up_s [Is, D], down_s [D, Is]), this
+    rank's shard of the shared experts, added for every token (weight 1). Every weight has a
+    unit stride along its reduction axis (D for gate / up, I or Is for down)."""
     T, D = x.shape
     E, I, _ = gate.shape
     k = ids.shape[1]
@@ -317,34 +378,43 @@ def moe_decode(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
+    S = shared_pieces(shared, I)
+    gs, us, ds = shared if shared is not None else (gate[0], up[0], down[0])
+    IS = gs.shape[0] if shared is not None else 0
+    for w in (gate, up, down, gs, us, ds):
+        assert w.stride(-1) == 1 and w.dtype == gate.dtype, "unit stride along the reduction"
+    assert shared is None or (us.shape == gs.shape == (IS, D) and ds.shape == (D, IS))
     ids_flat = ids.reshape(-1)                                        # [N], pair p = t*k + j
     w_flat = weights.reshape(-1)
-    cfg = moe_decode_config(T, k, E, I, D, gate.dtype, sm_count_of(x.device), config)
+    cfg = moe_decode_config(T, k, E, I, D, gate.dtype, sm_count_of(x.device), config, S)
     mode, bm = cfg["MODE"], cfg["BLOCK_M"]
     precision = "ieee" if gate.dtype == torch.float32 else "tf32"
     # BLOCK_P: one binary for every N <= 64
     common = dict(TOPK=k, BLOCK_P=max(64, pow2(N)), BLOCK_M=bm, MODE=mode,
                   DOT_PRECISION=precision, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
-    h = torch.empty((N, I), dtype=x.dtype, device=x.device)            # by pair
+    rows = N + S * T                                      # pairs, then shared (s, t) pairs
+    h = torch.empty((rows, I), dtype=x.dtype, device=x.device)
     c1 = cfg["up"]
-    run_kernel(_gate_up_kernel, (N, triton.cdiv(I, c1["BLOCK_N"])),
-               x, gate, up, ids_flat, h, N, first, E, D, I, x.stride(0),
-               *gate.stride(), *up.stride(), h.stride(0), **common, **c1)
+    run_kernel(_gate_up_kernel, (N + S, triton.cdiv(I, c1["BLOCK_N"])),
+               x, gate, up, ids_flat, h, gs, us, N, T, first, E, D, I, IS, x.stride(0),
+               gate.stride(0), gate.stride(1), up.stride(0), up.stride(1),
+               gs.stride(0), us.stride(0), h.stride(0), **common, **c1)
     splits, c2 = cfg["K_SPLITS"], cfg["down"]
-    y = torch.empty((splits, N, D), dtype=torch.float32, device=x.device)
+    y = torch.empty((splits, rows, D), dtype=torch.float32, device=x.device)
     k_chunk = triton.cdiv(triton.cdiv(I, splits), c2["BLOCK_K"]) * c2["BLOCK_K"]
     blocks = triton.cdiv(D, c2["BLOCK_N"])
     fused = cfg["FUSED_COMBINE"]
     counters = arrival_counters(x.device, blocks) if fused else y
     block_t = min(16, pow2(T))
-    run_kernel(_down_kernel, (N, blocks, splits),
-               h, down, w_flat, ids_flat, y, out, counters, N, T, first, E, D, I, k_chunk,
-               h.stride(0), *down.stride(), y.stride(0), y.stride(1), out.stride(0),
-               K_SPLITS=splits, FUSED_COMBINE=fused, BLOCK_T=block_t, **common, **c2)
+    run_kernel(_down_kernel, (N + S, blocks, splits),
+               h, down, w_flat, ids_flat, y, out, counters, ds, N, T, first, E, D, I, IS,
+               k_chunk, h.stride(0), down.stride(0), down.stride(1), ds.stride(0),
+               y.stride(0), y.stride(1), out.stride(0),
+               K_SPLITS=splits, SHARED=S, FUSED_COMBINE=fused, BLOCK_T=block_t, **common, **c2)
     if not fused:
         bn = min(256, pow2(D))
-        run_kernel(_combine_kernel, (triton.cdiv(D, bn),), y, ids_flat, out, T, first, E, D,
-                   y.stride(0), y.stride(1), out.stride(0), TOPK=k, K_SPLITS=splits,
+        run_kernel(_combine_kernel, (triton.cdiv(D, bn),), y, ids_flat, out, N, T, first, E, D,
+                   y.stride(0), y.stride(1), out.stride(0), TOPK=k, K_SPLITS=splits, SHARED=S,
                    BLOCK_T=block_t, BLOCK_N=bn, num_warps=4)
     return out
