@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from helix.attention import gluon_mla, triton_backend, triton_mla, triton_mla_few  # noqa: E402
 from helix.layers import fused_moe as fm  # noqa: E402
+from helix.layers import moe_decode as md  # noqa: E402
 from helix.layers import router as rt  # noqa: E402
 from helix.layers import triton_router as tr  # noqa: E402
 from profiling.roofline import L2Flush, copy_bandwidth, graph_time_us  # noqa: E402
@@ -284,8 +285,10 @@ def bench_steps(args, copy_bw) -> list[dict]:
                                seed=0),
                   decode_steps=2 * steps + 4, warmup_steps=3,
                   max_batch_tokens=max(b * c for b, c in points))
-    for mode in args.step_modes:
+    runs = [(mode, moe) for mode in args.step_modes for moe in args.step_moe_configs]
+    for mode, moe in runs:
         set_kernels(mode)
+        overrides(moe)
         t0 = time.perf_counter()
         with open_llm(sweep, args.step_model, Layout()) as llm:
             build_s = time.perf_counter() - t0
@@ -305,18 +308,32 @@ def bench_steps(args, copy_bw) -> list[dict]:
                     llm.step()
                 floor_ms = _floor_bytes(llm, batch, context) / copy_bw * 1e3
                 step_ms = 1e3 * statistics.median(walls)
-                recs.append(dict(part="step", mode=mode, batch=batch, context=context,
+                recs.append(dict(part="step", mode=mode, moe_config=moe, batch=batch,
+                                 context=context,
                                  step_ms=step_ms, floor_ms=floor_ms, vs_floor=step_ms / floor_ms,
                                  kernel_ms=sum(o.dur for o in ops) / 3e3,
                                  kernels_per_step=len(ops) / 3, engine_build_s=build_s,
                                  top_kernels=[{k: (round(v, 2) if isinstance(v, float) else v)
-                                               for k, v in r.items()} for r in table[:15]]))
+                                               for k, v in r.items()} for r in table[:25]]))
                 print(json.dumps(recs[-1]), flush=True)
         del llm
         if cuda:
             torch.cuda.empty_cache()
     set_kernels("after")
+    overrides({})
     return recs
+
+
+_MOE_CONFIG = md.moe_decode_config
+
+
+def overrides(moe: dict) -> None:
+    """Every moe_decode launch of the engine takes these tunables over its defaults (the
+    --step-moe-configs sweep: tiles measured inside whole steps); {} restores the defaults."""
+    def patched(T, k, n_local, inter, dim, dtype, sm_count=132, config=None, shared=0):
+        return _MOE_CONFIG(T, k, n_local, inter, dim, dtype, sm_count,
+                           {**moe, **(config or {})}, shared)
+    md.moe_decode_config = patched if moe else _MOE_CONFIG
 
 
 def summary(records: list[dict]) -> str:
@@ -350,7 +367,9 @@ def summary(records: list[dict]) -> str:
         lines.append("(d) DeepSeek-V2-Lite step: mode batch context | step ms, floor ms, x floor,"
                      " kernels/step")
         for r in steps:
-            lines.append(f"  {r['mode']:>6} {r['batch']:>2} {r['context']:>7} | "
+            moe = r.get("moe_config")
+            label = r["mode"] + (" " + json.dumps(moe, separators=(",", ":")) if moe else "")
+            lines.append(f"  {label:>6} {r['batch']:>2} {r['context']:>7} | "
                          f"{r['step_ms']:7.3f} {r['floor_ms']:7.3f} {r['vs_floor']:5.2f}x "
                          f"{r['kernels_per_step']:7.0f}")
     return "\n".join(lines)
@@ -374,6 +393,9 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"comma list of {', '.join(STEP_MODES)}")
     ap.add_argument("--step-batches", type=lambda s: [int(x) for x in s.split(",")],
                     default=[8], help="part (d) batches beside 1, at the middle context")
+    ap.add_argument("--step-moe-configs", type=json.loads, default=[{}],
+                    help="part (d): a JSON list of moe_decode tunables dicts, each run with "
+                         "every mode ({}: the defaults)")
     ap.add_argument("--step-steps", type=int, default=10)
     ap.add_argument("--step-model", default="deepseek-v2-lite")
     ap.add_argument("--step-layers", type=int, default=0, help="first n layers (0: all)")

@@ -11,7 +11,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/hf_fixtures.py
 
-torch.set_num_threads(2)
+# Under pytest-xdist (the README's command: two workers) each worker takes one core
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+
+# Modules that share the layout matrix's multi-process runs (parallel_helpers.cached_run, one
+# run per case per process): one xdist worker runs them all, so each case runs once
+SHARED_RUNS = ("test_parallel_layouts.py", "test_kv_accounting.py", "test_context_parallel.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SHARED_RUNS:
+            item.add_marker(pytest.mark.xdist_group("layout_runs"))
 
 
 @pytest.fixture(scope="session")

@@ -71,3 +71,28 @@ def test_kernel_switch(monkeypatch):
     assert rt.Router.forward is bench._NEW_FORWARD
     with pytest.raises(SystemExit):
         bench.set_kernels("later")
+
+
+def test_step_moe_overrides_reach_every_moe_decode_launch(monkeypatch):
+    """--step-moe-configs: the engine's moe_decode launches take the tunables (explicit configs
+    still win); {} restores the defaults."""
+    from unittest import mock
+    from helix.layers import moe_decode as md
+    monkeypatch.setattr(md, "moe_decode_config", md.moe_decode_config)
+    default = md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132)
+    bench.overrides({"K_SPLITS": 3, "FUSED_COMBINE": False})
+    try:
+        c = md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132, None, 2)
+        assert c["K_SPLITS"] == 3 and not c["FUSED_COMBINE"]
+        c = md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132, {"K_SPLITS": 1})
+        assert c["K_SPLITS"] == 1
+        x = torch.randn(2, 32)
+        w = [torch.randn(4, 16, 32), torch.randn(4, 16, 32), torch.randn(4, 32, 16)]
+        kernels = []
+        with mock.patch.object(md, "run_kernel", lambda k, *a, **kw: kernels.append(k)):
+            md.moe_decode(x, *w, torch.rand(2, 2), torch.tensor([[0, 1], [2, 3]]), 0)
+        assert kernels[-1] is md._combine_kernel            # the unfused k-sum: a third launch
+    finally:
+        bench.overrides({})
+    assert md.moe_decode_config is bench._MOE_CONFIG
+    assert md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132) == default
