@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/hf_fixtures.py
 
-# Under pytest-xdist (the README's command: two workers) each worker takes one core
+# Under pytest-xdist (the README's command: one worker a core) each worker takes one thread
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 # Modules that share the layout matrix's multi-process runs (parallel_helpers.cached_run, one

@@ -221,11 +221,13 @@ def test_decode_config_validated():
         c = md.moe_decode_config(T, 6, 64, 1408, 2048, torch.bfloat16, 132,
                                  dict(mode="fma", BLOCK_M=4))
         assert all(4 * c[p]["BLOCK_N"] * c[p]["BLOCK_K"] <= 4096 for p in ("up", "down")), c
-    # one row, 16-bit weights: 32-wide feature blocks (measured), the down projection split in
-    # two so 6 experts x 2048 features still give >= 4 programs per SM
-    c = md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132)
-    assert c["up"]["BLOCK_N"] == c["down"]["BLOCK_N"] == 32 and c["K_SPLITS"] == 2
+    # one row, 16-bit weights (measured in whole steps): gate/up in 32-wide feature blocks, the
+    # down projection in 128-wide ones over 2 K splits; the same down tiles for two rows
+    c = md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132, shared=2)
+    assert c["up"]["BLOCK_N"] == 32 and c["down"]["BLOCK_N"] == 128 and c["K_SPLITS"] == 2
     assert c["MODE"] == md.MODES["dot"] and c["up"]["BLOCK_K"] == 64 and c["num_stages"] == 3
+    c = md.moe_decode_config(2, 6, 64, 1408, 2048, torch.bfloat16, 132, shared=2)
+    assert c["down"]["BLOCK_N"] == 128 and c["K_SPLITS"] == 2 and c["num_stages"] == 4
     # several rows: 128-element K tiles over 4 stages, feature blocks from the programs rule
     c = md.moe_decode_config(8, 6, 64, 1408, 2048, torch.bfloat16, 132)
     assert c["up"]["BLOCK_K"] == c["down"]["BLOCK_K"] == 128 and c["num_stages"] == 4

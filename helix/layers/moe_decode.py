@@ -338,13 +338,20 @@ def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype:
     # with 32-wide feature blocks (52.5 against 72.3 us with the 16-wide ones this rule gives,
     # DeepSeek-V2-Lite), two or more rows with 128-element K tiles over 4 stages (175.7 against
     # 184.9 us at batch 8; 106-476 us, the best or within 1 % of it, at every batch 1-8 of both).
+    # Inside whole DeepSeek-V2-Lite steps (shared experts riding along; step_kernels.md,
+    # --step-moe-configs): the down projection of one or two rows is fastest in 128-wide feature
+    # blocks over 2 K splits (batch 1 x 1K 3.109 -> 2.812 ms, 1 x 32K 3.455 -> 3.175; batch
+    # 2 x 1K 3.701 -> 3.581); from 4 rows the rule below is as fast (4 x 1K) or faster (8 x 32K).
+    # Only while those blocks still give every SM a program (not: one expert of a narrow D).
     tuned = mode == "dot" and dtype.itemsize == 2
     wide = 32 if tuned and T == 1 else None
     deep = tuned and T > 1
+    few = tuned and T <= 2 and hit * -(-dim // 128) * 2 >= sm_count
     up_bn = cfg.pop("up_BLOCK_N", wide or min(cap, _feature_block(inter, hit, lo, target)))
-    down_bn = cfg.pop("down_BLOCK_N", wide or min(cap, _feature_block(dim, hit, lo, target)))
+    down_bn = cfg.pop("down_BLOCK_N", 128 if few else
+                      min(cap, _feature_block(dim, hit, lo, target)))
     programs = hit * -(-dim // down_bn)
-    splits = cfg.pop("K_SPLITS", max(1, min(8, pow2(-(-target // programs)))))
+    splits = cfg.pop("K_SPLITS", 2 if few else max(1, min(8, pow2(-(-target // programs)))))
     bk = 128 if deep else bk
     return dict(MODE=MODES[mode], BLOCK_M=block_m,
                 up=dict(BLOCK_N=up_bn, BLOCK_K=cfg.pop("up_BLOCK_K", bk)),
