@@ -254,12 +254,12 @@ def test_edge_routing_zero_rows_and_empty_experts():
         assert torch.all(out[1] == 0)
 
 
-def _local_experts(gate, up, down, first):
+def _local_experts(gate, up, down, first, device=DEV):
     """A LocalExperts holding these stacks (fake config / mesh, no process group)."""
     E, I, D = gate.shape
     cfg = SimpleNamespace(num_experts=E * 4, moe_intermediate_size=I, hidden_size=D)
     mesh = SimpleNamespace(layout=SimpleNamespace(ep=4, tpf=1), ep_rank=first // E, tpf_rank=0)
-    mod = LocalExperts(cfg, SimpleNamespace(mesh=mesh), dtype=gate.dtype).to(DEV)
+    mod = LocalExperts(cfg, SimpleNamespace(mesh=mesh), dtype=gate.dtype).to(device)
     with torch.no_grad():
         mod.gate_proj.copy_(gate)
         mod.up_proj.copy_(up)
@@ -323,7 +323,7 @@ def test_no_host_sync_ops():
     assert _syncs(lambda: fm.fused_moe_torch(*args, first)) == []
     # the probe works: it catches the host-side loop (on CUDA LocalExperts takes the fused path)
     x, gate, up, down, weights, ids = (t.cpu() for t in args)
-    mod = _local_experts(gate, up, down, first)
+    mod = _local_experts(gate, up, down, first, device="cpu")
     assert not mod.graph_safe
     assert _syncs(lambda: mod(x, weights, ids))
 

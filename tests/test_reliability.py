@@ -291,8 +291,11 @@ def test_torchrun_world_must_match_the_layout(monkeypatch):
 
 # -- the KV pool sized to the machine ----------------------------------------------------------
 
-def test_pool_is_sized_from_memory_and_too_large_requests_are_refused(caplog):
+def test_pool_is_sized_from_memory_and_too_large_requests_are_refused(caplog, monkeypatch):
+    from helix.runtime import memory
     from helix.runtime.memory import activation_reserve, available_bytes
+    # the machine's available RAM held still: other test workers allocate while this one runs
+    monkeypatch.setattr(memory, "_mem_available", lambda: 16 << 30)
     cfg, _ = read_model_config("tiny-llama")
     runtime = RuntimeConfig(page_size=16, max_context=8192, max_batch=64)
     free = available_bytes(torch.device("cpu"), 1.0, 1)
