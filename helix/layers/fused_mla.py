@@ -5,16 +5,13 @@ counts the kernels serve).
     mla_kv_row(ckv [T, Dl + Dr], norm_w [Dl], eps, cos, sin, pos, interleave, q_rope [T, h, Dr])
         -> (cat(rms_norm(ckv[:, :Dl]) * norm_w, rope(ckv[:, Dl:])) [T, Dl + Dr],
             rope(q_rope) [T, h, Dr] or None without q_rope)            (4 launches -> 1)
-    absorb_q(q_nope [T, h, nope], w_uk [h, nope, Dl]) -> [T, h, Dl]
-        = einsum("thn,hnc->thc")                                       (cuBLAS bmm -> 1)
     absorb_v(o [T, h, Dl], w_uv [h, v, Dl]) -> [T, h * v]
         = einsum("thc,hvc->thv").reshape(T, -1)                        (bmm + copy -> 1)
-    (both one per-head GEMM kernel, _head_gemm_kernel, for decode-sized T)
 
 Rounding follows the torch formulas (the helix.layers.fused_ops rules): the norm sums squares in
 fp32, rounds x * rstd to the input dtype and the product with the weight once; RoPE computes
-each product and sum in fp32 without FMA contraction; the absorptions accumulate in fp32 and
-round once, as bmm does (only the order of their sums differs).
+each product and sum in fp32 without FMA contraction; absorb_v accumulates in fp32 and rounds
+once, as bmm does (only the order of its sum differs).
 """
 
 from __future__ import annotations
@@ -37,10 +34,6 @@ def mla_kv_row_torch(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope=None):
 
 def absorb_v_torch(o, w_uv):
     return torch.einsum("thc,hvc->thv", o, w_uv).reshape(o.shape[0], -1)
-
-
-def absorb_q_torch(q_nope, w_uk):
-    return torch.einsum("thn,hnc->thc", q_nope, w_uk)
 
 
 if HAS_TRITON:
@@ -90,30 +83,27 @@ if HAS_TRITON:
             tl.store(q_dst + HALF, (qb * cs[None, :] + qa * sn[None, :]).to(qt), mask=m)
 
     @triton.jit(do_not_specialize=["T"])
-    def _head_gemm_kernel(a_ptr, b_ptr, out_ptr, T, N, K,
-                          stride_at, stride_ah, stride_bh, stride_bk, stride_bn,
-                          stride_ot, stride_oh,
-                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
-        """out[t, h, n] = sum_k a[t, h, k] b[h, k, n], rows t < T (<= BLOCK_T), a unit stride
-        along k; b any strides (W_UV: unit along k; W_UK: unit along n)."""
+    def _absorb_v_kernel(o_ptr, w_ptr, out_ptr, T, V, K,
+                         stride_ot, stride_oh, stride_wh, stride_wv, stride_outt,
+                         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+        """out[t, h*V + v] = sum_c o[t, h, c] w[h, v, c], rows t < T (<= BLOCK_T)."""
         h = tl.program_id(0).to(tl.int64)
-        nn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = nn < N
+        vv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        vmask = vv < V
         t = tl.arange(0, BLOCK_T)
         tmask = t < T
-        a_rows = a_ptr + t.to(tl.int64)[:, None] * stride_at + h * stride_ah         # [BT, 1]
-        b_cols = b_ptr + h * stride_bh + nn.to(tl.int64)[None, :] * stride_bn         # [1, BN]
-        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        o_rows = o_ptr + t.to(tl.int64)[:, None] * stride_ot + h * stride_oh        # [BT, 1]
+        w_rows = w_ptr + h * stride_wh + vv.to(tl.int64)[:, None] * stride_wv        # [BV, 1]
+        acc = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             kmask = kk < K
-            a = tl.load(a_rows + kk[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_cols + kk.to(tl.int64)[:, None] * stride_bk,
-                        mask=kmask[:, None] & nmask[None, :], other=0.0)
-            acc = tl.dot(a.to(b.dtype), b, acc=acc, input_precision=DOT_PRECISION)
-        tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_ot + h * stride_oh + nn[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
+            a = tl.load(o_rows + kk[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=vmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.dot(a.to(w.dtype), tl.trans(w), acc=acc, input_precision=DOT_PRECISION)
+        tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_outt + h * V + vv[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & vmask[None, :])
 
 
 def mla_kv_row_triton(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope=None):
@@ -142,34 +132,23 @@ def mla_kv_row_triton(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope=None):
     return out, q_out
 
 
-def head_gemm_triton(a, b, b_k_axis: int):
-    """a [T, h, K] (unit stride along K) times per-head b [h, K, N] -> [T, h, N] contiguous.
-    b is given as stored: [h, N, K] (b_k_axis 2: W_UV) or [h, K, N] (b_k_axis 1: W_UK)."""
-    T, H, K = a.shape
-    N = b.shape[3 - b_k_axis]
-    assert b.shape[b_k_axis] == K and b.shape[0] == H and a.stride(2) == 1
+def absorb_v_triton(o, w_uv):
+    T, H, K = o.shape
+    V = w_uv.shape[1]
+    assert w_uv.shape == (H, V, K) and o.stride(2) == 1 and w_uv.stride(2) == 1
     assert T <= ABSORB_MAX_ROWS
-    out = torch.empty((T, H, N), dtype=a.dtype, device=a.device)
+    out = torch.empty((T, H * V), dtype=o.dtype, device=o.device)
     if T == 0:
         return out
-    block_n = min(64, max(16, pow2(N)))
-    while block_n > 16 and H * -(-N // block_n) < 128:       # ~one program per SM streaming
-        block_n //= 2
-    precision = "ieee" if b.dtype == torch.float32 else "tf32"
-    run_kernel(_head_gemm_kernel, (H, triton.cdiv(N, block_n)), a, b, out, T, N, K,
-               a.stride(0), a.stride(1), b.stride(0), b.stride(b_k_axis),
-               b.stride(3 - b_k_axis), out.stride(0), out.stride(1),
-               BLOCK_T=max(16, pow2(T)), BLOCK_N=block_n,
+    block_v = min(64, max(16, pow2(V)))
+    while block_v > 16 and H * -(-V // block_v) < 128:       # ~one program per SM streaming
+        block_v //= 2
+    precision = "ieee" if w_uv.dtype == torch.float32 else "tf32"
+    run_kernel(_absorb_v_kernel, (H, triton.cdiv(V, block_v)), o, w_uv, out, T, V, K,
+               o.stride(0), o.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0),
+               BLOCK_T=max(16, pow2(T)), BLOCK_V=block_v,
                BLOCK_K=min(64, max(16, pow2(K))), DOT_PRECISION=precision, num_warps=4)
     return out
-
-
-def absorb_v_triton(o, w_uv):
-    return head_gemm_triton(o, w_uv, 2).view(o.shape[0], -1)
-
-
-def absorb_q_triton(q_nope, w_uk):
-    return head_gemm_triton(q_nope, w_uk, 1)
 
 
 def mla_kv_row(ckv: torch.Tensor, norm_w: torch.Tensor, eps: float, cos: torch.Tensor,
@@ -184,20 +163,9 @@ def mla_kv_row(ckv: torch.Tensor, norm_w: torch.Tensor, eps: float, cos: torch.T
     return mla_kv_row_torch(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope)
 
 
-def _head_gemm_fits(a: torch.Tensor) -> bool:
-    return use_triton(a) and a.shape[0] <= ABSORB_MAX_ROWS and a.stride(2) == 1
-
-
-def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """q_nope [T, h, nope] (a view of the q projection), w_uk [h, nope, Dl] -> the absorbed
-    queries [T, h, Dl] (contiguous)."""
-    if _head_gemm_fits(q_nope) and w_uk.stride(2) == 1:
-        return absorb_q_triton(q_nope, w_uk)
-    return absorb_q_torch(q_nope, w_uk)
-
-
 def absorb_v(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """o [T, h, Dl] latent outputs, w_uv [h, v, Dl] -> [T, h * v] (contiguous: o_proj's input)."""
-    if _head_gemm_fits(o) and w_uv.stride(2) == 1:
+    if (use_triton(o) and o.shape[0] <= ABSORB_MAX_ROWS and o.stride(2) == 1
+            and w_uv.stride(2) == 1):
         return absorb_v_triton(o, w_uv)
     return absorb_v_torch(o, w_uv)
