@@ -26,3 +26,31 @@ def pytest_collection_modifyitems(config, items):
         group = SHARED_RUNS.get(item.path.name)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(scope="session")
+def ckpt_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("hf_ckpts"))
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(ckpt_root):
+    """hf_checkpoint(family, **kw) -> (checkpoint dir, fp32 HF model); built once per session per
+    (family, kw). kw: seed, dtype, max_shard_size, tag, and config overrides (see hf_fixtures)."""
+    import hf_fixtures
+    cache: dict = {}
+
+    def get(family: str, **kw):
+        key = (family, tuple(sorted((k, repr(v)) for k, v in kw.items())))
+        if key not in cache:
+            tag = kw.pop("tag", "") or (f"-{len(cache)}" if kw else "")
+            cache[key] = hf_fixtures.make_checkpoint(ckpt_root, family, tag=tag, **kw)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(hf_checkpoint) -> str:
+    """The workhorse checkpoint of the runtime and CLI tests (tiny Llama, llama3 RoPE)."""
+    return hf_checkpoint("llama")[0]
