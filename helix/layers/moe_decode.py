@@ -12,7 +12,7 @@ program p (p = t*k + j) leads expert e = ids[p] - first iff p is the first pair 
 (the pairs with the same id, in pair order, by a prefix count in registers) and streams a
 [BLOCK_N, D] slice of e's weights once for them. Programs of non-local or non-leading pairs
 exit before reading a weight, so only experts with tokens are read, and no routing metadata
-(sort, bounds) is built: the grid is (T*k, feature blocks), fixed by shapes.
+(sort, bounds) is built: the grid is (T*k + S, feature blocks), fixed by shapes.
 
   1. _gate_up_kernel grid (N + S, cdiv(I, BLOCK_N)): h[p] = silu(x_t Wg_e^T) * (x_t Wu_e^T)
      for the rows p of e -> h [N + S*T, I] in x.dtype (indexed by pair).
@@ -134,8 +134,8 @@ def _acc_done(acc, MODE: tl.constexpr):
 def _rows_of(same, rank, c0, count, p_shared, N, T, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_P: tl.constexpr):
     """Rows c0 .. c0 + BLOCK_M - 1 of a program's expert -> (pair [BM], token [BM], valid [BM]):
-    routed (p_shared false): its pairs among `same`; shared virtual expert s = p_shared's
-    program - N: token r at pair N + s*T + r."""
+    routed (p_shared false): its pairs among `same`; shared virtual expert s (this program's
+    id - N): token r at pair N + s*T + r."""
     pair, valid = _chunk_pairs(same, rank, c0, count, BLOCK_M, BLOCK_P)
     r = c0 + tl.arange(0, BLOCK_M)
     s = tl.program_id(0) - N
