@@ -2,7 +2,8 @@
 
 Shapes per rank:
   gqa: Llama-3.1-70B, 64 query heads / 8 KV heads, d 128, bf16, paged KV [P, page, 8, 128] x 2
-  mla: DeepSeek-V3 absorbed, 128 heads, Dl 512 + Dr 64, bf16, paged KV [P, page, 576]
+  mla: DeepSeek-V3 absorbed, 128 heads, Dl 512 + Dr 64, bf16, paged KV [P, page, 576]: the
+       Triton kernel, and on sm_90 also the Gluon kernel the backend runs there (gluon-mla)
 for batch x per-rank context, skipping combos whose KV exceeds --mem-cap-gb. Each config is first
 checked against a torch fp32 computation (rows 0 and B-1, loose bf16 tolerance), then timed as a
 CUDA-graph replay with L2 flushed. The copy bandwidth and bf16 matmul rate are measured in the same
@@ -21,6 +22,7 @@ timed once per config), forced or left to the heuristic:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -29,8 +31,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from helix.attention import gluon_mla, triton_backend  # noqa: E402
 from helix.attention.triton_decode import gqa_decode, gqa_num_splits  # noqa: E402
 from helix.attention.triton_mla import mla_decode, mla_plan  # noqa: E402
+from helix.attention.triton_splits import sm_count_of  # noqa: E402
 from profiling.roofline import L2Flush, copy_bandwidth, graph_time_us, matmul_rate  # noqa: E402
 
 GQA = dict(hq=64, hkv=8, d=128)
@@ -139,7 +143,34 @@ def bench_config(kernel, B, ctx, page, pools, flush, args) -> list[dict]:
                             shape="deepseek-v3 rank: 128h Dl512 Dr64 bf16", max_err=max(errs),
                             num_splits=splits, splits_forced=forced is not None,
                             time_us=graph_time_us(fn, args.iters, flush)))
+        if gluon_runs():
+            splits = forced or gluon_mla.plan(B, h, bt.shape[1] * page,
+                                              sm_count_of(ql.device), page).num_splits
+            fn = lambda n=splits: gluon_mla.mla_decode_gluon(  # noqa: E731
+                ql, qr, kv_pool, bt, lens, scale, num_splits=n,
+                variant=triton_backend.GLUON_VARIANT)
+            o, lse = fn()
+            errs = [check(o[b], lse[b], *refs[b], f"gluon B{B} ctx{ctx} splits {splits} row {b}")
+                    for b in refs]
+            records.append(dict(kernel="gluon-mla", variant=triton_backend.GLUON_VARIANT,
+                                batch=B, context=ctx, sdpa_us=None,
+                                shape="deepseek-v3 rank: 128h Dl512 Dr64 bf16, sm_90",
+                                max_err=max(errs), num_splits=splits,
+                                splits_forced=forced is not None,
+                                time_us=graph_time_us(fn, args.iters, flush)))
     return records
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_runs() -> bool:
+    """The sm_90 Gluon MLA kernel (the one the backend runs there) compiles and passes its
+    self-check on this GPU; it is then timed beside triton-mla."""
+    ok = gluon_mla.gluon_available(DEVICE, triton_backend.GLUON_VARIANT)
+    if not ok:
+        print(f"  gluon MLA not timed: "
+              f"{gluon_mla.why_unavailable(DEVICE, triton_backend.GLUON_VARIANT)[:200]}",
+              flush=True)
+    return ok
 
 
 def sdpa_time(q, k_seq, v_seq, scale, flush, repeat_cap_gb=16.0):
@@ -213,7 +244,7 @@ def main():
                 vs = (f"  {rec['sdpa_us'] / rec['time_us']:.3f}x sdpa speed"
                       if rec["sdpa_us"] else "")
                 what = f" s{rec['num_splits']:<3}" if "num_splits" in rec else ""
-                print(f"{kernel} B{B:<3} ctx {ctx:>7}{what}: {rec['time_us']:9.1f} us  floor "
+                print(f"{rec['kernel']} B{B:<3} ctx {ctx:>7}{what}: {rec['time_us']:9.1f} us  floor "
                       f"{floor:9.1f} us  {100 * rec['roofline_fraction']:5.1f}% roofline  "
                       f"{rec['achieved_GBps']:6.0f} GB/s  sdpa {sdpa} us{vs}", flush=True)
                 with open(args.out, "w") as f:                # after every record: a kill

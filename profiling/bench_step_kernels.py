@@ -242,23 +242,29 @@ def _floor_bytes(llm, batch: int, context: int) -> float:
     return total + routed * hit_frac + batch * context * kv
 
 
-STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold")
+STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
+              "after-gluon-simple")
 
 
 def set_kernels(mode: str) -> None:
     """'before': the previous router, MoE v1, triton_mla; 'after': the new defaults with the
     few-heads MLA kernel on; 'after-nofew': the same with triton_mla; 'after-v1moe': the new
-    defaults with MoE v1 (step_kernels.md: v1 measured faster inside the batch-1 step)."""
+    defaults with MoE v1 (step_kernels.md: v1 measured faster inside the batch-1 step);
+    'after-nofold': without the shared experts in the MoE kernels; 'after-gluon-simple': the
+    previous Gluon MLA variant (one 8-warp consumer)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
     rt.Router.forward = _NEW_FORWARD if after else _legacy_forward
     fm.VARIANT = "v1" if mode in ("before", "after-v1moe") else "auto"
-    triton_mla_few.MODE = "" if mode in ("after", "after-v1moe", "after-nofold") else "0"
+    triton_mla_few.MODE = ("" if mode in ("after", "after-v1moe", "after-nofold",
+                                          "after-gluon-simple") else "0")
     fm.FOLD_SHARED = mode not in ("before", "after-nofold")
+    triton_backend.GLUON_VARIANT = "simple" if mode == "after-gluon-simple" else _GLUON_VARIANT
 
 
 _NEW_FORWARD = rt.Router.forward
+_GLUON_VARIANT = triton_backend.GLUON_VARIANT
 
 
 def _legacy_forward(self, x):

@@ -106,15 +106,17 @@ def plan(batch: int, heads: int, max_context: int, sm_count: int, page_size: int
 
 
 def smem_bytes(variant: str, elt: int = 2) -> int:
-    """Shared memory the kernel allocates (without compiler scratch): Q, the KV ring, P, the
-    running max, the two denominators and the mbarriers."""
-    q = BLOCK_H * (D_LATENT + D_ROPE) * elt
+    """Shared memory the kernel allocates (without compiler scratch): Q, the two KV tile
+    buffers and their mbarriers; seesaw: Q without its rope columns (those sit in registers),
+    two P tiles, two running maxima, the two denominators and 11 mbarriers."""
     ring = STAGES * BLOCK_N * (D_LATENT + D_ROPE) * elt
     if variant == "seesaw":
-        small = BLOCK_H * BLOCK_N * elt + BLOCK_H * 4 + 2 * BLOCK_H * 4
+        q = BLOCK_H * D_LATENT * elt
+        small = 2 * BLOCK_H * BLOCK_N * elt + 2 * BLOCK_H * 4 + 2 * BLOCK_H * 4 + 8 * 11
     else:
-        small = 8 * 64 * elt + 4 + 2 * 4
-    return q + ring + small + 8 * (2 * STAGES + 2)
+        q = BLOCK_H * (D_LATENT + D_ROPE) * elt
+        small = 8 * 2 * STAGES
+    return q + ring + small
 
 
 def descriptor_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +144,8 @@ def make_descriptors(kv_cache: torch.Tensor, plan_: GluonMLAPlan):
     gdt = gl.bfloat16 if kv_cache.dtype == torch.bfloat16 else gl.float16
     lat, rope = descriptor_views(kv_cache)
     descs = []
-    for view, width in ((lat, D_LATENT), (rope, D_ROPE)):
+    lat_box = D_LATENT // 2 if plan_.variant == "seesaw" else D_LATENT   # seesaw: half tiles
+    for view, width in ((lat, lat_box), (rope, D_ROPE)):
         block = [plan_.box_rows, width]
         layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
         descs.append(TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout))

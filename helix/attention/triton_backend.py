@@ -32,7 +32,7 @@ from helix.errors import ConfigError
 from helix.kv.manager import LocalKVMeta
 
 PREFILL_IMPLS = ("auto", "triton") + torch_prefill.KERNELS
-GLUON_VARIANT = "simple"     # the faster variant at every shape of profiling/results/mla_gluon.md
+GLUON_VARIANT = "seesaw"     # the faster variant at every shape of profiling/results/mla_gluon.md
 # A few-heads MLA launch (triton_mla_few.routes) of at least this batch runs the Gluon kernel where
 # it runs (sm_90). H200, 16 heads (profiling/results/step_kernels.md): alone, the few-heads
 # kernel wins at batch 1 (30 against 39 us at 32K, 75 against 108 at 128K), Gluon from batch 2
