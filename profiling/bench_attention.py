@@ -244,8 +244,8 @@ def main():
                 vs = (f"  {rec['sdpa_us'] / rec['time_us']:.3f}x sdpa speed"
                       if rec["sdpa_us"] else "")
                 what = f" s{rec['num_splits']:<3}" if "num_splits" in rec else ""
-                print(f"{rec['kernel']} B{B:<3} ctx {ctx:>7}{what}: {rec['time_us']:9.1f} us  floor "
-                      f"{floor:9.1f} us  {100 * rec['roofline_fraction']:5.1f}% roofline  "
+                print(f"{rec['kernel']} B{B:<3} ctx {ctx:>7}{what}: {rec['time_us']:9.1f} us  "
+                      f"floor {floor:9.1f} us  {100 * rec['roofline_fraction']:5.1f}% roofline  "
                       f"{rec['achieved_GBps']:6.0f} GB/s  sdpa {sdpa} us{vs}", flush=True)
                 with open(args.out, "w") as f:                # after every record: a kill
                     json.dump(records, f, indent=1)           # keeps what was measured
