@@ -26,11 +26,14 @@ def test_plan_pads_heads_to_64_row_blocks(heads, blocks):
                                        (3, 4096), (1, 64)])
 def test_plan_splits_follow_fill_policy(batch, ctx):
     p = gluon_mla.plan(batch, 128, ctx, 132)
-    assert p.num_splits == fill_num_splits(batch, 2, ctx, 132, min_tokens=64)
+    assert p.num_splits == fill_num_splits(batch, 2, ctx, 132, min_tokens=128)
     programs = batch * 2 * p.num_splits
-    if ctx >= 64 * 64:          # enough tokens for the splits a wave wants: >= 90 % full
+    if ctx >= 128 * 64:         # enough tokens for the splits a wave wants: >= 90 % full
         assert programs / (-(-programs // 132) * 132) >= 0.9 or p.num_splits == 64
-    assert p.num_splits & (p.num_splits - 1) == 0 and ctx // p.num_splits >= 64
+    # a seesaw split holds a pair of tiles (one per warpgroup) where the context allows
+    assert p.num_splits & (p.num_splits - 1) == 0 and ctx // p.num_splits >= min(ctx, 128)
+    assert gluon_mla.plan(1, 128, 4096, 132).num_splits == 32
+    assert gluon_mla.plan(1, 128, 4096, 132, variant="simple").num_splits == 64
 
 
 def test_plan_forced_splits_variant_and_boxes():

@@ -40,7 +40,10 @@ BLOCK_H = 64                 # query heads per program: the wgmma M (heads < 64 
 BLOCK_N = 64                 # tokens per KV tile
 D_LATENT, D_ROPE = 512, 64
 STAGES = 2                   # KV ring depth: what shared memory allows next to Q (see smem_bytes)
-MIN_SPLIT_TOKENS = 64        # one tile: the "fill" policy of triton_mla (short contexts spread)
+# Tokens a split keeps at least (the "fill" policy of triton_mla: short contexts spread): one
+# tile for "simple"; a pair of tiles for "seesaw", whose warpgroups take one tile each (a
+# one-tile split leaves one idle; H200, 1 x 4K: 32 splits 19.1 us, 64 splits 24.2 us)
+MIN_SPLIT_TOKENS = {"seesaw": 2 * BLOCK_N, "simple": BLOCK_N}
 SM90_SMEM_LIMIT = 232448     # bytes of shared memory one block may use on H100 / H200
 VARIANTS = ("seesaw", "simple")
 # Registers per thread (warp_specialize's worker budgets; the default partition gets the rest of
@@ -100,7 +103,7 @@ def plan(batch: int, heads: int, max_context: int, sm_count: int, page_size: int
     head_blocks = triton.cdiv(heads, BLOCK_H)
     if num_splits is None:
         num_splits = fill_num_splits(batch, head_blocks, max_context, sm_count,
-                                     min_tokens=MIN_SPLIT_TOKENS)
+                                     min_tokens=MIN_SPLIT_TOKENS[variant])
     return GluonMLAPlan(head_blocks=head_blocks, num_splits=max(1, int(num_splits)), batch=batch,
                         box_rows=box_rows(page_size), variant=variant)
 
