@@ -16,13 +16,15 @@ explicit waits) while keeping Triton's launcher, cache, layouts and CUDA-graph b
 kernel stays ~350 lines of Python next to its Triton sibling. NVRTC CUDA C++ would need CUTLASS
 / CuTe headers (absent on the GPU machine) or hand-written wgmma / TMA PTX.
 
-Design (FlashMLA's, sm_90): a program = (64-head block, split, sequence); Q [64, 576] stays in
-shared memory; KV tiles of BLOCK_N = 64 tokens arrive through TMA from a 1-warp producer into a
-2-stage ring (Q 72 KB + 2 x 72 KB + P 8 KB = 224.5 KB of the 227 KB a block may use); two
-consumer warpgroups each own half of O [64, 512] and take alternate tiles' QK^T + softmax,
-passing P and the running max through shared memory ("seesaw", gluon_mla_kernel.py). Variants:
-"seesaw" (default) and "simple" (one 8-warp consumer partition; the fallback if the seesaw
-misbehaves on some toolchain).
+Design (FlashMLA's published sm_90 schedule, re-derived; gluon_mla_kernel.py has the details):
+a program = (64-head block, split, sequence). Variant "seesaw" (default): Q's latent [64, 512]
+in shared memory, its 64 rope columns in the consumers' registers; a producer warpgroup loads KV
+tiles of BLOCK_N = 64 tokens through TMA into two tile buffers, each in two parts (latent
+0..255 | latent 256..511 + rope) with their own ready / empty barriers; two consumer warpgroups
+each own half of O [64, 512], compute QK^T of alternate tiles (WG 0 buffer 0, WG 1 buffer 1) and
+pass P and the running max through shared memory, each softmax running under the other
+warpgroup's wgmmas (Q 64 KB + 2 x 72 KB + 2 P x 8 KB = 225 KB of the 227 KB a block may use).
+"simple" (the fallback): one 8-warp consumer partition over a 2-stage ring of whole tiles.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ MIN_SPLIT_TOKENS = {"seesaw": 2 * BLOCK_N, "simple": BLOCK_N}
 SM90_SMEM_LIMIT = 232448     # bytes of shared memory one block may use on H100 / H200
 VARIANTS = ("seesaw", "simple")
 # Registers per thread (warp_specialize's worker budgets; the default partition gets the rest of
-# maxnreg x all warps). seesaw: 4 (WG 0) + 4 (WG 1) + 1 (producer, padded to a warpgroup) warps:
-# 168 x 384 threads = 64512 <= 65536, leaving 240 for each consumer warpgroup.
+# maxnreg x all warps). seesaw: 4 (WG 0) + 4 (WG 1) + 4 (the producer, the default partition)
+# warps: 168 x 384 threads = 64512 <= 65536, 240 for each consumer warpgroup, 24 left for the
+# producer (both consumers compile without spills at 240 on triton 3.6).
 REGS = {"seesaw": dict(num_warps=4, maxnreg=168, WG_REGS=240, PRODUCER_REGS=24),
         "simple": dict(num_warps=8, maxnreg=168, WG_REGS=0, PRODUCER_REGS=24)}
 

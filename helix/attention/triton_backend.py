@@ -13,8 +13,8 @@ Absorbed MLA decode runs the Gluon kernel (helix.attention.gluon_mla, variant GL
 sm_90 where it compiled and passed its self-check in `prepare` and the shape suits it (16-bit KV,
 512 + 64 dims, not a few-heads launch of a small batch: triton_mla_few.routes and
 GLUON_FEW_HEADS_FROM_BATCH), else triton_mla (env
-HELIX_MLA_GLUON=0 keeps triton_mla): profiling/results/mla_gluon.md measured it 3-10 % ahead of
-triton_mla at every shape timed.
+HELIX_MLA_GLUON=0 keeps triton_mla): profiling/results/mla_gluon.md measured it 1.18-1.77 x
+faster than triton_mla at every bench_attention shape (DeepSeek-V3 rank, batch 1-64 x 4K-512K).
 
 On CPU the kernels run only through Triton's interpreter (TRITON_INTERPRET=1, set before triton
 is imported); tests use that path."""
@@ -34,10 +34,9 @@ from helix.kv.manager import LocalKVMeta
 PREFILL_IMPLS = ("auto", "triton") + torch_prefill.KERNELS
 GLUON_VARIANT = "seesaw"     # the faster variant at every shape of profiling/results/mla_gluon.md
 # A few-heads MLA launch (triton_mla_few.routes) of at least this batch runs the Gluon kernel where
-# it runs (sm_90). H200, 16 heads (profiling/results/step_kernels.md): alone, the few-heads
-# kernel wins at batch 1 (30 against 39 us at 32K, 75 against 108 at 128K), Gluon from batch 2
-# (44 against 48 us at 2 x 32K, 391 against 465 at 8 x 128K); in whole DeepSeek-V2-Lite steps
-# the few-heads kernel saves 0.30 ms at 1 x 32K and 0.90 at 1 x 128K, Gluon 0.05 at 8 x 32K.
+# it runs (sm_90). H200, 16 heads (profiling/results/mla_gluon.md, the seesaw variant): alone,
+# the few-heads kernel wins at batch 1 (30.0 against 33.0 us at 32K, 75.9 against 79.4 at
+# 128K), Gluon from batch 2 (41.0 against 47.5 us at 2 x 32K, 310 against 475 at 8 x 128K).
 GLUON_FEW_HEADS_FROM_BATCH = 2
 # By device name: (torch kernel, keys of the longest prefill sequence (meta.max_kv) from which it
 # beats the Triton prefill kernel), as profiling/bench_prefill.py part (a) measures and prints it.
