@@ -69,6 +69,11 @@ def test_kernel_switch(monkeypatch):
     bench.set_kernels("after-v1moe")
     assert fm.VARIANT == "v1" and triton_mla_few.routes(16)
     assert rt.Router.forward is bench._NEW_FORWARD
+    from helix.attention import triton_backend
+    bench.set_kernels("after-gluon-simple")         # the previous Gluon MLA variant, else "after"
+    assert triton_backend.GLUON_VARIANT == "simple" and triton_mla_few.routes(16)
+    bench.set_kernels("after")
+    assert triton_backend.GLUON_VARIANT == "seesaw"
     with pytest.raises(SystemExit):
         bench.set_kernels("later")
 
