@@ -292,7 +292,7 @@ def _seesaw_consumer(args, WG: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.
     my_hi = ready.index(2 * WG + 1)
     v0 = k0.slice(WG * HALF, HALF, dim=1)              # [BLOCK_N, 256]: this WG's V columns
     v1 = k1.slice(WG * HALF, HALF, dim=1)
-    # Q: each warpgroup stores half of its latent columns (the producer's first loads are
+    # Q: each warpgroup stores half of Q's latent columns (the producer's first loads are
     # already in flight), both wait for both halves (l_bar's first phase); the rope columns go
     # straight to registers
     _load_q(ql_ptr, qr_ptr, q_lat.index(0), None, b, hb, HEADS, stride_qlb, stride_qlh,
