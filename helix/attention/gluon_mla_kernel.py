@@ -255,6 +255,26 @@ def _softmax(sc, m_prev, valid, scale_log2, s_layout: gl.constexpr, BLOCK_N: gl.
 
 
 @gluon.jit
+def _publish(p_slot, m_slot, p16, m_new, read_bar, read_phase, ready_bar):
+    """P and its running max to the other warpgroup: once it has read the previous P from this
+    slot (read_bar: its release of the tile part it multiplied), store, fence for its wgmma,
+    and signal ready_bar after every thread's stores."""
+    mbarrier.wait(read_bar, read_phase)
+    p_slot.store(p16)
+    m_slot.store(m_new)
+    fence_async_shared()
+    _sync_threads()
+    mbarrier.arrive(ready_bar, count=1)
+
+
+@gluon.jit
+def _rescale(o, l_own, m_old, m_new):
+    """O and the denominator from reference max m_old to m_new (O's row layout)."""
+    alpha = gl.exp2(m_old - m_new)
+    return o * gl.expand_dims(alpha, 1), l_own * alpha
+
+
+@gluon.jit
 def _q_rope_regs(qr_ptr, b, hb, HEADS, stride_qrb, stride_qrh, layout: gl.constexpr,
                  BLOCK_H: gl.constexpr):
     """Q's 64 rope columns [BLOCK_H, 64] straight into wgmma A-operand registers."""
@@ -321,16 +341,12 @@ def _seesaw_consumer(args, WG: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.
             p, l_tile, m0 = _softmax(sc, gl.convert_layout(m_ref, row_s), valid0, scale_log2,
                                      s_layout, BLOCK_N)
             p16 = p.to(dtype)
-            mbarrier.wait(empty.index(1), phase ^ 1)           # P_0 of pair i - 1 was read
-            p_smem.index(0).store(p16)
-            m_smem.index(0).store(m0)
-            fence_async_shared()
-            _sync_threads()
-            mbarrier.arrive(bar_ab.index(0), count=1)
+            # (empty[1]: WG 1 retired its PV on P_0 of pair i - 1)
+            _publish(p_smem.index(0), m_smem.index(0), p16, m0, empty.index(1), phase ^ 1,
+                     bar_ab.index(0))
             m0_o = gl.convert_layout(m0, row_o)
-            alpha = gl.exp2(m_ref - m0_o)
-            o = o * gl.expand_dims(alpha, 1)
-            l_own = l_own * alpha + gl.convert_layout(l_tile, row_o)
+            o, l_own = _rescale(o, l_own, m_ref, m0_o)
+            l_own = l_own + gl.convert_layout(l_tile, row_o)
             if valid0 < BLOCK_N:
                 _zero_stale_rows(v0, valid0, BLOCK_N, 4)
             acc = warpgroup_mma(gl.convert_layout(p16, pa_layout), v0, o, is_async=True)
@@ -338,12 +354,10 @@ def _seesaw_consumer(args, WG: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.
             m1 = m_smem.index(1).load(row_o)
             o = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(0), count=1)           # K0 lo free
-            alpha = gl.exp2(m0_o - m1)
-            o = o * gl.expand_dims(alpha, 1)
-            l_own = l_own * alpha
+            o, l_own = _rescale(o, l_own, m0_o, m1)
             m_ref = m1
             if valid1 < BLOCK_N:
-                _zero_stale_rows(v1, gl.maximum(valid1, 0), BLOCK_N, 4)
+                _zero_stale_rows(v1, valid1, BLOCK_N, 4)
             acc = warpgroup_mma(p_smem.index(1), v1, o, is_async=True)
             if i + 1 < n_pairs:                                 # S_0' of tile 2i + 2
                 # the buffers through a runtime index the compiler cannot prove 0: hoisting
@@ -366,30 +380,24 @@ def _seesaw_consumer(args, WG: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.
         else:
             mbarrier.wait(bar_ab.index(0), phase)              # (P_0, m_0) published
             m0_o = m_smem.index(0).load(row_o)
-            alpha = gl.exp2(m_ref - m0_o)
-            o = o * gl.expand_dims(alpha, 1)
-            l_own = l_own * alpha
+            o, l_own = _rescale(o, l_own, m_ref, m0_o)
             if valid0 < BLOCK_N:
                 _zero_stale_rows(v0, valid0, BLOCK_N, 4)
             acc = warpgroup_mma(p_smem.index(0), v0, o, is_async=True)
             p, l_tile, m1 = _softmax(sc, gl.convert_layout(m0_o, row_s), valid1, scale_log2,
                                      s_layout, BLOCK_N)
             p16 = p.to(dtype)
-            mbarrier.wait(empty.index(2), phase ^ 1)           # P_1 of pair i - 1 was read
-            p_smem.index(1).store(p16)
-            m_smem.index(1).store(m1)
-            fence_async_shared()
-            _sync_threads()
-            mbarrier.arrive(bar_ab.index(1), count=1)
+            # (empty[2]: WG 0 retired its PV on P_1 of pair i - 1)
+            _publish(p_smem.index(1), m_smem.index(1), p16, m1, empty.index(2), phase ^ 1,
+                     bar_ab.index(1))
             o = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(1), count=1)           # K0 hi free
             m1_o = gl.convert_layout(m1, row_o)
-            alpha = gl.exp2(m0_o - m1_o)
-            o = o * gl.expand_dims(alpha, 1)
-            l_own = l_own * alpha + gl.convert_layout(l_tile, row_o)
+            o, l_own = _rescale(o, l_own, m0_o, m1_o)
+            l_own = l_own + gl.convert_layout(l_tile, row_o)
             m_ref = m1_o
             if valid1 < BLOCK_N:
-                _zero_stale_rows(v1, gl.maximum(valid1, 0), BLOCK_N, 4)
+                _zero_stale_rows(v1, valid1, BLOCK_N, 4)
             acc = warpgroup_mma(gl.convert_layout(p16, pa_layout), v1, o, is_async=True)
             o = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(3), count=1)           # K1 hi free
