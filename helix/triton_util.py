@@ -1,9 +1,30 @@
 """What every Helix Triton kernel module shares: whether Triton is importable, the one launch
 point (profiling/kernel_resources.py and tests patch `run_kernel` in the modules that import it,
-to record or compile launches without a GPU), the power-of-two rounding of block sizes, and the
-persistent arrival counters of one-launch kernels whose last program finishes the work."""
+to record or compile launches without a GPU), programmatic dependent launch, the power-of-two
+rounding of block sizes, and the persistent arrival counters of one-launch kernels whose last
+program finishes the work.
+
+Programmatic dependent launch (PDL, sm_90+). A decode step at small batch is hundreds of short
+kernels in a row, each paying its launch and the ramp of its first wave before any work. A
+kernel launched with PDL may start while the kernel before it on the stream is still running:
+its programs become resident and wait in `pdl_sync`, which returns once the previous kernel
+has finished and its writes are visible (griddepcontrol.wait), and then lets the NEXT kernel
+start the same way (griddepcontrol.launch_dependents). The rule, written once here:
+  - a kernel opts in by declaring `PDL: tl.constexpr = False` and calling `pdl_sync(PDL)`
+    before its first load or store (so it reads nothing an earlier kernel writes, and writes
+    nothing an earlier kernel still reads, before the wait);
+  - `run_kernel` launches such a kernel with PDL=True and launch_pdl where `pdl_enabled`
+    (CUDA, compute capability >= 9, HELIX_PDL not "0"); everywhere else PDL=False, the call
+    compiles away, and the launch is an ordinary one.
+A kernel without the parameter, or one from torch / cuBLAS, is launched and waited for as
+before; under CUDA-graph capture the PDL launches become programmatic edges of the graph.
+"""
 
 from __future__ import annotations
+
+import functools
+import inspect
+import os
 
 import torch
 
@@ -12,13 +33,59 @@ try:
     import triton.language as tl  # noqa: F401
     HAS_TRITON = True
 except ImportError:                      # pragma: no cover - triton is the optional "kernels" extra
-    triton = tl = None
+    triton = tl = pdl_sync = None
     HAS_TRITON = False
 
 
+PDL = os.environ.get("HELIX_PDL", "1") != "0"     # read at launch: benches switch it
+
+
 def run_kernel(kernel, grid, *args, **meta):
-    """kernel[grid](*args, **meta)."""
+    """kernel[grid](*args, **meta), with programmatic dependent launch where the kernel takes
+    a PDL parameter and pdl_enabled holds for the device of its first tensor argument."""
+    if _takes_pdl(kernel) and "PDL" not in meta:
+        on = pdl_enabled(next((a.device for a in args if isinstance(a, torch.Tensor)), None))
+        meta["PDL"] = on
+        if on:
+            meta["launch_pdl"] = True
     return kernel[grid](*args, **meta)
+
+
+def pdl_enabled(device: torch.device | None) -> bool:
+    """Whether kernels on `device` launch with PDL: CUDA (not the interpreter), compute
+    capability >= 9, and HELIX_PDL (module flag PDL) on."""
+    if not PDL or device is None or device.type != "cuda":
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    return _capability(device.index if device.index is not None
+                       else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_pdl(kernel) -> bool:
+    fn = getattr(kernel, "fn", kernel)
+    try:
+        return "PDL" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+if HAS_TRITON:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def pdl_sync(PDL: tl.constexpr):
+        """A PDL kernel's first statement: wait for the previous kernel (its writes visible),
+        then let the next kernel launch. Nothing with PDL=False."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
 
 def pow2(n: int) -> int:

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from helix import triton_util  # noqa: E402
 from helix.attention import gluon_mla, triton_backend, triton_mla, triton_mla_few  # noqa: E402
 from helix.layers import fused_moe as fm  # noqa: E402
 from helix.layers import moe_decode as md  # noqa: E402
@@ -243,7 +244,7 @@ def _floor_bytes(llm, batch: int, context: int) -> float:
 
 
 STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
-              "after-gluon-simple")
+              "after-gluon-simple", "after-nopdl")
 
 
 def set_kernels(mode: str) -> None:
@@ -251,20 +252,22 @@ def set_kernels(mode: str) -> None:
     few-heads MLA kernel on; 'after-nofew': the same with triton_mla; 'after-v1moe': the new
     defaults with MoE v1 (step_kernels.md: v1 measured faster inside the batch-1 step);
     'after-nofold': without the shared experts in the MoE kernels; 'after-gluon-simple': the
-    previous Gluon MLA variant (one 8-warp consumer)."""
+    previous Gluon MLA variant (one 8-warp consumer); 'after-nopdl': the defaults launched
+    without programmatic dependent launch (helix.triton_util.PDL)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
     rt.Router.forward = _NEW_FORWARD if after else _legacy_forward
     fm.VARIANT = "v1" if mode in ("before", "after-v1moe") else "auto"
-    triton_mla_few.MODE = ("" if mode in ("after", "after-v1moe", "after-nofold",
-                                          "after-gluon-simple") else "0")
+    triton_mla_few.MODE = "0" if mode in ("before", "after-nofew") else ""
     fm.FOLD_SHARED = mode not in ("before", "after-nofold")
     triton_backend.GLUON_VARIANT = "simple" if mode == "after-gluon-simple" else _GLUON_VARIANT
+    triton_util.PDL = _PDL and mode != "after-nopdl"
 
 
 _NEW_FORWARD = rt.Router.forward
 _GLUON_VARIANT = triton_backend.GLUON_VARIANT
+_PDL = triton_util.PDL
 
 
 def _legacy_forward(self, x):

@@ -74,6 +74,13 @@ def test_kernel_switch(monkeypatch):
     assert triton_backend.GLUON_VARIANT == "simple" and triton_mla_few.routes(16)
     bench.set_kernels("after")
     assert triton_backend.GLUON_VARIANT == "seesaw"
+    from helix import triton_util
+    monkeypatch.setattr(triton_util, "PDL", True)
+    monkeypatch.setattr(bench, "_PDL", True)
+    bench.set_kernels("after-nopdl")                # the same kernels launched without PDL
+    assert not triton_util.PDL and triton_mla_few.routes(16)
+    bench.set_kernels("after")
+    assert triton_util.PDL
     with pytest.raises(SystemExit):
         bench.set_kernels("later")
 

@@ -11,12 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
-from helix.triton_util import run_kernel
+from helix.triton_util import pdl_sync, run_kernel
 
 
 @triton.jit(do_not_specialize=["R"])
 def _append_kernel(rows_ptr, slots_ptr, cache_ptr, stride_row, stride_slot, R,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     slot = tl.load(slots_ptr + t).to(tl.int64)           # int64: slot * R can pass 2^31
@@ -27,8 +28,9 @@ def _append_kernel(rows_ptr, slots_ptr, cache_ptr, stride_row, stride_slot, R,
 
 @triton.jit(do_not_specialize=["R"])
 def _append_pair_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stride_k, stride_v,
-                        stride_slot, R, BLOCK: tl.constexpr):
+                        stride_slot, R, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """K and V rows of one position in one launch (GQA: the two caches share slots)."""
+    pdl_sync(PDL)
     t = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     slot = tl.load(slots_ptr + t).to(tl.int64)

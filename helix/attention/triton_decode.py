@@ -22,7 +22,7 @@ import triton.language as tl
 
 from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, reduce_splits,
                                            sm_count_of, split_range, split_workspace, token_rows)
-from helix.triton_util import run_kernel
+from helix.triton_util import pdl_sync, run_kernel
 
 __all__ = ["choose_num_splits", "gqa_decode", "gqa_num_splits"]
 
@@ -40,7 +40,9 @@ def _gqa_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SAME_LAYOUT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_sync(PDL)
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from helix.attention.merge import lse_cols
-from helix.triton_util import run_kernel
+from helix.triton_util import pdl_sync, run_kernel
 
 _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
@@ -26,7 +26,8 @@ _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 def _pack_kernel(o_ptr, lse_ptr, out_ptr, stride_ot, stride_oh, stride_lt, stride_lh,
                  T, H, HN, D,
                  C: tl.constexpr, WORD_BITS: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_sync(PDL)
     # o, out as integer words [T, H, D] / [n, T, HN, D + C]; lse [T, H] fp32
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -83,7 +84,8 @@ def _lse_of(words_ptr, row, hmask, D: tl.constexpr, C: tl.constexpr, WORD_BITS: 
 @triton.jit(do_not_specialize=["T"])
 def _merge_kernel(recv_ptr, words_ptr, o_ptr, T, HN, stride_ot, stride_oh,
                   N: tl.constexpr, D: tl.constexpr, C: tl.constexpr, WORD_BITS: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_sync(PDL)
     # recv [N, T, HN, D + C] (as floats and as words) -> o [T, HN, D]
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)

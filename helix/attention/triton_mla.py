@@ -70,7 +70,7 @@ from helix.attention import triton_mla_few
 from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, fill_num_splits,
                                            next_page_id, page_rows, reduce_splits, sm_count_of,
                                            split_range, split_workspace, token_rows)
-from helix.triton_util import run_kernel
+from helix.triton_util import pdl_sync, run_kernel
 
 
 @triton.jit
@@ -133,7 +133,9 @@ def _mla_split_kernel(
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT_QK: tl.constexpr, RESCALE_LOG2: tl.constexpr, DEFER_L: tl.constexpr,
     PIPE_QK: tl.constexpr, USE_TMA: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_sync(PDL)
     hb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)

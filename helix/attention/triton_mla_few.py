@@ -31,6 +31,7 @@ import triton.language as tl
 from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, fill_num_splits,
                                            reduce_splits, run_kernel, sm_count_of, split_range,
                                            split_workspace, token_rows)
+from helix.triton_util import pdl_sync
 
 MODE = os.environ.get("HELIX_MLA_FEW", "")       # "" default, "0" off, anything else: up to 64
 FEW_HEADS_MAX = 64                # the kernel's limit
@@ -59,7 +60,9 @@ def _mla_few_kernel(
     D_LATENT: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SWAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_sync(PDL)
     split = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)

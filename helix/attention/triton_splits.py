@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from helix.triton_util import run_kernel
+from helix.triton_util import pdl_sync, run_kernel
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)   # used inside kernels: must be a constexpr global
@@ -127,7 +127,9 @@ def _reduce_splits_kernel(
     stride_ob, stride_oh,      # o strides (last dim contiguous)
     HEADS, D,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_sync(PDL)
     # one program: one (b, h) row, BLOCK_D columns, all splits loaded at once (no serial loop)
     row = tl.program_id(0).to(tl.int64)        # b * HEADS + h
     b = row // HEADS

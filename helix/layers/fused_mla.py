@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from helix.layers.fused_ops import rms_norm_torch, rope_torch, use_triton
-from helix.triton_util import HAS_TRITON, pow2, run_kernel, tl, triton
+from helix.triton_util import HAS_TRITON, pdl_sync, pow2, run_kernel, tl, triton
 
 ABSORB_MAX_ROWS = 64          # absorb_v's kernel: a program's rows; more (prefill): torch
 
@@ -41,10 +41,11 @@ if HAS_TRITON:
     def _kv_row_kernel(ckv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, q_ptr, qo_ptr,
                        D_LAT, HALF, HQ, inv_d, eps, stride_ct, stride_ot, sct, sst, sqt, sqh,
                        INTERLEAVE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr,
-                       BLOCK_H: tl.constexpr):
+                       BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
         """One row: out[:Dl] = rms_norm(ckv[:Dl]) * w, out[Dl:] = rope(ckv[Dl:]); with
         BLOCK_H > 0 also qo[t, :HQ] = rope(q[t, :HQ]) (the query heads' rope dims, unit
         stride along them), the formula of fused_ops' rope kernel."""
+        pdl_sync(PDL)
         t = tl.program_id(0).to(tl.int64)
         row = ckv_ptr + t * stride_ct
         dst = out_ptr + t * stride_ot
@@ -86,8 +87,9 @@ if HAS_TRITON:
     def _absorb_v_kernel(o_ptr, w_ptr, out_ptr, T, V, K,
                          stride_ot, stride_oh, stride_wh, stride_wv, stride_outt,
                          BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
         """out[t, h*V + v] = sum_c o[t, h, c] w[h, v, c], rows t < T (<= BLOCK_T)."""
+        pdl_sync(PDL)
         h = tl.program_id(0).to(tl.int64)
         vv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         vmask = vv < V

@@ -35,7 +35,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from helix.triton_util import HAS_TRITON, pow2, run_kernel, tl, triton
+from helix.triton_util import HAS_TRITON, pdl_sync, pow2, run_kernel, tl, triton
 
 __all__ = ["rms_norm", "add_rms_norm", "rope", "silu_mul", "select_tokens",
            "rms_norm_torch", "add_rms_norm_torch", "rope_torch", "silu_mul_torch",
@@ -110,10 +110,12 @@ if HAS_TRITON:
         sr0, sr1, srd,                  # residual, same row decomposition
         HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
         CHUNKS: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """y [R, D] = rms_norm(in) * w; in = x, or (HAS_RES) h [R, D] = residual + x.
         Without a residual h_ptr is x_ptr: only its element type (the rounding of x * rstd)
         is used."""
+        pdl_sync(PDL)
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < R
         rows = rows.to(tl.int64)
@@ -158,9 +160,11 @@ if HAS_TRITON:
         sxt, sxh, sxd,                  # x [T, H, 2*HALF]
         sct, scf, sst, ssf, sp,         # cos / sin [P, HALF], pos [T]
         INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """y [T, H, 2*HALF] contiguous: [a*cos - b*sin | b*cos + a*sin] for the pairs
         (a, b) = (x[2f], x[2f+1]) (INTERLEAVE) or (x[f], x[HALF+f]), in fp32."""
+        pdl_sync(PDL)
         t = tl.program_id(0).to(tl.int64)
         hh = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
         f = tl.arange(0, BLOCK_F)
@@ -202,8 +206,10 @@ if HAS_TRITON:
         return e * s1 * s2
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, y_ptr, I, sxt, sxi, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, y_ptr, I, sxt, sxi, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
         """y [T, I] = silu(x[:, :I]) * x[:, I:]; silu rounded to y's dtype first."""
+        pdl_sync(PDL)
         t = tl.program_id(0).to(tl.int64)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = i < I
@@ -318,7 +324,9 @@ def select_tokens_torch(src: torch.Tensor, ids: torch.Tensor, tokens: torch.Tens
 
 if HAS_TRITON:
     @triton.jit(do_not_specialize=["T"])
-    def _select_tokens_kernel(src_ptr, ids_ptr, tok_ptr, out_ptr, T, BLOCK: tl.constexpr):
+    def _select_tokens_kernel(src_ptr, ids_ptr, tok_ptr, out_ptr, T, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr = False):
+        pdl_sync(PDL)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = i < T
         s = tl.load(src_ptr + i, mask=m, other=-1)

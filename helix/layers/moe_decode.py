@@ -45,7 +45,7 @@ import triton.language as tl
 
 from helix.attention.triton_splits import sm_count_of
 from helix.triton_util import arrival_counters
-from helix.triton_util import pow2, run_kernel
+from helix.triton_util import pdl_sync, pow2, run_kernel
 
 MAX_PAIRS = 128              # T * k up to this runs here (decode buckets); more: fused_moe's v1
 MODES = {"fma": 0, "dot": 2}
@@ -155,7 +155,9 @@ def _gate_up_kernel(
     stride_hp,                             # h [N + S*T, I], unit stride along I
     TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_sync(PDL)
     p = tl.program_id(0)
     shared = p >= N                        # a shared virtual expert (programs N .. N + S - 1)
     lead, e, same, rank, count = _pair_group(ids_ptr, tl.minimum(p, N - 1), N, first, E,
@@ -235,7 +237,9 @@ def _down_kernel(
     TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, K_SPLITS: tl.constexpr, SHARED: tl.constexpr, MODE: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_sync(PDL)
     p = tl.program_id(0)
     shared = p >= N
     nb = tl.program_id(1)
@@ -287,7 +291,9 @@ def _down_kernel(
 @triton.jit(do_not_specialize=["N", "T", "first"])
 def _combine_kernel(y_ptr, ids_ptr, out_ptr, N, T, first, E, D, stride_ys, stride_yp,
                     stride_ot, TOPK: tl.constexpr, K_SPLITS: tl.constexpr,
-                    SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+                    SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    pdl_sync(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     _combine(y_ptr, ids_ptr, out_ptr, N, T, first, E, n, n < D, stride_ys, stride_yp, stride_ot,
              TOPK, K_SPLITS, SHARED, False, BLOCK_T, BLOCK_N)

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from helix.triton_util import arrival_counters
 from helix.layers.fused_ops import _exp_f32
-from helix.triton_util import pow2, run_kernel
+from helix.triton_util import pdl_sync, pow2, run_kernel
 
 BIG = tl.constexpr(1 << 30)   # "no expert": above every id
 
@@ -155,7 +155,8 @@ def _route_select_kernel(lg_ptr, stride_lt, T, bias_ptr, w_ptr, id_ptr, stride_w
                          K: tl.constexpr, SIGMOID: tl.constexpr, GROUP_RULE: tl.constexpr,
                          TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_sync(PDL)
     _select_rows(lg_ptr, stride_lt, tl.program_id(0) * BLOCK_T, T, bias_ptr, w_ptr, id_ptr,
                  stride_wt, stride_it, EG, G, scaling, K, SIGMOID, GROUP_RULE, TOPK_GROUP,
                  NORM, HAS_BIAS, False, BLOCK_T, BLOCK_G, BLOCK_EG, BLOCK_K)
@@ -169,9 +170,10 @@ def _route_fused_kernel(x_ptr, wr_ptr, lg_ptr, cnt_ptr, bias_ptr, w_ptr, id_ptr,
                         TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                         ROUND_LOGITS: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-                        BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Program p: logits[:, p*BLOCK_E : (p+1)*BLOCK_E] = x W^T for all T (<= BLOCK_T) rows;
     the last program to finish routes every row."""
+    pdl_sync(PDL)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = e < E
     rows = tl.arange(0, BLOCK_T)

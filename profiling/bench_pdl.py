@@ -1,0 +1,129 @@
+"""Programmatic dependent launch (helix.triton_util: PDL) on chains of short kernels, one GPU.
+
+A decode step at batch 1 is hundreds of dependent kernels of a few microseconds each; this
+measures what PDL saves per kernel boundary, in CUDA graphs, with the same kernels and data
+launched with and without it in the same process:
+
+  (a) norm chain: N launches of the production rms_norm kernel (helix.layers.fused_ops), each
+      normalising the previous one's output (one row of 2048, one program; and 64 rows);
+  (b) norm + GEMM chain: the same with a cuBLAS GEMV (F.linear, [rows, 2048] x [2048, 2048]^T)
+      between the norms, as a decode layer's norm -> projection -> norm;
+  (c) decode kernels: N repetitions of a DeepSeek-V2-Lite-sized MLA sequence of Helix kernels
+      (kv row, append, few-heads MLA at 1 x 4K with its split merge, absorb_v).
+
+Each chain's outputs with PDL are compared bitwise with those without (the kernels are
+deterministic), and the time per launch of both is reported.
+
+    python profiling/bench_pdl.py --out pdl.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from helix import triton_util  # noqa: E402
+from helix.attention import triton_append, triton_mla_few  # noqa: E402
+from helix.layers import fused_mla, fused_ops  # noqa: E402
+from profiling.roofline import graph_time_us  # noqa: E402
+
+
+def norm_chain(rows: int, n: int, gemm: bool):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.rand(2048, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    m = (torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16, generator=g) / 45)
+    out = {}
+
+    def fn():
+        y = x
+        for _ in range(n):
+            y = fused_ops.rms_norm(y, w, 1e-6)
+            if gemm:
+                y = F.linear(y, m)
+        out["y"] = y
+    return fn, out, n * (2 if gemm else 1)
+
+
+def mla_chain(n: int, context: int = 4096):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    H, Dl, Dr, page = 16, 512, 64, 64
+    pages = context // page + 1
+    kv = torch.randn(pages, page, Dl + Dr, device="cuda", dtype=torch.bfloat16, generator=g)
+    bt = torch.arange(pages, device="cuda", dtype=torch.int32)[None]
+    lens = torch.tensor([context], device="cuda", dtype=torch.int32)
+    slots = torch.tensor([context - 1], device="cuda", dtype=torch.int64)
+    pos = torch.tensor([context - 1], device="cuda", dtype=torch.int64)
+    ckv = torch.randn(1, Dl + Dr, device="cuda", dtype=torch.bfloat16, generator=g)
+    norm_w = torch.ones(Dl, device="cuda", dtype=torch.bfloat16)
+    cos = torch.rand(context, Dr // 2, device="cuda", generator=g)
+    sin = torch.rand(context, Dr // 2, device="cuda", generator=g)
+    ql = torch.randn(1, H, Dl, device="cuda", dtype=torch.bfloat16, generator=g)
+    qr = torch.randn(1, H, Dr, device="cuda", dtype=torch.bfloat16, generator=g)
+    w_uv = torch.randn(H, 128, Dl, device="cuda", dtype=torch.bfloat16, generator=g) / 22
+    out = {}
+
+    def fn():
+        c = ckv
+        for _ in range(n):
+            row, q = fused_mla.mla_kv_row(c, norm_w, 1e-6, cos, sin, pos, False, qr)
+            triton_append.append_kv(kv, row, slots)
+            o, _ = triton_mla_few.mla_decode_few(ql, q, kv, bt, lens, 0.1)
+            c = fused_mla.absorb_v(o, w_uv)[:, :Dl + Dr]
+        out["y"] = c
+    return fn, out, n * 6       # kv row, append, MLA, split merge, absorb, (slice: a view)
+
+
+def run(args) -> list[dict]:
+    recs = []
+    cases = [("norm x1 row", lambda: norm_chain(1, args.n, False)),
+             ("norm x64 rows", lambda: norm_chain(64, args.n, False)),
+             ("norm + cuBLAS GEMV x1 row", lambda: norm_chain(1, args.n // 2, True)),
+             ("MLA decode kernels 1 x 4K", lambda: mla_chain(args.n // 8))]
+    for name, make in cases:
+        res = {}
+        for pdl in (False, True):
+            triton_util.PDL = pdl
+            fn, out, launches = make()
+            us = graph_time_us(fn, args.iters)
+            res[pdl] = (us, out["y"].clone(), launches)
+        triton_util.PDL = True
+        (off, y0, launches), (on, y1, _) = res[False], res[True]
+        same = bool(torch.equal(y0, y1))
+        recs.append(dict(case=name, launches=launches, off_us=off, on_us=on,
+                         off_us_per_launch=off / launches, on_us_per_launch=on / launches,
+                         saved_us_per_launch=(off - on) / launches, bitwise_equal=same,
+                         device=torch.cuda.get_device_name()))
+        print(json.dumps(recs[-1]), flush=True)
+    return recs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=256, help="launches per chain (about)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_pdl needs a CUDA GPU")
+    if not triton_util.pdl_enabled(torch.device("cuda")):
+        raise SystemExit("PDL needs compute capability >= 9 and HELIX_PDL unset or not 0")
+    recs = run(args)
+    lines = [f"{r['case']}: {r['off_us_per_launch']:.2f} -> {r['on_us_per_launch']:.2f} us a "
+             f"launch ({r['launches']} launches; bitwise equal: {r['bitwise_equal']})"
+             for r in recs]
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(recs, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
