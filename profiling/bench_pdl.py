@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (helix.triton_util: PDL) on chains of short kernels, one GPU.
+"""Programmatic dependent launch (helix.triton_util: PDL) on chains of short kernels, and the
+skinny projection kernel (helix.layers.skinny_gemm) against cuBLAS, one GPU.
 
 A decode step at batch 1 is hundreds of dependent kernels of a few microseconds each; this
 measures what PDL saves per kernel boundary, in CUDA graphs, with the same kernels and data
@@ -13,6 +14,13 @@ launched with and without it in the same process:
 
 Each chain's outputs with PDL are compared bitwise with those without (the kernels are
 deterministic), and the time per launch of both is reported.
+
+  (d) projections alone (graph replay, L2 flushed): DeepSeek-V2-Lite's q (3072 x 2048), kv_a
+      (576 x 2048), o (2048 x 2048), W_UK (16 x 512 x 128) and W_UV (16 x 128 x 512) at 1 and
+      8 rows, cuBLAS (F.linear / einsum) against the skinny kernel; us and fraction of the
+      copy rate for the weight's bytes;
+  (e) a decode layer's projection chain, 27 times: norm -> q -> W_UK, norm -> kv_a, W_UV -> o,
+      cuBLAS (PDL on for the norms) against the skinny kernels (all PDL).
 
     python profiling/bench_pdl.py --out pdl.json
 """
@@ -31,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from helix import triton_util  # noqa: E402
 from helix.attention import triton_append, triton_mla_few  # noqa: E402
-from helix.layers import fused_mla, fused_ops  # noqa: E402
+from helix.layers import fused_mla, fused_ops, skinny_gemm  # noqa: E402
 from profiling.roofline import graph_time_us  # noqa: E402
 
 
@@ -76,9 +84,73 @@ def mla_chain(n: int, context: int = 4096):
             row, q = fused_mla.mla_kv_row(c, norm_w, 1e-6, cos, sin, pos, False, qr)
             triton_append.append_kv(kv, row, slots)
             o, _ = triton_mla_few.mla_decode_few(ql, q, kv, bt, lens, 0.1)
-            c = fused_mla.absorb_v(o, w_uv)[:, :Dl + Dr]
+            c = skinny_gemm.absorb_v(o, w_uv)[:, :Dl + Dr]
         out["y"] = c
     return fn, out, n * 6       # kv row, append, MLA, split merge, absorb, (slice: a view)
+
+
+PROJECTIONS = {"q": (3072, 2048, 1), "kv_a": (576, 2048, 1), "o": (2048, 2048, 1),
+               "w_uk": (512, 128, 16), "w_uv": (128, 512, 16)}
+
+
+def _proj(name, rows, skinny: bool):
+    """-> (fn, weight bytes) of one projection of `name` at `rows` rows."""
+    N, K, G = PROJECTIONS[name]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    bf = torch.bfloat16
+    if name == "w_uk":                      # a view of kv_b_proj [h, nope + v, Dl]
+        w = torch.randn(G, 256, N, device="cuda", dtype=bf, generator=g)[:, :K]
+        x = torch.randn(rows, G, 192, device="cuda", dtype=bf, generator=g)[..., :K]
+        fn = ((lambda: skinny_gemm.absorb_q(x, w)) if skinny else
+              (lambda: torch.einsum("thk,hkn->thn", x, w)))
+    elif name == "w_uv":
+        w = torch.randn(G, 256, K, device="cuda", dtype=bf, generator=g)[:, 128:]
+        x = torch.randn(rows, G, K, device="cuda", dtype=bf, generator=g)
+        fn = ((lambda: skinny_gemm.absorb_v(x, w)) if skinny else
+              (lambda: skinny_gemm.absorb_v_torch(x, w)))
+    else:
+        w = torch.randn(N, K, device="cuda", dtype=bf, generator=g)
+        x = torch.randn(rows, K, device="cuda", dtype=bf, generator=g)
+        fn = (lambda: skinny_gemm.linear(x, w)) if skinny else (lambda: F.linear(x, w))
+    return fn, N * K * G * 2
+
+
+def projections(args, copy_bw) -> list[dict]:
+    from profiling.roofline import L2Flush
+    flush, recs = L2Flush(), []
+    for name in PROJECTIONS:
+        for rows in (1, 8):
+            times = {}
+            for skinny in (False, True):
+                fn, nbytes = _proj(name, rows, skinny)
+                times[skinny] = graph_time_us(fn, args.iters, flush)
+            fn_c, _ = _proj(name, rows, False)
+            fn_s, _ = _proj(name, rows, True)
+            err = (fn_c().float() - fn_s().float()).abs().max().item()
+            floor = nbytes / copy_bw * 1e6
+            recs.append(dict(case=f"projection {name}", rows=rows, weight_bytes=nbytes,
+                             cublas_us=times[False], skinny_us=times[True], floor_us=floor,
+                             cublas_copy_fraction=floor / times[False],
+                             skinny_copy_fraction=floor / times[True], max_abs_diff=err))
+            print(json.dumps(recs[-1]), flush=True)
+    return recs
+
+
+def layer_chain(layers: int, skinny: bool):
+    fns = {name: _proj(name, 1, skinny)[0] for name in PROJECTIONS}
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(2048, device="cuda", dtype=torch.bfloat16)
+    out = {}
+
+    def fn():
+        for _ in range(layers):           # the projections' inputs are fixed: only launches
+            fused_ops.rms_norm(x, w, 1e-6)
+            fns["q"]()
+            fns["w_uk"]()
+            fns["kv_a"]()
+            fns["w_uv"]()
+            out["y"] = fns["o"]()
+    return fn, out, layers * 6
 
 
 def run(args) -> list[dict]:
@@ -102,6 +174,13 @@ def run(args) -> list[dict]:
                          saved_us_per_launch=(off - on) / launches, bitwise_equal=same,
                          device=torch.cuda.get_device_name()))
         print(json.dumps(recs[-1]), flush=True)
+    us = {}
+    for skinny in (False, True):
+        fn, out, launches = layer_chain(27, skinny)
+        us[skinny] = graph_time_us(fn, args.iters)
+    recs.append(dict(case="projection chain x27 layers", launches=launches, cublas_us=us[False],
+                     skinny_us=us[True], device=torch.cuda.get_device_name()))
+    print(json.dumps(recs[-1]), flush=True)
     return recs
 
 
@@ -115,10 +194,22 @@ def main():
         raise SystemExit("bench_pdl needs a CUDA GPU")
     if not triton_util.pdl_enabled(torch.device("cuda")):
         raise SystemExit("PDL needs compute capability >= 9 and HELIX_PDL unset or not 0")
-    recs = run(args)
-    lines = [f"{r['case']}: {r['off_us_per_launch']:.2f} -> {r['on_us_per_launch']:.2f} us a "
-             f"launch ({r['launches']} launches; bitwise equal: {r['bitwise_equal']})"
-             for r in recs]
+    from profiling.roofline import copy_bandwidth
+    copy_bw = copy_bandwidth()
+    recs = run(args) + projections(args, copy_bw)
+    lines = [f"copy rate {copy_bw / 1e9:.0f} GB/s"]
+    for r in recs:
+        if "off_us" in r:
+            lines.append(f"{r['case']}: {r['off_us_per_launch']:.2f} -> "
+                         f"{r['on_us_per_launch']:.2f} us a launch ({r['launches']} launches; "
+                         f"bitwise equal: {r['bitwise_equal']})")
+        elif "rows" in r:
+            lines.append(f"{r['case']} x{r['rows']}: cuBLAS {r['cublas_us']:.2f} us "
+                         f"({r['cublas_copy_fraction']:.2f}), skinny {r['skinny_us']:.2f} us "
+                         f"({r['skinny_copy_fraction']:.2f}), max |diff| {r['max_abs_diff']:.3g}")
+        else:
+            lines.append(f"{r['case']}: cuBLAS {r['cublas_us']:.1f} us, skinny "
+                         f"{r['skinny_us']:.1f} us")
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:

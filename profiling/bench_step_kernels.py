@@ -44,6 +44,7 @@ from helix.attention import gluon_mla, triton_backend, triton_mla, triton_mla_fe
 from helix.layers import fused_moe as fm  # noqa: E402
 from helix.layers import moe_decode as md  # noqa: E402
 from helix.layers import router as rt  # noqa: E402
+from helix.layers import skinny_gemm  # noqa: E402
 from helix.layers import triton_router as tr  # noqa: E402
 from profiling.roofline import L2Flush, copy_bandwidth, graph_time_us  # noqa: E402
 
@@ -244,7 +245,7 @@ def _floor_bytes(llm, batch: int, context: int) -> float:
 
 
 STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
-              "after-gluon-simple", "after-nopdl")
+              "after-gluon-simple", "after-nopdl", "after-cublas", "after-nopdl-cublas")
 
 
 def set_kernels(mode: str) -> None:
@@ -253,7 +254,9 @@ def set_kernels(mode: str) -> None:
     defaults with MoE v1 (step_kernels.md: v1 measured faster inside the batch-1 step);
     'after-nofold': without the shared experts in the MoE kernels; 'after-gluon-simple': the
     previous Gluon MLA variant (one 8-warp consumer); 'after-nopdl': the defaults launched
-    without programmatic dependent launch (helix.triton_util.PDL)."""
+    without programmatic dependent launch (helix.triton_util.PDL); 'after-cublas': the
+    projections in cuBLAS (F.linear / einsum, not helix.layers.skinny_gemm);
+    'after-nopdl-cublas': both (the defaults before either)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -262,12 +265,14 @@ def set_kernels(mode: str) -> None:
     triton_mla_few.MODE = "0" if mode in ("before", "after-nofew") else ""
     fm.FOLD_SHARED = mode not in ("before", "after-nofold")
     triton_backend.GLUON_VARIANT = "simple" if mode == "after-gluon-simple" else _GLUON_VARIANT
-    triton_util.PDL = _PDL and mode != "after-nopdl"
+    triton_util.PDL = _PDL and mode not in ("after-nopdl", "after-nopdl-cublas")
+    skinny_gemm.ENABLED = _SKINNY and mode not in ("after-cublas", "after-nopdl-cublas")
 
 
 _NEW_FORWARD = rt.Router.forward
 _GLUON_VARIANT = triton_backend.GLUON_VARIANT
 _PDL = triton_util.PDL
+_SKINNY = skinny_gemm.ENABLED
 
 
 def _legacy_forward(self, x):

@@ -58,7 +58,14 @@ def _signature(kernel, args, meta):
     sig, consts, attrs = {}, {}, {}
     options = {k: meta[k] for k in ("num_warps", "num_stages") if k in meta}
     for i, name in enumerate(kernel.arg_names):
-        v = meta[name] if name in meta else args[i]
+        if name in meta:
+            v = meta[name]
+        elif i < len(args):
+            v = args[i]
+        else:                                    # a defaulted constexpr (PDL): its default
+            v = kernel.params[i].default
+            sig[name], consts[name] = "constexpr", v
+            continue
         if name in meta or kernel.params[i].is_constexpr:
             sig[name], consts[name] = "constexpr", v
         elif isinstance(v, torch.Tensor):

@@ -77,10 +77,17 @@ def test_kernel_switch(monkeypatch):
     from helix import triton_util
     monkeypatch.setattr(triton_util, "PDL", True)
     monkeypatch.setattr(bench, "_PDL", True)
+    from helix.layers import skinny_gemm
+    monkeypatch.setattr(skinny_gemm, "ENABLED", True)
+    monkeypatch.setattr(bench, "_SKINNY", True)
     bench.set_kernels("after-nopdl")                # the same kernels launched without PDL
-    assert not triton_util.PDL and triton_mla_few.routes(16)
+    assert not triton_util.PDL and triton_mla_few.routes(16) and skinny_gemm.ENABLED
+    bench.set_kernels("after-cublas")               # the projections in cuBLAS
+    assert triton_util.PDL and not skinny_gemm.ENABLED
+    bench.set_kernels("after-nopdl-cublas")
+    assert not triton_util.PDL and not skinny_gemm.ENABLED
     bench.set_kernels("after")
-    assert triton_util.PDL
+    assert triton_util.PDL and skinny_gemm.ENABLED
     with pytest.raises(SystemExit):
         bench.set_kernels("later")
 

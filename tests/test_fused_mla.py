@@ -1,10 +1,9 @@
 """helix.layers.fused_mla against the MLA layer's previous torch formulas: the latent cache row
-(RMS norm + RoPE + concat in one kernel) and the W_UV absorption into o_proj's contiguous input;
-fp32 / fp16 / bf16 (the interpreter made to round fp32 -> bf16 like the GPU), interleaved and
-half-split RoPE, strided weight views; grids from shapes only (meta tensors).
+(RMS norm + RoPE + concat in one kernel); fp32 / fp16 / bf16 (the interpreter made to round
+fp32 -> bf16 like the GPU), interleaved and half-split RoPE; grids from shapes only (meta
+tensors). (W_UV's absorption: tests/test_skinny_gemm.py.)
 
-Without CUDA the kernels run through Triton's interpreter (bf16 dot products are wrong there, so
-absorb_v runs in fp32 / fp16 only on CPU)."""
+Without CUDA the kernels run through Triton's interpreter."""
 
 import torch
 
@@ -85,23 +84,6 @@ def test_kv_row_matches_torch(dims, interleave, heads, dtype):
     assert none is None and torch.equal(alone, out)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("T", [1, 7])
-def test_absorb_v_matches_einsum(T, dtype):
-    """The W_UV slice is a strided view of kv_b_proj ([h, nope + v, Dl] -> [:, nope:]), the
-    merged heads a slice of the local heads (m0 offset)."""
-    g = torch.Generator().manual_seed(T)
-    H, nope, V, Dl = 6, 16, 24, 80
-    w = (torch.randn(H, nope + V, Dl, generator=g) / 9).to(dtype)
-    w_uv = w[:, nope:][2:5]                                            # [3, V, Dl], strided
-    o = torch.randn(T, 3, Dl, generator=g).to(dtype)
-    ref = fmla.absorb_v_torch(o.float(), w_uv.float())
-    out = fmla.absorb_v_triton(o.to(DEV), w_uv.to(DEV))
-    assert out.shape == (T, 3 * V) and out.dtype == dtype and out.is_contiguous()
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(out.float().cpu(), ref, rtol=tol, atol=tol)
-
-
 def test_dispatch_falls_back_off_cuda_and_for_prefill():
     """CPU tensors take the torch formulas (the layer's previous code, unchanged)."""
     g = torch.Generator().manual_seed(0)
@@ -112,8 +94,6 @@ def test_dispatch_falls_back_off_cuda_and_for_prefill():
     got = fmla.mla_kv_row(ckv, w, 1e-6, rope.cos, rope.sin, pos, False, q)
     want = fmla.mla_kv_row_torch(ckv, w, 1e-6, rope.cos, rope.sin, pos, False, q)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    o, wv = torch.randn(fmla.ABSORB_MAX_ROWS + 1, 2, 16), torch.randn(2, 8, 16)
-    assert torch.equal(fmla.absorb_v(o, wv), fmla.absorb_v_torch(o, wv))
 
 
 def test_launch_grids_from_shapes():
@@ -126,10 +106,7 @@ def test_launch_grids_from_shapes():
             torch.empty(100, 32, **m), torch.empty(4, dtype=torch.int64, **m), True,
             torch.empty(4, 16, 192, dtype=torch.bfloat16, **m)[..., 128:])
         assert out.shape == (4, 576) and q.shape == (4, 16, 64)
-        out = fmla.absorb_v_triton(torch.empty(4, 16, 512, dtype=torch.bfloat16, **m),
-                                   torch.empty(16, 128, 512, dtype=torch.bfloat16, **m))
-        assert out.shape == (4, 2048)
-    assert grids == [(4,), (16, 8)]                 # 16-wide value blocks: 128 programs
+    assert grids == [(4,)]
 
 
 _COMPILE_SCRIPT = """
@@ -146,8 +123,6 @@ with mock.patch.object(fmla, "run_kernel", lambda k, g, *a, **kw: launches.appen
                            1e-6, torch.empty(100, 32, **m), torch.empty(100, 32, **m),
                            torch.empty(8, dtype=torch.int64, **m), True,
                            torch.empty(8, 128, 192, dtype=bf, **m)[..., 128:])
-    fmla.absorb_v_triton(torch.empty(8, 16, 512, dtype=bf, **m),
-                         torch.empty(16, 256, 512, dtype=bf, **m)[:, 128:])
 print(json.dumps([compile_sm90(k, a, kw) for k, a, kw in launches]))
 """
 
@@ -171,6 +146,5 @@ def test_kernels_compile_for_sm90(tmp_path):
                          timeout=600, env=env, cwd=root)
     assert res.returncode == 0, res.stderr[-3000:]
     recs = json.loads(res.stdout.strip().splitlines()[-1])
-    assert [r["kernel"] for r in recs] == ["_kv_row_kernel", "_absorb_v_kernel"]
+    assert [r["kernel"] for r in recs] == ["_kv_row_kernel"]
     assert all(r["local_loads"] == 0 and r["stack_bytes"] == 0 for r in recs), recs
-    assert recs[1]["hmma"] > 0, recs[1]

@@ -65,8 +65,8 @@ def test_pdl_enabled_needs_cuda_and_the_switch(monkeypatch):
 def test_decode_step_kernels_take_pdl():
     """The kernels of a decode step opt in (a wait before their first access)."""
     from helix.attention import triton_append, triton_mla_few
-    from helix.layers import fused_mla, moe_decode, triton_router
-    for k in (fused_ops._rms_norm_kernel, fused_mla._kv_row_kernel, fused_mla._absorb_v_kernel,
+    from helix.layers import fused_mla, moe_decode, skinny_gemm, triton_router
+    for k in (fused_ops._rms_norm_kernel, fused_mla._kv_row_kernel, skinny_gemm._skinny_kernel,
               triton_append._append_kernel, triton_mla_few._mla_few_kernel,
               triton_splits._reduce_splits_kernel, triton_router._route_fused_kernel,
               moe_decode._gate_up_kernel, moe_decode._down_kernel):

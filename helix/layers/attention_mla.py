@@ -19,11 +19,12 @@ from helix.config import ModelConfig
 from helix.layers.cp_attention import ContextParallel
 from helix.layers.exchange import KVPExchange
 from helix.layers.hopb import overlapped
-from helix.layers.fused_mla import absorb_v, mla_kv_row
+from helix.layers.fused_mla import mla_kv_row
 from helix.layers.linear import ColumnShardLinear, ReplicatedLinear, RowShardLinear
 from helix.layers.mla_prefill import MLADims, decompress_plan, decompressed_attention
 from helix.layers.norm import RMSNorm
 from helix.layers.regions import region
+from helix.layers.skinny_gemm import absorb_q, absorb_v
 from helix.layers.rope import RotaryEmbedding
 from helix.layers.weights import sliced_loader
 from helix.parallel.comm import Comm
@@ -106,7 +107,7 @@ class MLAAttention(nn.Module):
             q = q.view(R, self.hq, self.nope + self.rdim)
             q_nope, q_rope = q.split([self.nope, self.rdim], dim=-1)
             A = R if plan is None else D          # rows in the absorbed form
-            q_latent = torch.einsum("thn,hnc->thc", q_nope[:A], w_uk)        # [A, h, Dl]
+            q_latent = absorb_q(q_nope[:A], w_uk)                             # [A, h, Dl]
             ckv = self.kv_a_proj_with_mqa(x)                               # [R, Dl + Dr]
             norm, rope = self.kv_a_layernorm, self.rope
             # [normed latent | roped key] [R, Dl + Dr] and the roped queries, one launch

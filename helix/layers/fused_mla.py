@@ -5,13 +5,11 @@ counts the kernels serve).
     mla_kv_row(ckv [T, Dl + Dr], norm_w [Dl], eps, cos, sin, pos, interleave, q_rope [T, h, Dr])
         -> (cat(rms_norm(ckv[:, :Dl]) * norm_w, rope(ckv[:, Dl:])) [T, Dl + Dr],
             rope(q_rope) [T, h, Dr] or None without q_rope)            (4 launches -> 1)
-    absorb_v(o [T, h, Dl], w_uv [h, v, Dl]) -> [T, h * v]
-        = einsum("thc,hvc->thv").reshape(T, -1)                        (bmm + copy -> 1)
+(W_UV's absorption of the latent outputs is helix.layers.skinny_gemm.absorb_v.)
 
 Rounding follows the torch formulas (the helix.layers.fused_ops rules): the norm sums squares in
 fp32, rounds x * rstd to the input dtype and the product with the weight once; RoPE computes
-each product and sum in fp32 without FMA contraction; absorb_v accumulates in fp32 and rounds
-once, as bmm does (only the order of its sum differs).
+each product and sum in fp32 without FMA contraction.
 """
 
 from __future__ import annotations
@@ -21,8 +19,6 @@ import torch
 from helix.layers.fused_ops import rms_norm_torch, rope_torch, use_triton
 from helix.triton_util import HAS_TRITON, pdl_sync, pow2, run_kernel, tl, triton
 
-ABSORB_MAX_ROWS = 64          # absorb_v's kernel: a program's rows; more (prefill): torch
-
 
 def mla_kv_row_torch(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope=None):
     Dl = norm_w.shape[0]
@@ -30,10 +26,6 @@ def mla_kv_row_torch(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope=None):
     k_rope = rope_torch(k_rope.unsqueeze(1), cos, sin, pos, interleave).squeeze(1)
     q = None if q_rope is None else rope_torch(q_rope, cos, sin, pos, interleave)
     return torch.cat((rms_norm_torch(latent, norm_w, eps), k_rope), dim=-1), q
-
-
-def absorb_v_torch(o, w_uv):
-    return torch.einsum("thc,hvc->thv", o, w_uv).reshape(o.shape[0], -1)
 
 
 if HAS_TRITON:
@@ -83,30 +75,6 @@ if HAS_TRITON:
             tl.store(q_dst, (qa * cs[None, :] - qb * sn[None, :]).to(qt), mask=m)
             tl.store(q_dst + HALF, (qb * cs[None, :] + qa * sn[None, :]).to(qt), mask=m)
 
-    @triton.jit(do_not_specialize=["T"])
-    def _absorb_v_kernel(o_ptr, w_ptr, out_ptr, T, V, K,
-                         stride_ot, stride_oh, stride_wh, stride_wv, stride_outt,
-                         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
-        """out[t, h*V + v] = sum_c o[t, h, c] w[h, v, c], rows t < T (<= BLOCK_T)."""
-        pdl_sync(PDL)
-        h = tl.program_id(0).to(tl.int64)
-        vv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        vmask = vv < V
-        t = tl.arange(0, BLOCK_T)
-        tmask = t < T
-        o_rows = o_ptr + t.to(tl.int64)[:, None] * stride_ot + h * stride_oh        # [BT, 1]
-        w_rows = w_ptr + h * stride_wh + vv.to(tl.int64)[:, None] * stride_wv        # [BV, 1]
-        acc = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            kmask = kk < K
-            a = tl.load(o_rows + kk[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w_rows + kk[None, :], mask=vmask[:, None] & kmask[None, :], other=0.0)
-            acc = tl.dot(a.to(w.dtype), tl.trans(w), acc=acc, input_precision=DOT_PRECISION)
-        tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_outt + h * V + vv[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & vmask[None, :])
-
 
 def mla_kv_row_triton(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope=None):
     T, width = ckv.shape
@@ -134,25 +102,6 @@ def mla_kv_row_triton(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope=None):
     return out, q_out
 
 
-def absorb_v_triton(o, w_uv):
-    T, H, K = o.shape
-    V = w_uv.shape[1]
-    assert w_uv.shape == (H, V, K) and o.stride(2) == 1 and w_uv.stride(2) == 1
-    assert T <= ABSORB_MAX_ROWS
-    out = torch.empty((T, H * V), dtype=o.dtype, device=o.device)
-    if T == 0:
-        return out
-    block_v = min(64, max(16, pow2(V)))
-    while block_v > 16 and H * -(-V // block_v) < 128:       # ~one program per SM streaming
-        block_v //= 2
-    precision = "ieee" if w_uv.dtype == torch.float32 else "tf32"
-    run_kernel(_absorb_v_kernel, (H, triton.cdiv(V, block_v)), o, w_uv, out, T, V, K,
-               o.stride(0), o.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0),
-               BLOCK_T=max(16, pow2(T)), BLOCK_V=block_v,
-               BLOCK_K=min(64, max(16, pow2(K))), DOT_PRECISION=precision, num_warps=4)
-    return out
-
-
 def mla_kv_row(ckv: torch.Tensor, norm_w: torch.Tensor, eps: float, cos: torch.Tensor,
                sin: torch.Tensor, pos: torch.Tensor, interleave: bool,
                q_rope: torch.Tensor | None = None):
@@ -163,11 +112,3 @@ def mla_kv_row(ckv: torch.Tensor, norm_w: torch.Tensor, eps: float, cos: torch.T
             and (q_rope is None or q_rope.stride(2) == 1)):
         return mla_kv_row_triton(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope)
     return mla_kv_row_torch(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope)
-
-
-def absorb_v(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """o [T, h, Dl] latent outputs, w_uv [h, v, Dl] -> [T, h * v] (contiguous: o_proj's input)."""
-    if (use_triton(o) and o.shape[0] <= ABSORB_MAX_ROWS and o.stride(2) == 1
-            and w_uv.stride(2) == 1):
-        return absorb_v_triton(o, w_uv)
-    return absorb_v_torch(o, w_uv)

@@ -4,14 +4,16 @@ ColumnShard: this rank holds output features [start, stop) of the checkpoint's w
 RowShard:    this rank holds input features [start, stop); the partial products are summed with
              an all-reduce over `axis` inside forward (bias added once, after the reduce).
 Replicated:  the whole weight on every rank.
+The product is helix.layers.skinny_gemm.linear: F.linear, or one PDL Triton launch for
+decode-sized rows on CUDA.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from helix.layers.skinny_gemm import linear
 from helix.layers.weights import load_full, sliced_loader
 from helix.parallel.comm import Comm
 
@@ -31,7 +33,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = _param((out_f,), dtype, load_full) if bias else None
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnShardLinear(nn.Module):
@@ -46,7 +48,7 @@ class ColumnShardLinear(nn.Module):
                      if bias else None)
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnLinear(nn.Module):
@@ -75,7 +77,7 @@ class MergedColumnLinear(nn.Module):
 
     def joint(self, x):
         """-> [T, sum of parts]: the parts side by side, as one tensor."""
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def forward(self, x):
         """-> one [T, size_i] view per part."""
@@ -95,7 +97,7 @@ class RowShardLinear(nn.Module):
         self.comm, self.axis, self.reduce = comm, axis, reduce
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if not self.reduce:  # partial sum: the caller reduces; bias counted once, on rank 0
             return y + self.bias if self.bias is not None and self.comm.mesh.rank == 0 else y
         y = self.comm.all_reduce(y, self.axis)

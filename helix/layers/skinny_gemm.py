@@ -1,0 +1,219 @@
+"""Products of a few rows with a weight matrix (decode-sized GEMMs), one Triton launch each.
+
+    linear(x [T, K], w [N, K], bias [N] | None) -> [T, N]          = F.linear(x, w, bias)
+    absorb_q(q [T, h, K], w_uk [h, K, N]) -> [T, h, N]             = einsum("thk,hkn->thn")
+    absorb_v(o [T, h, K], w_uv [h, N, K]) -> [T, h * N]            = einsum("thk,hnk->thn")
+                                                                     .reshape(T, -1)
+(absorbed MLA: the queries' nope dims into latent space through W_UK, the latent outputs to
+value dims through W_UV, per head.)
+
+At decode a projection's rows are 1-16 tokens, so the GEMM is a weight stream: its time is the
+weight's bytes at the copy rate plus the launch. cuBLAS picks tiles for that well enough alone,
+but its kernels are not launched with programmatic dependent launch (helix.triton_util), so the
+kernel after each one waits for it to drain before it even launches; in a DeepSeek-V2-Lite
+step at batch 1 four of a layer's ~14 launches are cuBLAS (q, kv_a and o projections, W_UK's
+absorption). Here the projection is a PDL kernel like the rest of the step.
+
+One kernel, `_skinny_kernel`, grid (feature blocks, K splits, groups): program (nb, s, g)
+computes y[:, g, nb*BLOCK_N : +BLOCK_N] over K range s of group g's weight, as tl.dot of the
+rows (padded to BLOCK_T >= 16) with a [BLOCK_N, BLOCK_K] weight tile read along its unit-stride
+axis (K for a linear layer's [N, K] weight, N for W_UK's [h, K, N]). With SPLIT_K > 1 the
+programs write fp32 partials, and the last program of a feature block to arrive (an arrival
+counter: helix.triton_util.arrival_counters) sums them in split order, adds the bias and
+rounds once: deterministic, no atomics on data. Accumulation is fp32 and the output rounded
+once to x.dtype, as cuBLAS does; only the order of the K sum differs from it.
+
+The public functions take the kernel on CUDA for T <= MAX_ROWS rows of 16-bit data (absorb_v:
+ABSORB_MAX_ROWS rows, prefill chunks too, of any float dtype) whose weight is at most
+MAX_WEIGHT_ELEMENTS (an LM head streams at the copy rate in cuBLAS already), with
+HELIX_SKINNY_GEMM not "0" (module flag ENABLED, read per call: benches switch it); everywhere
+else they run the torch formula.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from helix.layers.fused_ops import use_triton
+from helix.triton_util import (HAS_TRITON, arrival_counters, pdl_sync, pow2, run_kernel, tl,
+                               triton)
+
+ENABLED = os.environ.get("HELIX_SKINNY_GEMM", "1") != "0"
+MAX_ROWS = 16
+ABSORB_MAX_ROWS = 64
+MAX_WEIGHT_ELEMENTS = 64 << 20
+TUNABLES = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+
+if HAS_TRITON:
+    @triton.jit(do_not_specialize=["T"])
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, k_chunk,
+                       sxt, sxg,                  # x [T, G, K] (unit stride along K)
+                       swg, swn, swk,             # W [G, N, K] (one of swn, swk is 1)
+                       syt, syg,                  # y [T, G, N] (unit stride along N)
+                       HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+        """y[t, g, n] = sum_k x[t, g, k] W[g, n, k] (+ bias[n]) for t < T (<= BLOCK_T)."""
+        pdl_sync(PDL)
+        nb = tl.program_id(0)
+        ks = tl.program_id(1)
+        g = tl.program_id(2).to(tl.int64)
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < N
+        t = tl.arange(0, BLOCK_T)
+        tmask = t < T
+        x_rows = x_ptr + t.to(tl.int64)[:, None] * sxt + g * sxg                    # [BT, 1]
+        w_rows = w_ptr + g * swg + n.to(tl.int64)[:, None] * swn                     # [BN, 1]
+        k_lo = ks * k_chunk
+        k_hi = tl.minimum(k_lo + k_chunk, K)
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            kmask = kk < k_hi
+            w = tl.load(w_rows + kk.to(tl.int64)[None, :] * swk,
+                        mask=nmask[:, None] & kmask[None, :], other=0.0)
+            a = tl.load(x_rows + kk[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.dot(a.to(w.dtype), tl.trans(w), acc=acc, input_precision=DOT_PRECISION)
+        y_rows = y_ptr + t.to(tl.int64)[:, None] * syt + g * syg + n[None, :]
+        ymask = tmask[:, None] & nmask[None, :]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_rows, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+        else:
+            # partials [SPLIT_K, G, BLOCK_T, N] fp32; the last program of (g, nb) to arrive sums
+            # them in split order (ordering: CTA barrier, acq_rel GPU-scope atomic, partials
+            # read through L2, counter reset by the summing program)
+            G = tl.num_programs(2)
+            part = part_ptr + ((g * BLOCK_T + t.to(tl.int64)[:, None]) * N + n[None, :])
+            tl.store(part + ks * G * BLOCK_T * N, acc, mask=ymask)
+            tl.debug_barrier()
+            cnt = cnt_ptr + g * tl.num_programs(0) + nb
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    total += tl.load(part + s * G * BLOCK_T * N, mask=ymask, other=0.0,
+                                     cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_rows, total.to(y_ptr.dtype.element_ty), mask=ymask)
+                tl.store(cnt, 0)
+
+
+def skinny_config(T: int, N: int, K: int, groups: int, sm_count: int,
+                  config: dict | None = None) -> dict:
+    """Tiles from shapes only (graph-safe): 32-wide feature blocks, 128-deep K tiles, and K
+    split in powers of two (each split >= one K tile, at most 16) until the launch has about
+    two programs per SM: DeepSeek-V2-Lite at batch 1, q_proj 3072 x 2048 -> 96 blocks x 4
+    splits, kv_a 576 x 2048 -> 18 x 16, o_proj 2048 x 2048 -> 64 x 8, W_UK 16 heads of
+    512 x 128 -> 256 x 1."""
+    cfg = dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=None, num_warps=4, num_stages=3)
+    unknown = set(config or {}) - set(TUNABLES)
+    if unknown:
+        raise ValueError(f"unknown skinny GEMM tunables {sorted(unknown)}; known: {TUNABLES}")
+    cfg.update(config or {})
+    if cfg["SPLIT_K"] is None:
+        blocks = -(-N // cfg["BLOCK_N"]) * groups
+        split = 1
+        while blocks * split < 2 * sm_count and K // (2 * split) >= cfg["BLOCK_K"] and split < 16:
+            split *= 2
+        cfg["SPLIT_K"] = split
+    return cfg
+
+
+def _launch(x, w, bias, y, T, N, K, G, strides, config=None):
+    from helix.attention.triton_splits import sm_count_of
+    cfg = skinny_config(T, N, K, G, sm_count_of(x.device), config)
+    split = cfg.pop("SPLIT_K")
+    block_t = max(16, pow2(T))
+    k_chunk = -(-K // split)
+    blocks = -(-N // cfg["BLOCK_N"])
+    if split > 1:
+        part = torch.empty((split, G, block_t, N), dtype=torch.float32, device=x.device)
+        cnt = arrival_counters(x.device, G * blocks)
+    else:
+        part = cnt = y
+    precision = "ieee" if w.dtype == torch.float32 else "tf32"
+    run_kernel(_skinny_kernel, (blocks, split, G), x, w, bias if bias is not None else w, y,
+               part, cnt, T, N, K, k_chunk, *strides, HAS_BIAS=bias is not None,
+               BLOCK_T=block_t, SPLIT_K=split, DOT_PRECISION=precision, **cfg)
+    return y
+
+
+def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: dict | None = None) -> torch.Tensor:
+    T, K = x.shape
+    N = w.shape[0]
+    assert w.shape == (N, K) and x.stride(1) == 1 and T <= ABSORB_MAX_ROWS, (x.shape, w.shape)
+    y = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    if T == 0 or N == 0:
+        return y
+    return _launch(x, w, bias, y, T, N, K, 1,
+                   (x.stride(0), 0, 0, w.stride(0), w.stride(1), y.stride(0), 0), config)
+
+
+def absorb_q_triton(q: torch.Tensor, w_uk: torch.Tensor,
+                    config: dict | None = None) -> torch.Tensor:
+    T, H, K = q.shape
+    N = w_uk.shape[2]
+    assert w_uk.shape == (H, K, N) and q.stride(2) == 1 and T <= ABSORB_MAX_ROWS, (q.shape,
+                                                                                  w_uk.shape)
+    y = torch.empty((T, H, N), dtype=q.dtype, device=q.device)
+    if y.numel() == 0:
+        return y
+    return _launch(q, w_uk, None, y, T, N, K, H,
+                   (q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(2), w_uk.stride(1),
+                    y.stride(0), y.stride(1)), config)
+
+
+def absorb_v_triton(o: torch.Tensor, w_uv: torch.Tensor,
+                    config: dict | None = None) -> torch.Tensor:
+    T, H, K = o.shape
+    N = w_uv.shape[1]
+    assert w_uv.shape == (H, N, K) and o.stride(2) == 1 and T <= ABSORB_MAX_ROWS, (o.shape,
+                                                                                   w_uv.shape)
+    y = torch.empty((T, H * N), dtype=o.dtype, device=o.device)
+    if y.numel() == 0:
+        return y
+    return _launch(o, w_uv, None, y, T, N, K, H,
+                   (o.stride(0), o.stride(1), w_uv.stride(0), w_uv.stride(1), w_uv.stride(2),
+                    y.stride(0), N), config)
+
+
+def absorb_v_torch(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("thc,hvc->thv", o, w_uv).reshape(o.shape[0], -1)
+
+
+def _fits(x: torch.Tensor, w: torch.Tensor, rows: int, max_rows: int = MAX_ROWS,
+          any_float: bool = False) -> bool:
+    return (ENABLED and use_triton(x) and 0 < rows <= max_rows and w.dtype == x.dtype
+            and (any_float or x.dtype in (torch.bfloat16, torch.float16))
+            and x.stride(-1) == 1 and w.numel() <= MAX_WEIGHT_ELEMENTS)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) for x [T, K], w [N, K]; the skinny kernel for decode-sized T."""
+    if (x.dim() == 2 and _fits(x, w, x.shape[0]) and w.stride(1) == 1
+            and (bias is None or bias.dtype == x.dtype)):
+        return linear_triton(x, w, bias)
+    return F.linear(x, w, bias)
+
+
+def absorb_q(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q [T, h, K] (the queries' nope dims), w_uk [h, K, N] -> q absorbed into latent space
+    [T, h, N]."""
+    if _fits(q, w_uk, q.shape[0]) and (w_uk.stride(2) == 1 or w_uk.stride(1) == 1):
+        return absorb_q_triton(q, w_uk)
+    return torch.einsum("thk,hkn->thn", q, w_uk)
+
+
+def absorb_v(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o [T, h, Dl] latent outputs, w_uv [h, v, Dl] -> [T, h * v] (contiguous: o_proj's
+    input)."""
+    if _fits(o, w_uv, o.shape[0], ABSORB_MAX_ROWS, any_float=True) and w_uv.stride(2) == 1:
+        return absorb_v_triton(o, w_uv)
+    return absorb_v_torch(o, w_uv)
