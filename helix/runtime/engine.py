@@ -37,6 +37,7 @@ from helix.runtime.decode_graphs import DecodeGraphs
 from helix.runtime.memory import plan_kv_pool
 from helix.runtime.prefill_graphs import DEFAULT_MAX_TOKENS, LOCAL, PASS_KV, PrefillGraphs
 from helix.tracing import nvtx_range
+from helix.triton_util import MIN_COUNTERS, arrival_counters
 from helix.runtime.request import Request
 from helix.runtime.sampler import Sampler
 from helix.runtime.sampling import SamplingParams, row_params
@@ -106,6 +107,11 @@ class Engine:
         geometry = dict(kvp_rank=mesh.kvp_rank, kvp=layout.kvp,
                         interleave=layout.kv_interleave, page_size=runtime.page_size)
         pool = GraphPool()                    # one pool: prefill graphs (largest) first
+        if device.type == "cuda" and (runtime.resolved_prefill_graphs or runtime.cuda_graphs):
+            # the one-launch kernels' arrival counters exist before any capture: a segment's
+            # first counted launch may come under capture (a prefill bucket's warm-up can take
+            # another MLA form than its capture)
+            arrival_counters(device, MIN_COUNTERS)
         if runtime.resolved_prefill_graphs:
             step = runtime.max_batch + runtime.resolved_max_prefill_tokens
             buckets = runtime.prefill_graph_buckets or token_buckets(min(step,
