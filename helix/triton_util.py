@@ -38,6 +38,7 @@ except ImportError:                      # pragma: no cover - triton is the opti
 
 
 PDL = os.environ.get("HELIX_PDL", "1") != "0"     # read at launch: benches switch it
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")   # fixed at import
 
 
 def run_kernel(kernel, grid, *args, **meta):
@@ -56,7 +57,7 @@ def pdl_enabled(device: torch.device | None) -> bool:
     capability >= 9, and HELIX_PDL (module flag PDL) on."""
     if not PDL or device is None or device.type != "cuda":
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if _INTERPRETED:
         return False
     return _capability(device.index if device.index is not None
                        else torch.cuda.current_device()) >= 9

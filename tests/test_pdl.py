@@ -58,7 +58,7 @@ def test_pdl_enabled_needs_cuda_and_the_switch(monkeypatch):
     monkeypatch.setattr(triton_util, "PDL", False)
     assert not triton_util.pdl_enabled(torch.device("cuda", 0))
     monkeypatch.setattr(triton_util, "PDL", True)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_util, "_INTERPRETED", True)
     assert not triton_util.pdl_enabled(torch.device("cuda", 0))   # the interpreter: never
 
 
@@ -92,6 +92,7 @@ def _decode(model, pdl):
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-deepseek-v3", "tiny-qwen3-moe"])
 def test_captured_steps_with_pdl_equal_steps_without(model, monkeypatch):
     monkeypatch.setattr(triton_util, "PDL", True)
+    assert triton_util.pdl_enabled(torch.device("cuda"))     # the launches below do use PDL
     off_tokens, off_logits = _decode(model, False)
     on_tokens, on_logits = _decode(model, True)
     assert on_tokens == off_tokens
@@ -104,6 +105,7 @@ def test_captured_steps_with_pdl_equal_steps_without(model, monkeypatch):
 @needs_sm90
 def test_pdl_chain_of_norms_equals_plain_launches(monkeypatch):
     """A captured chain of 200 dependent norm launches: bitwise the result without PDL."""
+    assert triton_util.pdl_enabled(torch.device("cuda"))
     x0 = torch.randn(3, 2048, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(2048, device="cuda", dtype=torch.bfloat16) + 0.5
     outs = []

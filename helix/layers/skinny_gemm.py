@@ -125,8 +125,18 @@ def skinny_config(T: int, N: int, K: int, groups: int, sm_count: int,
     return cfg
 
 
-def _launch(x, w, bias, y, T, N, K, G, strides, config=None):
+def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+            config: dict | None = None) -> None:
+    """y[t, g, n] = sum_k x[t, g, k] w[g, n, k] (+ bias[n]) on views x [T, G, K] (unit stride
+    along K), w [G, N, K] (unit stride along N or K), y [T, G, N] (unit stride along N)."""
     from helix.attention.triton_splits import sm_count_of
+    T, G, K = x.shape
+    N = w.shape[1]
+    assert w.shape == (G, N, K) and y.shape == (T, G, N) and T <= ABSORB_MAX_ROWS, (
+        x.shape, w.shape, y.shape)
+    assert x.stride(2) == 1 and y.stride(2) == 1 and 1 in (w.stride(1), w.stride(2))
+    if y.numel() == 0:
+        return
     cfg = skinny_config(T, N, K, G, sm_count_of(x.device), config)
     split = cfg.pop("SPLIT_K")
     block_t = max(16, pow2(T))
@@ -139,49 +149,32 @@ def _launch(x, w, bias, y, T, N, K, G, strides, config=None):
         part = cnt = y
     precision = "ieee" if w.dtype == torch.float32 else "tf32"
     run_kernel(_skinny_kernel, (blocks, split, G), x, w, bias if bias is not None else w, y,
-               part, cnt, T, N, K, k_chunk, *strides, HAS_BIAS=bias is not None,
-               BLOCK_T=block_t, SPLIT_K=split, DOT_PRECISION=precision, **cfg)
-    return y
+               part, cnt, T, N, K, k_chunk, x.stride(0), x.stride(1), *w.stride(),
+               y.stride(0), y.stride(1), HAS_BIAS=bias is not None, BLOCK_T=block_t,
+               SPLIT_K=split, DOT_PRECISION=precision, **cfg)
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                   config: dict | None = None) -> torch.Tensor:
-    T, K = x.shape
-    N = w.shape[0]
-    assert w.shape == (N, K) and x.stride(1) == 1 and T <= ABSORB_MAX_ROWS, (x.shape, w.shape)
-    y = torch.empty((T, N), dtype=x.dtype, device=x.device)
-    if T == 0 or N == 0:
-        return y
-    return _launch(x, w, bias, y, T, N, K, 1,
-                   (x.stride(0), 0, 0, w.stride(0), w.stride(1), y.stride(0), 0), config)
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    _launch(x[:, None], w[None], bias, y[:, None], config)
+    return y
 
 
 def absorb_q_triton(q: torch.Tensor, w_uk: torch.Tensor,
                     config: dict | None = None) -> torch.Tensor:
-    T, H, K = q.shape
-    N = w_uk.shape[2]
-    assert w_uk.shape == (H, K, N) and q.stride(2) == 1 and T <= ABSORB_MAX_ROWS, (q.shape,
-                                                                                  w_uk.shape)
-    y = torch.empty((T, H, N), dtype=q.dtype, device=q.device)
-    if y.numel() == 0:
-        return y
-    return _launch(q, w_uk, None, y, T, N, K, H,
-                   (q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(2), w_uk.stride(1),
-                    y.stride(0), y.stride(1)), config)
+    T, H, _ = q.shape
+    y = torch.empty((T, H, w_uk.shape[2]), dtype=q.dtype, device=q.device)
+    _launch(q, w_uk.transpose(1, 2), None, y, config)
+    return y
 
 
 def absorb_v_triton(o: torch.Tensor, w_uv: torch.Tensor,
                     config: dict | None = None) -> torch.Tensor:
-    T, H, K = o.shape
-    N = w_uv.shape[1]
-    assert w_uv.shape == (H, N, K) and o.stride(2) == 1 and T <= ABSORB_MAX_ROWS, (o.shape,
-                                                                                   w_uv.shape)
-    y = torch.empty((T, H * N), dtype=o.dtype, device=o.device)
-    if y.numel() == 0:
-        return y
-    return _launch(o, w_uv, None, y, T, N, K, H,
-                   (o.stride(0), o.stride(1), w_uv.stride(0), w_uv.stride(1), w_uv.stride(2),
-                    y.stride(0), N), config)
+    T, H, _ = o.shape
+    y = torch.empty((T, H * w_uv.shape[1]), dtype=o.dtype, device=o.device)
+    _launch(o, w_uv, None, y.view(T, H, -1), config)
+    return y
 
 
 def absorb_v_torch(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
