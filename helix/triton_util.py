@@ -18,6 +18,16 @@ start the same way (griddepcontrol.launch_dependents). The rule, written once he
     compiles away, and the launch is an ordinary one.
 A kernel without the parameter, or one from torch / cuBLAS, is launched and waited for as
 before; under CUDA-graph capture the PDL launches become programmatic edges of the graph.
+
+The PDL value a kernel gets is a set of bits (PDL_ON, PDL_EARLY, PDL_PREFETCH; module flag
+FLAGS, from HELIX_PDL, benches switch it):
+  - PDL_EARLY: `pdl_sync` lets the next kernel launch BEFORE it waits, so a chain of kernels
+    can be resident ahead of the one running (as far as SM resources allow). Still exact:
+    every kernel waits before its first access, and a kernel cannot finish before the one it
+    waits for, so waiting for the previous kernel implies every earlier one has finished.
+  - PDL_PREFETCH: a kernel may, before `pdl_sync`, ask L2 for bytes that NO kernel of the step
+    writes (weights) with `prefetch_l2`; a projection resident under the previous kernel then
+    streams its weights while that kernel runs, and reads them from L2 once it may start.
 """
 
 from __future__ import annotations
@@ -33,11 +43,19 @@ try:
     import triton.language as tl  # noqa: F401
     HAS_TRITON = True
 except ImportError:                      # pragma: no cover - triton is the optional "kernels" extra
-    triton = tl = pdl_sync = None
+    triton = tl = pdl_sync = prefetch_l2 = prefetching = None
     HAS_TRITON = False
 
 
-PDL = os.environ.get("HELIX_PDL", "1") != "0"     # read at launch: benches switch it
+PDL_ON, PDL_EARLY, PDL_PREFETCH = 1, 2, 4
+PDL_MODES = {"0": 0, "1": PDL_ON | PDL_EARLY | PDL_PREFETCH, "wait": PDL_ON,
+              "early": PDL_ON | PDL_EARLY, "prefetch": PDL_ON | PDL_PREFETCH,
+              "full": PDL_ON | PDL_EARLY | PDL_PREFETCH}
+_mode = os.environ.get("HELIX_PDL", "1")
+if _mode not in PDL_MODES:
+    raise SystemExit(f"HELIX_PDL={_mode!r}: use one of {', '.join(PDL_MODES)}")
+FLAGS = PDL_MODES[_mode]                # read at launch: benches switch it
+PDL = FLAGS != 0                         # the switch alone (FLAGS keeps the mode bits)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")   # fixed at import
 
 
@@ -46,7 +64,7 @@ def run_kernel(kernel, grid, *args, **meta):
     a PDL parameter and pdl_enabled holds for the device of its first tensor argument."""
     if _takes_pdl(kernel) and "PDL" not in meta:
         on = pdl_enabled(next((a.device for a in args if isinstance(a, torch.Tensor)), None))
-        meta["PDL"] = on
+        meta["PDL"] = FLAGS if on else 0
         if on:
             meta["launch_pdl"] = True
     return kernel[grid](*args, **meta)
@@ -55,7 +73,7 @@ def run_kernel(kernel, grid, *args, **meta):
 def pdl_enabled(device: torch.device | None) -> bool:
     """Whether kernels on `device` launch with PDL: CUDA (not the interpreter), compute
     capability >= 9, and HELIX_PDL (module flag PDL) on."""
-    if not PDL or device is None or device.type != "cuda":
+    if not (PDL and FLAGS) or device is None or device.type != "cuda":
         return False
     if _INTERPRETED:
         return False
@@ -82,11 +100,35 @@ if HAS_TRITON:
 
     @triton.jit
     def pdl_sync(PDL: tl.constexpr):
-        """A PDL kernel's first statement: wait for the previous kernel (its writes visible),
-        then let the next kernel launch. Nothing with PDL=False."""
-        if PDL:
+        """A PDL kernel's first access waits here for the previous kernel (its writes
+        visible); the next kernel may launch after the wait, or before it with PDL_EARLY.
+        Nothing with PDL=0."""
+        if PDL & 2:                        # PDL_EARLY
+            gdc_launch_dependents()
+            gdc_wait()
+        elif PDL:
             gdc_wait()
             gdc_launch_dependents()
+
+    @triton.jit
+    def prefetching(PDL: tl.constexpr):
+        """Whether a kernel launched with this PDL value issues its prefetch_l2 calls."""
+        return (PDL & 4) != 0              # PDL_PREFETCH
+
+    @triton.jit
+    def prefetch_l2(ptrs, nbytes, mask):
+        """Ask L2 for nbytes from each pointer of `ptrs` where `mask` (one bulk prefetch
+        each, sm_90 only: cp.async.bulk.prefetch.L2, widened to the 16-byte granules that hold
+        the range, which stay inside the allocation). A hint: no data moves to the program,
+        nothing waits for it. Before `pdl_sync` only for bytes no kernel of the step writes
+        (weights), and only under `if prefetching(PDL)`."""
+        a = ptrs.to(tl.int64)
+        lo = a & -16
+        size = tl.where(mask & (nbytes > 0), ((a + nbytes + 15) & -16) - lo, 0)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [lo, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def pow2(n: int) -> int:

@@ -245,7 +245,8 @@ def _floor_bytes(llm, batch: int, context: int) -> float:
 
 
 STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
-              "after-gluon-simple", "after-nopdl", "after-cublas", "after-nopdl-cublas")
+              "after-gluon-simple", "after-nopdl", "after-cublas", "after-nopdl-cublas",
+              "after-pdl-wait", "after-pdl-early", "after-pdl-prefetch")
 
 
 def set_kernels(mode: str) -> None:
@@ -256,7 +257,8 @@ def set_kernels(mode: str) -> None:
     previous Gluon MLA variant (one 8-warp consumer); 'after-nopdl': the defaults launched
     without programmatic dependent launch (helix.triton_util.PDL); 'after-cublas': the
     projections in cuBLAS (F.linear / einsum, not helix.layers.skinny_gemm);
-    'after-nopdl-cublas': both (the defaults before either)."""
+    'after-nopdl-cublas': both (the defaults before either); 'after-pdl-wait' / '-early' /
+    '-prefetch': PDL in one mode of helix.triton_util (HELIX_PDL=wait / early / prefetch)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -266,12 +268,15 @@ def set_kernels(mode: str) -> None:
     fm.FOLD_SHARED = mode not in ("before", "after-nofold")
     triton_backend.GLUON_VARIANT = "simple" if mode == "after-gluon-simple" else _GLUON_VARIANT
     triton_util.PDL = _PDL and mode not in ("after-nopdl", "after-nopdl-cublas")
+    pdl_mode = mode.removeprefix("after-pdl-") if mode.startswith("after-pdl-") else None
+    triton_util.FLAGS = triton_util.PDL_MODES[pdl_mode] if pdl_mode else _FLAGS
     skinny_gemm.ENABLED = _SKINNY and mode not in ("after-cublas", "after-nopdl-cublas")
 
 
 _NEW_FORWARD = rt.Router.forward
 _GLUON_VARIANT = triton_backend.GLUON_VARIANT
 _PDL = triton_util.PDL
+_FLAGS = triton_util.FLAGS
 _SKINNY = skinny_gemm.ENABLED
 
 

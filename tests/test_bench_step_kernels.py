@@ -86,8 +86,15 @@ def test_kernel_switch(monkeypatch):
     assert triton_util.PDL and not skinny_gemm.ENABLED
     bench.set_kernels("after-nopdl-cublas")
     assert not triton_util.PDL and not skinny_gemm.ENABLED
+    monkeypatch.setattr(triton_util, "FLAGS", triton_util.PDL_MODES["full"])
+    monkeypatch.setattr(bench, "_FLAGS", triton_util.PDL_MODES["full"])
+    bench.set_kernels("after-pdl-wait")             # one PDL mode, then back to the default
+    assert triton_util.PDL and triton_util.FLAGS == triton_util.PDL_ON
+    bench.set_kernels("after-pdl-prefetch")
+    assert triton_util.FLAGS == triton_util.PDL_ON | triton_util.PDL_PREFETCH
     bench.set_kernels("after")
     assert triton_util.PDL and skinny_gemm.ENABLED
+    assert triton_util.FLAGS == triton_util.PDL_MODES["full"]
     with pytest.raises(SystemExit):
         bench.set_kernels("later")
 

@@ -4,6 +4,12 @@ without it."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from triton_mode import ON_GPU  # first: chooses the interpreter before triton loads
@@ -41,10 +47,13 @@ def test_run_kernel_adds_pdl_only_to_kernels_that_take_it(monkeypatch):
     cpu = torch.zeros(1)
     k = _Kernel(_with_pdl)
     triton_util.run_kernel(k, (1,), cpu)
-    assert k.meta == {"PDL": False}                  # off CUDA: an ordinary launch
+    assert k.meta == {"PDL": 0}                      # off CUDA: an ordinary launch
     monkeypatch.setattr(triton_util, "pdl_enabled", lambda device: True)
     triton_util.run_kernel(k, (1,), cpu, BLOCK=4)
-    assert k.meta == {"BLOCK": 4, "PDL": True, "launch_pdl": True}
+    assert k.meta == {"BLOCK": 4, "PDL": triton_util.FLAGS, "launch_pdl": True}
+    monkeypatch.setattr(triton_util, "FLAGS", triton_util.PDL_ON)
+    triton_util.run_kernel(k, (1,), cpu)
+    assert k.meta == {"PDL": triton_util.PDL_ON, "launch_pdl": True}   # the mode bits pass on
     triton_util.run_kernel(k, (1,), cpu, PDL=False)  # an explicit choice wins
     assert k.meta == {"PDL": False}
     plain = _Kernel(_without_pdl)
@@ -62,6 +71,22 @@ def test_pdl_enabled_needs_cuda_and_the_switch(monkeypatch):
     assert not triton_util.pdl_enabled(torch.device("cuda", 0))   # the interpreter: never
 
 
+def test_pdl_modes_from_the_environment():
+    code = "from helix import triton_util as t; print(t.FLAGS, t.PDL)"
+
+    def env(v):
+        return dict(os.environ, HELIX_PDL=v)
+    got = {v: subprocess.run([sys.executable, "-c", code], env=env(v), capture_output=True,
+                             text=True).stdout.split() for v in ("0", "wait", "early", "full")}
+    on, early, pre = triton_util.PDL_ON, triton_util.PDL_EARLY, triton_util.PDL_PREFETCH
+    assert got == {"0": ["0", "False"], "wait": [str(on), "True"],
+                   "early": [str(on | early), "True"], "full": [str(on | early | pre), "True"]}
+    bad = subprocess.run([sys.executable, "-c", code], env=env("fast"), capture_output=True,
+                         text=True)
+    assert bad.returncode != 0 and "HELIX_PDL='fast': use one of" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 def test_decode_step_kernels_take_pdl():
     """The kernels of a decode step opt in (a wait before their first access)."""
     from helix.attention import triton_append, triton_mla_few
@@ -73,8 +98,8 @@ def test_decode_step_kernels_take_pdl():
         assert triton_util._takes_pdl(k), k
 
 
-def _decode(model, pdl):
-    triton_util.PDL = pdl
+def _decode(model, flags):
+    triton_util.PDL, triton_util.FLAGS = flags != 0, flags
     rt = RuntimeConfig(device="cuda", dtype="bfloat16", page_size=16, max_batch=4,
                        graph_buckets=(1, 2, 4), attention_backend="triton")
     with LLM(model, Layout(), rt) as llm:
@@ -91,14 +116,19 @@ def _decode(model, pdl):
 @needs_sm90
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-deepseek-v3", "tiny-qwen3-moe"])
 def test_captured_steps_with_pdl_equal_steps_without(model, monkeypatch):
+    """Every PDL mode (wait first; launch the next kernel first; and prefetching weights
+    before the wait) gives bitwise the tokens and logits of plain launches."""
     monkeypatch.setattr(triton_util, "PDL", True)
+    monkeypatch.setattr(triton_util, "FLAGS", triton_util.FLAGS)
     assert triton_util.pdl_enabled(torch.device("cuda"))     # the launches below do use PDL
-    off_tokens, off_logits = _decode(model, False)
-    on_tokens, on_logits = _decode(model, True)
-    assert on_tokens == off_tokens
-    assert len(on_logits) == len(off_logits)
-    for a, b in zip(on_logits, off_logits):
-        assert torch.equal(a, b)
+    off_tokens, off_logits = _decode(model, 0)
+    full = triton_util.PDL_ON | triton_util.PDL_EARLY | triton_util.PDL_PREFETCH
+    for flags in (triton_util.PDL_ON, full):
+        on_tokens, on_logits = _decode(model, flags)
+        assert on_tokens == off_tokens, flags
+        assert len(on_logits) == len(off_logits)
+        for a, b in zip(on_logits, off_logits):
+            assert torch.equal(a, b), flags
 
 
 @pytest.mark.gpu
@@ -123,3 +153,65 @@ def test_pdl_chain_of_norms_equals_plain_launches(monkeypatch):
         torch.cuda.synchronize()
         outs.append(y.clone())
     assert torch.equal(outs[0], outs[1])
+
+
+_PTX_SCRIPT = textwrap.dedent("""
+    import json, re, sys
+    from unittest import mock
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from helix.layers import moe_decode as md, skinny_gemm as sg
+    from profiling.kernel_resources import _signature
+    m = dict(device="meta")
+    e = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, **m)
+    launches = []
+    rec = lambda k, g, *a, **kw: launches.append((k, a, kw))
+    cnt = lambda device, n: torch.empty(4096, dtype=torch.int32, **m)
+    with mock.patch.object(sg, "run_kernel", rec), mock.patch.object(md, "run_kernel", rec), \\
+            mock.patch.object(sg, "arrival_counters", cnt), \\
+            mock.patch.object(md, "arrival_counters", cnt), \\
+            mock.patch.object(md, "sm_count_of", lambda d: 132), \\
+            mock.patch("helix.attention.triton_splits.sm_count_of", lambda d: 132):
+        sg.linear_triton(e(1, 2048), e(3072, 2048))                 # rows along N
+        sg.absorb_q_triton(e(1, 16, 128), e(16, 128, 512))          # rows along K
+        D, I = 2048, 1408
+        md.moe_decode(e(1, D), e(64, I, D), e(64, I, D), e(64, D, I), e(1, 6),
+                      e(1, 6, dt=torch.int64), 0, shared=(e(2816, D), e(2816, D), e(D, 2816)))
+    target = GPUTarget("cuda", 90, 32)
+    out = []
+    for k, a, kw in launches:
+        for flags in (1, 7):
+            sig, consts, attrs, options = _signature(k, a, dict(kw, PDL=flags))
+            src = triton.compiler.ASTSource(fn=k, signature=sig, constexprs=consts, attrs=attrs)
+            opts = triton.compiler.make_backend(target).parse_options(options)
+            ptx = triton.compile(src, target=target, options=opts.__dict__).asm["ptx"]
+            order = re.findall(r"cp\\.async\\.bulk\\.prefetch|griddepcontrol\\.\\w+", ptx)
+            out.append(dict(kernel=k.fn.__name__, flags=flags, order=order))
+    json.dump(out, open(sys.argv[1], "w"))
+""")
+
+
+@pytest.mark.sm90
+def test_pdl_modes_compile_to_their_instruction_order(tmp_path):
+    """PDL_ON: wait, then launch the next kernel; with PDL_EARLY and PDL_PREFETCH the weight
+    prefetches come first, then the next kernel's launch, then the wait (sm_90 PTX)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([root] + sys.path))
+    out = tmp_path / "order.json"
+    res = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, str(out)], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = json.loads(out.read_text())
+    assert [r["kernel"] for r in records] == (["_skinny_kernel"] * 4 + ["_gate_up_kernel"] * 2
+                                              + ["_down_kernel"] * 2)
+    wait, launch, pre = ("griddepcontrol.wait", "griddepcontrol.launch_dependents",
+                         "cp.async.bulk.prefetch")
+    for r in records:
+        if r["flags"] == 1:
+            assert r["order"] == [wait, launch], r
+        else:
+            n = r["order"].count(pre)
+            assert n >= 1 and r["order"] == [pre] * n + [launch, wait], r

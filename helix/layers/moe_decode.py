@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 
 from helix.attention.triton_splits import sm_count_of
-from helix.triton_util import arrival_counters
-from helix.triton_util import pdl_sync, pow2, run_kernel
+from helix.triton_util import (arrival_counters, pdl_sync, pow2, prefetch_l2, prefetching,
+                               run_kernel)
 
 MAX_PAIRS = 128              # T * k up to this runs here (decode buckets); more: fused_moe's v1
 MODES = {"fma": 0, "dot": 2}
@@ -157,19 +157,27 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    pdl_sync(PDL)
     p = tl.program_id(0)
     shared = p >= N                        # a shared virtual expert (programs N .. N + S - 1)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    fr = ((p - N) * I + n).to(tl.int64)                                 # its shard rows
+    s_mask = (n < I) & (fr < IS)
+    gs_rows = gs_ptr + fr * stride_gsi                                  # [BN]
+    us_rows = us_ptr + fr * stride_usi
+    if prefetching(PDL):                   # weights: L2 may fetch them before the wait
+        if shared:
+            row_bytes = D * (gs_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            prefetch_l2(gs_rows, row_bytes, s_mask)
+            prefetch_l2(us_rows, row_bytes, s_mask)
+    pdl_sync(PDL)
     lead, e, same, rank, count = _pair_group(ids_ptr, tl.minimum(p, N - 1), N, first, E,
                                              BLOCK_P)
     if not (lead | shared):                # not this expert's first pair, or not local
         return
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if shared:
-        fr = ((p - N) * I + n).to(tl.int64)                                      # shard rows
-        nmask = (n < I) & (fr < IS)
-        g_rows = gs_ptr + fr[:, None] * stride_gsi                               # [BN, 1]
-        u_rows = us_ptr + fr[:, None] * stride_usi
+        nmask = s_mask
+        g_rows = gs_rows[:, None]                                                # [BN, 1]
+        u_rows = us_rows[:, None]
         count = T
     else:
         nmask = n < I
@@ -239,21 +247,27 @@ def _down_kernel(
     FUSED_COMBINE: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    pdl_sync(PDL)
     p = tl.program_id(0)
     shared = p >= N
     nb = tl.program_id(1)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < D
+    ks = tl.program_id(2)
+    k_lo = ks * k_chunk
+    c_lo = (p - N) * I                     # shared virtual expert s: shard columns [s*I, +I)
+    s_hi = tl.minimum(tl.minimum(k_lo + k_chunk, I), IS - c_lo)
+    ds_rows = ds_ptr + n.to(tl.int64) * stride_dsd + c_lo                       # [BN]
+    if prefetching(PDL):                   # weights: L2 may fetch them before the wait
+        if shared:
+            prefetch_l2(ds_rows + k_lo,
+                        (s_hi - k_lo) * (ds_ptr.dtype.element_ty.primitive_bitwidth // 8), nmask)
+    pdl_sync(PDL)
     lead, e, same, rank, count = _pair_group(ids_ptr, tl.minimum(p, N - 1), N, first, E,
                                              BLOCK_P)
     if lead | shared:
-        ks = tl.program_id(2)
-        k_lo = ks * k_chunk
-        if shared:                         # virtual expert s: shard columns [s*I, (s+1)*I)
-            c_lo = (p - N) * I
-            k_hi = tl.minimum(tl.minimum(k_lo + k_chunk, I), IS - c_lo)
-            d_rows = ds_ptr + n.to(tl.int64)[:, None] * stride_dsd + c_lo             # [BN, 1]
+        if shared:
+            k_hi = s_hi
+            d_rows = ds_rows[:, None]                                                 # [BN, 1]
             count = T
         else:
             k_hi = tl.minimum(k_lo + k_chunk, I)

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from helix.layers.fused_ops import use_triton
-from helix.triton_util import (HAS_TRITON, arrival_counters, pdl_sync, pow2, run_kernel, tl,
-                               triton)
+from helix.triton_util import (HAS_TRITON, arrival_counters, pdl_sync, pow2, prefetch_l2,
+                               prefetching, run_kernel, tl, triton)
 
 ENABLED = os.environ.get("HELIX_SKINNY_GEMM", "1") != "0"
 MAX_ROWS = 16
@@ -57,18 +57,29 @@ if HAS_TRITON:
                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
         """y[t, g, n] = sum_k x[t, g, k] W[g, n, k] (+ bias[n]) for t < T (<= BLOCK_T)."""
-        pdl_sync(PDL)
         nb = tl.program_id(0)
         ks = tl.program_id(1)
         g = tl.program_id(2).to(tl.int64)
         n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < N
+        k_lo = ks * k_chunk
+        k_hi = tl.minimum(k_lo + k_chunk, K)
+        # the weight tile is no kernel's output: L2 may fetch it while the previous one runs
+        if prefetching(PDL):
+            esize = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+            if swk == 1:                   # rows along N, each contiguous over the K range
+                prefetch_l2(w_ptr + g * swg + n.to(tl.int64) * swn + k_lo,
+                            (k_hi - k_lo) * esize, nmask)
+            else:                          # rows along K, each BLOCK_N contiguous features
+                for k0 in range(k_lo, k_hi, BLOCK_K):
+                    kk = k0 + tl.arange(0, BLOCK_K)
+                    prefetch_l2(w_ptr + g * swg + kk.to(tl.int64) * swk + nb * BLOCK_N,
+                                tl.minimum(BLOCK_N, N - nb * BLOCK_N) * esize, kk < k_hi)
+        pdl_sync(PDL)
         t = tl.arange(0, BLOCK_T)
         tmask = t < T
         x_rows = x_ptr + t.to(tl.int64)[:, None] * sxt + g * sxg                    # [BT, 1]
         w_rows = w_ptr + g * swg + n.to(tl.int64)[:, None] * swn                     # [BN, 1]
-        k_lo = ks * k_chunk
-        k_hi = tl.minimum(k_lo + k_chunk, K)
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)

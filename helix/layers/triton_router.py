@@ -40,7 +40,7 @@ import triton.language as tl
 
 from helix.triton_util import arrival_counters
 from helix.layers.fused_ops import _exp_f32
-from helix.triton_util import pdl_sync, pow2, run_kernel
+from helix.triton_util import pdl_sync, pow2, prefetch_l2, prefetching, run_kernel
 
 BIG = tl.constexpr(1 << 30)   # "no expert": above every id
 
@@ -173,14 +173,17 @@ def _route_fused_kernel(x_ptr, wr_ptr, lg_ptr, cnt_ptr, bias_ptr, w_ptr, id_ptr,
                         BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Program p: logits[:, p*BLOCK_E : (p+1)*BLOCK_E] = x W^T for all T (<= BLOCK_T) rows;
     the last program to finish routes every row."""
-    pdl_sync(PDL)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = e < E
+    wdt = wr_ptr.dtype.element_ty
+    if prefetching(PDL):                      # the router weight: L2 may fetch it early
+        prefetch_l2(wr_ptr + e.to(tl.int64) * stride_re, D * (wdt.primitive_bitwidth // 8),
+                    emask)
+    pdl_sync(PDL)
     rows = tl.arange(0, BLOCK_T)
     rmask = rows < T
     w_rows = wr_ptr + e.to(tl.int64)[:, None] * stride_re                   # [BE, 1]
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt                 # [BT, 1]
-    wdt = wr_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         dd = d0 + tl.arange(0, BLOCK_D)
