@@ -28,6 +28,9 @@ FLAGS, from HELIX_PDL, benches switch it):
   - PDL_PREFETCH: a kernel may, before `pdl_sync`, ask L2 for bytes that NO kernel of the step
     writes (weights) with `prefetch_l2`; a projection resident under the previous kernel then
     streams its weights while that kernel runs, and reads them from L2 once it may start.
+The default ("1", = "wait") is PDL_ON alone: on the H200, whole DeepSeek-V2-Lite steps were
+6-8 % SLOWER with PDL_EARLY and with PDL_PREFETCH (profiling/results/pdl.md), so the two are
+opt-in modes kept for that measurement (HELIX_PDL=early / prefetch / full).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ except ImportError:                      # pragma: no cover - triton is the opti
 
 
 PDL_ON, PDL_EARLY, PDL_PREFETCH = 1, 2, 4
-PDL_MODES = {"0": 0, "1": PDL_ON | PDL_EARLY | PDL_PREFETCH, "wait": PDL_ON,
+PDL_MODES = {"0": 0, "1": PDL_ON, "wait": PDL_ON,
               "early": PDL_ON | PDL_EARLY, "prefetch": PDL_ON | PDL_PREFETCH,
               "full": PDL_ON | PDL_EARLY | PDL_PREFETCH}
 _mode = os.environ.get("HELIX_PDL", "1")

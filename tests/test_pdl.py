@@ -77,9 +77,9 @@ def test_pdl_modes_from_the_environment():
     def env(v):
         return dict(os.environ, HELIX_PDL=v)
     got = {v: subprocess.run([sys.executable, "-c", code], env=env(v), capture_output=True,
-                             text=True).stdout.split() for v in ("0", "wait", "early", "full")}
+                             text=True).stdout.split() for v in ("0", "1", "wait", "early", "full")}
     on, early, pre = triton_util.PDL_ON, triton_util.PDL_EARLY, triton_util.PDL_PREFETCH
-    assert got == {"0": ["0", "False"], "wait": [str(on), "True"],
+    assert got == {"0": ["0", "False"], "1": [str(on), "True"], "wait": [str(on), "True"],
                    "early": [str(on | early), "True"], "full": [str(on | early | pre), "True"]}
     bad = subprocess.run([sys.executable, "-c", code], env=env("fast"), capture_output=True,
                          text=True)
