@@ -84,6 +84,38 @@ def test_kv_row_matches_torch(dims, interleave, heads, dtype):
     assert none is None and torch.equal(alone, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cache_dtype", ["same", "float32"])
+def test_kv_row_appends_to_the_pool(dtype, cache_dtype):
+    """With the pool, the same launch writes each row at its flat slot (-1 skipped, every
+    other pool row untouched), in the pool's dtype; the torch formula does the same."""
+    Dl, Dr = 48, 16
+    g = torch.Generator().manual_seed(1)
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0, adjacent_pairs=True), Dr, 64)
+    ckv = (torch.randn(4, Dl + Dr, generator=g) * 3).to(dtype)
+    w = (torch.rand(Dl, generator=g) + 0.5).to(dtype)
+    pos = torch.tensor([3, 9, 0, 33])
+    slots = torch.tensor([5, -1, 0, 11])                       # pool of 3 pages x 4 positions
+    pool_dtype = dtype if cache_dtype == "same" else torch.float32
+    got = {}
+    for name, fn, dev in (("torch", fmla.mla_kv_row_torch, "cpu"),
+                          ("triton", fmla.mla_kv_row_triton, DEV)):
+        pool = torch.full((3, 4, Dl + Dr), -7.0, dtype=pool_dtype, device=dev)
+        row, _ = fn(ckv.to(dev), w.to(dev), 1e-6, rope.cos.to(dev), rope.sin.to(dev),
+                    pos.to(dev), True, None, pool, slots.to(dev))
+        flat = pool.view(-1, Dl + Dr).cpu()
+        keep = slots >= 0
+        assert torch.equal(flat[slots[keep]], row.cpu()[keep].to(pool_dtype))
+        others = torch.ones(12, dtype=torch.bool)
+        others[slots[keep]] = False
+        assert bool((flat[others] == -7.0).all())
+        got[name] = row.cpu()
+    alone, _ = fmla.mla_kv_row_triton(ckv.to(DEV), w.to(DEV), 1e-6, rope.cos.to(DEV),
+                                      rope.sin.to(DEV), pos.to(DEV), True)
+    assert torch.equal(alone.cpu(), got["triton"])          # appending changes no row value
+    assert ulps(got["triton"], got["torch"]) <= (8 if dtype == torch.float32 else 1)
+
+
 def test_dispatch_falls_back_off_cuda_and_for_prefill():
     """CPU tensors take the torch formulas (the layer's previous code, unchanged)."""
     g = torch.Generator().manual_seed(0)
@@ -122,7 +154,9 @@ with mock.patch.object(fmla, "run_kernel", lambda k, g, *a, **kw: launches.appen
     fmla.mla_kv_row_triton(torch.empty(8, 576, dtype=bf, **m), torch.empty(512, dtype=bf, **m),
                            1e-6, torch.empty(100, 32, **m), torch.empty(100, 32, **m),
                            torch.empty(8, dtype=torch.int64, **m), True,
-                           torch.empty(8, 128, 192, dtype=bf, **m)[..., 128:])
+                           torch.empty(8, 128, 192, dtype=bf, **m)[..., 128:],
+                           torch.empty(50, 64, 576, dtype=bf, **m),
+                           torch.empty(8, dtype=torch.int64, **m))
 print(json.dumps([compile_sm90(k, a, kw) for k, a, kw in launches]))
 """
 

@@ -63,6 +63,8 @@ CASES = {  # test id -> (family, config overrides)
     "qwen3_moe-dense-layer0": ("qwen3_moe", dict(mlp_only_layers=[0])),
     "deepseek_v2": ("deepseek_v2", {}),
     "deepseek_v3": ("deepseek_v3", {}),
+    # kv_a has a bias, q_proj none: one merged GEMM with a bias on part of its rows
+    "deepseek_v2-biases": ("deepseek_v2", dict(attention_bias=True)),
 }
 
 

@@ -31,13 +31,19 @@ def _softmax_attend(scores: torch.Tensor, values: torch.Tensor):
     return o.transpose(0, 1), lse.transpose(0, 1)
 
 
+def append_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """The KV append contract in torch: rows [T, ...] into cache [P, page, ...] at flat slots
+    [T], slot -1 skipped."""
+    keep = slots >= 0
+    flat = cache.view(-1, *cache.shape[2:])
+    flat[slots[keep]] = rows[keep].to(cache.dtype)
+
+
 class TorchAttention(AttentionBackend):
     name = "torch"
 
     def append_kv(self, cache, rows, slots):
-        keep = slots >= 0
-        flat = cache.view(-1, *cache.shape[2:])
-        flat[slots[keep]] = rows[keep].to(cache.dtype)
+        append_rows(cache, rows, slots)
 
     def _loop(self, meta: LocalKVMeta, n_tokens: int, heads: int, dv: int, device, attend_one):
         o = torch.zeros((n_tokens, heads, dv), dtype=torch.float32, device=device)

@@ -20,7 +20,7 @@ from helix.layers.cp_attention import ContextParallel
 from helix.layers.exchange import KVPExchange
 from helix.layers.hopb import overlapped
 from helix.layers.fused_mla import mla_kv_row
-from helix.layers.linear import ColumnShardLinear, ReplicatedLinear, RowShardLinear
+from helix.layers.linear import ColumnShardLinear, MergedColumnLinear, RowShardLinear
 from helix.layers.mla_prefill import MLADims, decompress_plan, decompressed_attention
 from helix.layers.norm import RMSNorm
 from helix.layers.regions import region
@@ -41,16 +41,20 @@ class MLAAttention(nn.Module):
         qk = self.nope + self.rdim
         self.hq = H // lay.tpa
         q0 = mesh.tpa_rank * self.hq
+        # the two projections of x, one GEMM: q_a (replicated, q_lora models) or this rank's q
+        # heads, then kv_a (replicated: the latent row and rope key)
+        kv_a = ("kv_a_proj_with_mqa", self.lora + self.rdim, 0, self.lora + self.rdim)
         if cfg.q_lora_rank:
-            self.q_a_proj = ReplicatedLinear(D, cfg.q_lora_rank, cfg.attention_bias, dtype)
+            q_part = ("q_a_proj", cfg.q_lora_rank, 0, cfg.q_lora_rank)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_eps, dtype)
             self.q_b_proj = ColumnShardLinear(cfg.q_lora_rank, H * qk, q0 * qk, (q0 + self.hq) * qk,
                                               False, dtype)
         else:
-            self.q_proj = ColumnShardLinear(D, H * qk, q0 * qk, (q0 + self.hq) * qk, False, dtype)
+            q_part = ("q_proj", H * qk, q0 * qk, (q0 + self.hq) * qk)
         self.q_lora = bool(cfg.q_lora_rank)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(D, self.lora + self.rdim, cfg.attention_bias,
-                                                   dtype)
+        self.x_proj = MergedColumnLinear(D, [q_part, kv_a],
+                                         [cfg.attention_bias and self.q_lora, cfg.attention_bias],
+                                         dtype)
         self.kv_a_layernorm = RMSNorm(self.lora, cfg.rms_eps, dtype)
         # kv_b_proj rows of the local query heads: per head [W_UK (nope rows) | W_UV (v rows)]
         per = self.nope + self.vdim
@@ -102,19 +106,22 @@ class MLAAttention(nn.Module):
             plan = decompress_plan(meta.split()[1] if D else meta, self.hq, self.dims)
         w_uk, w_uv = self._w_uk_uv()
         with phase("qkv"):
-            q = (self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora
-                 else self.q_proj(x))
+            q, ckv = self.x_proj(x)                      # [R, q_lora or hq * qk], [R, Dl + Dr]
+            if self.q_lora:
+                q = self.q_b_proj(self.q_a_layernorm(q))
             q = q.view(R, self.hq, self.nope + self.rdim)
             q_nope, q_rope = q.split([self.nope, self.rdim], dim=-1)
             A = R if plan is None else D          # rows in the absorbed form
             q_latent = absorb_q(q_nope[:A], w_uk)                             # [A, h, Dl]
-            ckv = self.kv_a_proj_with_mqa(x)                               # [R, Dl + Dr]
             norm, rope = self.kv_a_layernorm, self.rope
-            # [normed latent | roped key] [R, Dl + Dr] and the roped queries, one launch
+            (kv_cache,) = cache
+            slots = meta.slots
+            # [normed latent | roped key] [R, Dl + Dr] and the roped queries, one launch; on
+            # the absorbed path without context parallelism that launch also appends the row
+            fused_append = plan is None and cp is None
             row, q_rope = mla_kv_row(ckv, norm.weight, norm.eps, rope.cos, rope.sin, pos,
-                                     rope.adjacent_pairs, q_rope)
-        (kv_cache,) = cache
-        slots = meta.slots
+                                     rope.adjacent_pairs, q_rope,
+                                     *((kv_cache, slots) if fused_append else ()))
 
         def attend_rows(a, b, m):
             return backend.attend_mla(q_latent[a:b], q_rope[a:b], kv_cache, self.lora, m,
@@ -125,18 +132,12 @@ class MLAAttention(nn.Module):
             return self._decompressed(q_nope, q_rope, row, slots, kv_cache, meta, plan,
                                       attend_rows, backend, w_uv, ctx)
         if cp is None and meta.micro_batches > 1:                   # HOP-B (decode steps)
-            with phase("attn"):
-                backend.append_kv(kv_cache, row, slots)
             o = overlapped(lambda a, b: attend_rows(a, b, meta.rows(a, b)),
                            lambda o, lse: self.exchange(o, lse, backend), R,
                            meta.micro_batches, q.device)
-        elif cp is None:
-            def attend():
-                backend.append_kv(kv_cache, row, slots)
-                return attend_rows(0, R, meta)
-
+        elif cp is None:                                   # the row is in the pool already
             with phase("attn"):
-                o, lse = region(ctx, "attention", attend)
+                o, lse = region(ctx, "attention", lambda: attend_rows(0, R, meta))
             o = self.exchange(o, lse, backend)                                # [T, H/N, Dl]
         else:
             o = region(ctx, "attention", lambda: self._attend_cp(q_latent, q_rope, row, meta,

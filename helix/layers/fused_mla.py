@@ -2,9 +2,11 @@
 layer's previous torch formula as the fallback (off CUDA, HELIX_FUSED_OPS=0, or past the row
 counts the kernels serve).
 
-    mla_kv_row(ckv [T, Dl + Dr], norm_w [Dl], eps, cos, sin, pos, interleave, q_rope [T, h, Dr])
+    mla_kv_row(ckv [T, Dl + Dr], norm_w [Dl], eps, cos, sin, pos, interleave, q_rope [T, h, Dr],
+               cache [P, page, Dl + Dr], slots [T])
         -> (cat(rms_norm(ckv[:, :Dl]) * norm_w, rope(ckv[:, Dl:])) [T, Dl + Dr],
             rope(q_rope) [T, h, Dr] or None without q_rope)            (4 launches -> 1)
+        and, given the cache, the KV append of that row at slots (the append's launch too)
 (W_UV's absorption of the latent outputs is helix.layers.skinny_gemm.absorb_v.)
 
 Rounding follows the torch formulas (the helix.layers.fused_ops rules): the norm sums squares in
@@ -16,39 +18,51 @@ from __future__ import annotations
 
 import torch
 
+from helix.attention.torch_ref import append_rows
 from helix.layers.fused_ops import rms_norm_torch, rope_torch, use_triton
 from helix.triton_util import HAS_TRITON, pdl_sync, pow2, run_kernel, tl, triton
 
 
-def mla_kv_row_torch(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope=None):
+def mla_kv_row_torch(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope=None, cache=None,
+                     slots=None):
     Dl = norm_w.shape[0]
     latent, k_rope = ckv[:, :Dl], ckv[:, Dl:]
     k_rope = rope_torch(k_rope.unsqueeze(1), cos, sin, pos, interleave).squeeze(1)
     q = None if q_rope is None else rope_torch(q_rope, cos, sin, pos, interleave)
-    return torch.cat((rms_norm_torch(latent, norm_w, eps), k_rope), dim=-1), q
+    row = torch.cat((rms_norm_torch(latent, norm_w, eps), k_rope), dim=-1)
+    if cache is not None:
+        append_rows(cache, row, slots)
+    return row, q
 
 
 if HAS_TRITON:
     @triton.jit
     def _kv_row_kernel(ckv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, q_ptr, qo_ptr,
+                       slots_ptr, cache_ptr,
                        D_LAT, HALF, HQ, inv_d, eps, stride_ct, stride_ot, sct, sst, sqt, sqh,
                        INTERLEAVE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr,
-                       BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_H: tl.constexpr, APPEND: tl.constexpr, PDL: tl.constexpr = False):
         """One row: out[:Dl] = rms_norm(ckv[:Dl]) * w, out[Dl:] = rope(ckv[Dl:]); with
         BLOCK_H > 0 also qo[t, :HQ] = rope(q[t, :HQ]) (the query heads' rope dims, unit
-        stride along them), the formula of fused_ops' rope kernel."""
+        stride along them), the formula of fused_ops' rope kernel; with APPEND the same row
+        also into the contiguous pool at cache[slots[t]] (skipped where the slot is -1)."""
         pdl_sync(PDL)
         t = tl.program_id(0).to(tl.int64)
         row = ckv_ptr + t * stride_ct
         dst = out_ptr + t * stride_ot
         dt = out_ptr.dtype.element_ty
+        slot = tl.zeros([], tl.int64) - 1
+        if APPEND:
+            slot = tl.load(slots_ptr + t).to(tl.int64)        # int64: slot * width can pass 2^31
+        kv = cache_ptr + slot * (D_LAT + 2 * HALF)
         c = tl.arange(0, BLOCK_L)
         cmask = c < D_LAT
         v = tl.load(row + c, mask=cmask, other=0.0).to(tl.float32)
         rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(v * v, axis=0) * inv_d + eps))
         xn = (v * rstd).to(ckv_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)
-        tl.store(dst + c, (xn * w).to(dt), mask=cmask)
+        lat = (xn * w).to(dt)
+        tl.store(dst + c, lat, mask=cmask)
         f = tl.arange(0, BLOCK_F)
         fmask = f < HALF
         p = tl.load(pos_ptr + t).to(tl.int64)
@@ -62,8 +76,17 @@ if HAS_TRITON:
             fb = f + HALF
         a = tl.load(row + D_LAT + fa, mask=fmask, other=0.0).to(tl.float32)
         b = tl.load(row + D_LAT + fb, mask=fmask, other=0.0).to(tl.float32)
-        tl.store(dst + D_LAT + f, (a * cs - b * sn).to(dt), mask=fmask)
-        tl.store(dst + D_LAT + HALF + f, (b * cs + a * sn).to(dt), mask=fmask)
+        ra = (a * cs - b * sn).to(dt)
+        rb = (b * cs + a * sn).to(dt)
+        tl.store(dst + D_LAT + f, ra, mask=fmask)
+        tl.store(dst + D_LAT + HALF + f, rb, mask=fmask)
+        if APPEND:
+            ct = cache_ptr.dtype.element_ty
+            lk = cmask & (c * 0 + slot >= 0)                      # slot -1: skip the row
+            fk = fmask & (f * 0 + slot >= 0)
+            tl.store(kv + c, lat.to(ct), mask=lk)
+            tl.store(kv + D_LAT + f, ra.to(ct), mask=fk)
+            tl.store(kv + D_LAT + HALF + f, rb.to(ct), mask=fk)
         if BLOCK_H > 0:
             hh = tl.arange(0, BLOCK_H).to(tl.int64)
             m = (hh < HQ)[:, None] & fmask[None, :]
@@ -76,7 +99,8 @@ if HAS_TRITON:
             tl.store(q_dst + HALF, (qb * cs[None, :] + qa * sn[None, :]).to(qt), mask=m)
 
 
-def mla_kv_row_triton(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope=None):
+def mla_kv_row_triton(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope=None, cache=None,
+                      slots=None):
     T, width = ckv.shape
     Dl = norm_w.shape[0]
     half = (width - Dl) // 2
@@ -89,26 +113,37 @@ def mla_kv_row_triton(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope=None):
         assert q_rope.shape == (T, hq, 2 * half) and q_rope.stride(2) == 1, q_rope.shape
         q_out = torch.empty((T, hq, 2 * half), dtype=q_rope.dtype, device=q_rope.device)
     q_in = q_rope if q_rope is not None else ckv
+    if cache is not None:
+        assert cache.is_contiguous() and cache.shape[2:] == (width,), "KV pool [P, page, Dl + Dr]"
+        assert slots.shape == (T,), (slots.shape, T)
     if T:
         block_l = pow2(Dl)
         block_h = pow2(hq) if hq else 0
         warps = max(1, min(8, max(block_l, block_h * pow2(half)) // 256))
         run_kernel(_kv_row_kernel, (T,), ckv, norm_w, cos, sin, pos, out, q_in,
-                   q_out if q_out is not None else out, Dl, half, hq, 1.0 / Dl, float(eps),
+                   q_out if q_out is not None else out,
+                   slots if cache is not None else pos, cache if cache is not None else out,
+                   Dl, half, hq, 1.0 / Dl, float(eps),
                    ckv.stride(0), out.stride(0), cos.stride(0), sin.stride(0),
                    q_in.stride(0), q_in.stride(1) if hq else 0,
                    INTERLEAVE=bool(interleave), BLOCK_L=block_l, BLOCK_F=pow2(half),
-                   BLOCK_H=block_h, num_warps=warps, enable_fp_fusion=False)
+                   BLOCK_H=block_h, APPEND=cache is not None, num_warps=warps,
+                   enable_fp_fusion=False)
     return out, q_out
 
 
 def mla_kv_row(ckv: torch.Tensor, norm_w: torch.Tensor, eps: float, cos: torch.Tensor,
                sin: torch.Tensor, pos: torch.Tensor, interleave: bool,
-               q_rope: torch.Tensor | None = None):
+               q_rope: torch.Tensor | None = None, cache: torch.Tensor | None = None,
+               slots: torch.Tensor | None = None):
     """ckv [T, Dl + Dr] (the kv_a projection), norm_w [Dl] -> (the latent cache row
     [T, Dl + Dr]: RMS-normed latent, then the rope key rotated by pos [T] (cos / sin [P, Dr/2]
-    fp32); the query heads' rope dims q_rope [T, h, Dr] rotated alike, contiguous, or None)."""
+    fp32); the query heads' rope dims q_rope [T, h, Dr] rotated alike, contiguous, or None).
+    Given the KV pool cache [P, page, Dl + Dr] (contiguous) and slots [T], the row is also
+    appended to it (the AttentionBackend.append_kv contract: flat slots, -1 skipped)."""
+    args = (ckv, norm_w, eps, cos, sin, pos, interleave, q_rope, cache, slots)
     if (use_triton(ckv) and ckv.stride(1) == 1 and norm_w.dtype == ckv.dtype
-            and (q_rope is None or q_rope.stride(2) == 1)):
-        return mla_kv_row_triton(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope)
-    return mla_kv_row_torch(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope)
+            and (q_rope is None or q_rope.stride(2) == 1)
+            and (cache is None or cache.is_contiguous())):
+        return mla_kv_row_triton(*args)
+    return mla_kv_row_torch(*args)

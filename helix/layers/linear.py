@@ -3,7 +3,7 @@
 ColumnShard: this rank holds output features [start, stop) of the checkpoint's weight; no comm.
 RowShard:    this rank holds input features [start, stop); the partial products are summed with
              an all-reduce over `axis` inside forward (bias added once, after the reduce).
-Replicated:  the whole weight on every rank.
+MergedColumn: several column shards (or whole weights) of one input in ONE GEMM; no comm.
 The product is helix.layers.skinny_gemm.linear: F.linear, or one PDL Triton launch for
 decode-sized rows on CUDA.
 """
@@ -22,18 +22,6 @@ def _param(shape, dtype, loader) -> nn.Parameter:
     p = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
     p.weight_loader = loader
     return p
-
-
-class ReplicatedLinear(nn.Module):
-    """x [T, in] -> [T, out], full weight on every rank."""
-
-    def __init__(self, in_f: int, out_f: int, bias: bool = False, dtype=torch.float32):
-        super().__init__()
-        self.weight = _param((out_f, in_f), dtype, load_full)
-        self.bias = _param((out_f,), dtype, load_full) if bias else None
-
-    def forward(self, x):
-        return linear(x, self.weight, self.bias)
 
 
 class ColumnShardLinear(nn.Module):
@@ -56,11 +44,12 @@ class MergedColumnLinear(nn.Module):
 
     parts: (checkpoint name, full out features, start, stop); part i's rows [start, stop) of the
     checkpoint tensor `<parent>.<name>.weight` land after the previous parts' rows. The loader
-    (helix.loader.expected_tensors) reads the parts by their checkpoint names.
+    (helix.loader.expected_tensors) reads the parts by their checkpoint names. bias: one flag
+    for all parts, or one per part; a part without a checkpoint bias adds zeros (exact).
     """
 
-    def __init__(self, in_f: int, parts: list[tuple[str, int, int, int]], bias: bool = False,
-                 dtype=torch.float32):
+    def __init__(self, in_f: int, parts: list[tuple[str, int, int, int]],
+                 bias: bool | list[bool] = False, dtype=torch.float32):
         super().__init__()
         self.sizes = [stop - start for _, _, start, stop in parts]
         offsets = [sum(self.sizes[:i]) for i in range(len(parts))]
@@ -69,11 +58,13 @@ class MergedColumnLinear(nn.Module):
             (name, sliced_loader((out_f, in_f), 0, a, b, dst))
             for (name, out_f, a, b), dst in zip(parts, offsets)]
         self.bias = None
-        if bias:
+        has = list(bias) if isinstance(bias, (list, tuple)) else [bool(bias)] * len(parts)
+        assert len(has) == len(parts), (bias, parts)
+        if any(has):
             self.bias = _param((sum(self.sizes),), dtype, None)
             self.bias.checkpoint_parts = [
                 (name, sliced_loader((out_f,), 0, a, b, dst))
-                for (name, out_f, a, b), dst in zip(parts, offsets)]
+                for (name, out_f, a, b), dst, h in zip(parts, offsets, has) if h]
 
     def joint(self, x):
         """-> [T, sum of parts]: the parts side by side, as one tensor."""

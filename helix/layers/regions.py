@@ -3,8 +3,9 @@
 `region(ctx, name, fn)` runs fn() inline when there is no graph context or the break `name` is
 not enabled; otherwise the captured segment ends, fn runs eagerly at every replay, and capture
 continues. fn must only read tensors at fixed addresses (static inputs, earlier outputs) and
-return the tensors later code reads. Names in use: "attention" (KV append + partial attention),
-"moe" (routed experts).
+return the tensors later code reads. Names in use: "attention" (partial attention, and the KV
+append where the layer does not fold it into an earlier launch: MLA's absorbed steps without
+context parallelism append in the captured kv-row kernel), "moe" (routed experts).
 """
 
 from __future__ import annotations
