@@ -7,11 +7,10 @@ Without CUDA the kernels run through Triton's interpreter."""
 
 import torch
 
-from triton_mode import DEV, ON_GPU  # first: chooses the interpreter before triton loads
+from triton_mode import DEV, gpu_rounding  # first: chooses the interpreter before triton loads
 
 from unittest import mock  # noqa: E402
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from helix.layers import fused_mla as fmla  # noqa: E402
@@ -21,23 +20,8 @@ from helix.config import RopeConfig  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def gpu_rounding():
-    """Interpreter only: fp32 -> bf16 casts round to nearest even, as on the GPU."""
-    if ON_GPU:
-        yield
-        return
-    from triton.runtime import interpreter as it
-    import triton.language as tl
-    real = it.InterpreterBuilder.create_fp_trunc
-
-    def rtne(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            f32 = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
-            bits = f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-            return it.TensorHandle(bits.reshape(np.shape(src.data)), dst_type.scalar)
-        return real(self, src, dst_type)
-
-    with mock.patch.object(it.InterpreterBuilder, "create_fp_trunc", rtne):
+def _gpu_rounding():
+    with gpu_rounding():
         yield
 
 

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from triton_mode import DEV, ON_GPU  # first: chooses the interpreter before triton loads
+from triton_mode import DEV, ON_GPU, gpu_rounding  # first: picks the interpreter
 
 import json  # noqa: E402
 import subprocess  # noqa: E402
@@ -131,6 +131,57 @@ def test_fused_kernel_matches_torch(name, spec, E, wdtype, T):
     assert int(arrival_counters(DEV, 1)[0]) == 0
 
 
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("name,spec,E", [MODES[1], MODES[4]], ids=[MODES[1][0], MODES[4][0]])
+def test_fused_kernel_with_the_norm_before_it(name, spec, E, T):
+    """route_add_norm_triton: the residual add and RMS norm in the router's launch give
+    add_rms_norm's h bitwise and its y within one ulp (the sum of squares in another order),
+    and the routing of that y; the output buffers are new, contiguous, in the norm's dtypes."""
+    from helix.layers.fused_ops import add_rms_norm_torch
+    g = torch.Generator().manual_seed(7 * T + E)
+    D = 96
+    a = (torch.randn(T, D + 8, generator=g) * 2).bfloat16()[:, 4:4 + D]      # strided rows
+    res = (torch.randn(T, D, generator=g) * 3).bfloat16()
+    nw = (torch.rand(D, generator=g) + 0.5).bfloat16()
+    weight = torch.randn(E, D, generator=g) / D ** 0.5                         # fp32 router
+    bias = (torch.randn(E, generator=g) * 0.5) if spec.sigmoid else None
+    ref_y, ref_h = add_rms_norm_torch(a, res, nw, 1e-6)
+    with gpu_rounding():
+        y, h, w, ids = tr.route_add_norm_triton(a.to(DEV), res.to(DEV), nw.to(DEV), 1e-6,
+                                                weight.to(DEV), None if bias is None else
+                                                bias.to(DEV), spec, config=dict(BLOCK_D=32))
+    assert y.dtype == h.dtype == w.dtype == torch.bfloat16 and y.is_contiguous()
+    assert torch.equal(h.cpu(), ref_h)
+    diff = (y.cpu().float() - ref_y.float()).abs()
+    ulp = ref_y.float().abs().clamp_min(1e-30) * 2.0 ** -7
+    assert bool((diff <= ulp).all())
+    logits = F.linear(y.cpu().float(), weight)
+    ref_w, ref_ids = rt.route_torch(logits, bias, spec)
+    assert torch.equal(ids.cpu(), ref_ids)
+    _close_weights(w, ref_w.bfloat16(), torch.bfloat16)
+    from helix.triton_util import arrival_counters
+    assert int(arrival_counters(DEV, 1)[0]) == 0
+
+
+def test_router_add_norm_forward_is_norm_then_router():
+    """Off the fused path (CPU) Router.add_norm_forward is RMSNorm.add_forward, then the
+    router: the same tensors as the two calls."""
+    from helix.layers.norm import RMSNorm
+    cfg = SimpleNamespace(arch="deepseek_v2", num_experts=8, hidden_size=16, scoring="softmax",
+                          experts_per_token=2, topk_method="greedy", n_group=1, topk_group=1,
+                          norm_topk_prob=False, routed_scaling_factor=1.0)
+    router, norm = rt.Router(cfg, torch.bfloat16), RMSNorm(16, 1e-6, torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(8, 16, generator=g))
+        norm.weight.copy_(torch.rand(16, generator=g) + 0.5)
+    a, res = torch.randn(3, 16, generator=g).bfloat16(), torch.randn(3, 16, generator=g).bfloat16()
+    got = router.add_norm_forward(a, res, norm)
+    y, h = norm.add_forward(a, res)
+    want = (y, h, *router(y))
+    assert all(torch.equal(u, v) for u, v in zip(got, want))
+
+
 def test_ties_lowest_expert_first():
     """Equal scores: the lowest expert id first, in both paths; equal group scores: the
     lowest group; -inf (other groups) never above a kept expert, even when k exceeds the
@@ -216,6 +267,10 @@ _COMPILE_SCRIPT = textwrap.dedent("""
             b = torch.empty(E, **m) if spec.sigmoid else None
             tr.route_fused_triton(torch.empty(T, D, dtype=torch.bfloat16, **m),
                                   torch.empty(E, D, dtype=wdt, **m), b, spec)
+        bf = dict(dtype=torch.bfloat16, **m)
+        tr.route_add_norm_triton(torch.empty(1, 2048, **bf), torch.empty(1, 2048, **bf),
+                                 torch.empty(2048, **bf), 1e-6, torch.empty(64, 2048, **m), None,
+                                 tr.RouteSpec(6, False, 1, 1, "none", False, 1.0))
         tr.route_select_triton(torch.empty(64, 256, **m), torch.empty(256, **m),
                                tr.RouteSpec(8, True, 8, 4, "top2", True, 2.5), torch.bfloat16)
     print(json.dumps([compile_sm90(k, a, kw) for k, a, kw in launches]))
@@ -239,11 +294,11 @@ def test_router_kernels_compile_for_sm90(tmp_path):
                          timeout=600, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     recs = json.loads(res.stdout.strip().splitlines()[-1])
-    assert [r["kernel"] for r in recs] == ["_route_fused_kernel"] * 2 + ["_route_select_kernel"]
+    assert [r["kernel"] for r in recs] == ["_route_fused_kernel"] * 3 + ["_route_select_kernel"]
     for r in recs:
         assert r["stack_bytes"] == 0 and r["local_loads"] == 0, r
     ptxs = [p.read_text() for p in (tmp_path / "cache").rglob("_route_fused_kernel.ptx")]
-    assert len(ptxs) == 2
+    assert len(ptxs) == 3                  # DeepSeek-V3, Qwen3, and V2-Lite with the norm
     for ptx in ptxs:
         lines = [ln.strip() for ln in ptx.splitlines()]
         atoms = [i for i, ln in enumerate(lines) if "atom." in ln]
@@ -272,3 +327,41 @@ def test_fused_router_bf16_gpu():
     separated = (top[:, 7] - top[:, 8]) > 0.05
     assert torch.equal(kids[separated], rids[separated])
     torch.testing.assert_close(kw[separated].float(), rw[separated], rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("model", ["tiny-deepseek-v3", "tiny-qwen3-moe"])
+def test_captured_decode_with_the_norm_in_the_router(model, monkeypatch):
+    """Whole captured decodes: the post-attention norm inside the router's launch against the
+    norm kernel, then the same fused router (Router.add_norm_forward's fallback): the same
+    greedy tokens, logits to bf16 rounding."""
+    from helix import LLM, Layout, RuntimeConfig, SamplingParams
+
+    def decode():
+        rtc = RuntimeConfig(device="cuda", dtype="bfloat16", page_size=16, max_batch=4,
+                            graph_buckets=(1, 2, 4), attention_backend="triton")
+        with LLM(model, Layout(), rtc) as llm:
+            ids = [llm.add_request(p, SamplingParams(max_new_tokens=6, ignore_eos=True))
+                   for p in ([5, 17, 42, 3], [7, 8], [11, 12, 13])]
+            logits = []
+            while llm.has_unfinished():
+                llm.step()
+                logits.append(llm.engine.last_logits.clone())
+            return [llm.outputs[i] for i in ids], logits
+
+    launches = []
+    real = tr.route_add_norm_triton
+    monkeypatch.setattr(tr, "route_add_norm_triton",
+                        lambda *a, **k: launches.append(1) or real(*a, **k))
+    fused_tokens, fused_logits = decode()
+    assert launches                                   # the fused path ran (eager warm-up)
+
+    def unfused(self, x, residual, norm):
+        y, h = norm.add_forward(x, residual)
+        return (y, h, *self(y))
+    monkeypatch.setattr(rt.Router, "add_norm_forward", unfused)
+    tokens, logits = decode()
+    assert fused_tokens == tokens
+    for a, b in zip(fused_logits, logits):
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)

@@ -22,3 +22,25 @@ if not ON_GPU and not isinstance(triton.language.standard.cdiv, InterpretedFunct
                 pytrace=False)
 
 DEV = "cuda" if ON_GPU else "cpu"
+
+
+def gpu_rounding():
+    """A context manager: in the interpreter, fp32 -> bf16 casts round to nearest even, as on
+    the GPU (the interpreter truncates); on the GPU, nothing."""
+    import contextlib
+    if ON_GPU:
+        return contextlib.nullcontext()
+    from unittest import mock
+
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as it
+    real = it.InterpreterBuilder.create_fp_trunc
+
+    def rtne(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            f32 = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            bits = f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return it.TensorHandle(bits.reshape(np.shape(src.data)), dst_type.scalar)
+        return real(self, src, dst_type)
+    return mock.patch.object(it.InterpreterBuilder, "create_fp_trunc", rtne)

@@ -98,7 +98,16 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         """x [T, D] replicated -> [T, D] replicated."""
-        weights, ids = self.gate(x)
+        return self._experts(x, *self.gate(x), ctx)
+
+    def add_norm_forward(self, a: torch.Tensor, residual: torch.Tensor, norm, ctx=None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(residual + a)) and residual + a, the norm in the router's launch where
+        it can be (Router.add_norm_forward) -> (out, new residual)."""
+        x, residual, weights, ids = self.gate.add_norm_forward(a, residual, norm)
+        return self._experts(x, weights, ids, ctx), residual
+
+    def _experts(self, x, weights, ids, ctx):
         mlp = self.shared_experts
         shared = mlp.shards() if mlp is not None and self.experts.takes_shared(x, ids) else None
         y = region(ctx, "moe", lambda: self.experts(x, weights, ids, shared))

@@ -127,3 +127,16 @@ class Router(nn.Module):
             return triton_router.route_select_triton(logits, bias, self.spec, x.dtype)
         w, ids = route_torch(logits, bias, self.spec)
         return w.to(x.dtype), ids
+
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The RMSNorm before the router, then the router: -> (norm(residual + x),
+        residual + x, weights, ids), the values of norm.add_forward and forward. On the fused
+        path one launch (triton_router.route_add_norm_triton), else those two calls."""
+        if (self.path(x) == "fused" and x.stride(1) == 1 and residual.stride(1) == 1
+                and residual.shape == x.shape):
+            return triton_router.route_add_norm_triton(
+                x, residual, norm.weight, norm.eps, self.weight, self.e_score_correction_bias,
+                self.spec)
+        y, h = norm.add_forward(x, residual)
+        return (y, h, *self(y))

@@ -2,6 +2,9 @@
 
     route_select_triton(logits [T, E] fp32, bias, spec)     -> (weights [T, k], ids [T, k])
     route_fused_triton(x [T, D], w_router [E, D], bias, spec) -> the same, logits included
+    route_add_norm_triton(x, residual, norm_w, eps, w_router, bias, spec)
+        -> (rms_norm(residual + x) * norm_w, residual + x, weights, ids): the norm before the
+           router in the same launch
 
 Per token row, from the router logits: scores (softmax, or sigmoid + e_score_correction_bias),
 the group-limited choice (V2: a group's best score; V3: the sum of its top two; keep the
@@ -162,17 +165,34 @@ def _route_select_kernel(lg_ptr, stride_lt, T, bias_ptr, w_ptr, id_ptr, stride_w
                  NORM, HAS_BIAS, False, BLOCK_T, BLOCK_G, BLOCK_EG, BLOCK_K)
 
 
+@triton.jit
+def _add_norm_tile(x_rows, r_rows, dd, m, rstd, nw_ptr, dmask, h_dt: tl.constexpr,
+                   y_dt: tl.constexpr):
+    """-> (h, y) tiles [BT, BD]: h = residual + x rounded to h_dt, y = (h * rstd rounded to
+    h_dt) * norm weight, rounded to y_dt (fused_ops' add_rms_norm rule)."""
+    h = (tl.load(x_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)
+         + tl.load(r_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)).to(h_dt)
+    xn = (h.to(tl.float32) * rstd[:, None]).to(h_dt).to(tl.float32)
+    nw = tl.load(nw_ptr + dd, mask=dmask, other=0.0).to(tl.float32)
+    return h, (xn * nw[None, :]).to(y_dt)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _route_fused_kernel(x_ptr, wr_ptr, lg_ptr, cnt_ptr, bias_ptr, w_ptr, id_ptr,
-                        T, D, E, EG, G, scaling,
-                        stride_xt, stride_re, stride_lt, stride_wt, stride_it,
+                        r_ptr, nw_ptr, y_ptr, h_ptr,
+                        T, D, E, EG, G, scaling, inv_d, eps,
+                        stride_xt, stride_re, stride_lt, stride_wt, stride_it, stride_rt,
                         K: tl.constexpr, SIGMOID: tl.constexpr, GROUP_RULE: tl.constexpr,
                         TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        ROUND_LOGITS: tl.constexpr, BLOCK_T: tl.constexpr,
+                        ROUND_LOGITS: tl.constexpr, ADD_NORM: tl.constexpr,
+                        BLOCK_T: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
                         BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Program p: logits[:, p*BLOCK_E : (p+1)*BLOCK_E] = x W^T for all T (<= BLOCK_T) rows;
-    the last program to finish routes every row."""
+    the last program to finish routes every row. ADD_NORM: the router's input is
+    rms_norm(residual + x) * norm weight, which every program forms itself (a first pass for
+    each row's sum of squares); program 0 also stores it (y [T, D]) and the new residual
+    (h [T, D], contiguous) for the experts and the next layer."""
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = e < E
     wdt = wr_ptr.dtype.element_ty
@@ -184,13 +204,35 @@ def _route_fused_kernel(x_ptr, wr_ptr, lg_ptr, cnt_ptr, bias_ptr, w_ptr, id_ptr,
     rmask = rows < T
     w_rows = wr_ptr + e.to(tl.int64)[:, None] * stride_re                   # [BE, 1]
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt                 # [BT, 1]
+    r_rows = r_ptr + rows.to(tl.int64)[:, None] * stride_rt
+    o_rows = rows.to(tl.int64)[:, None] * D                                 # y / h rows
+    h_dt = h_ptr.dtype.element_ty
+    y_dt = y_ptr.dtype.element_ty
+    rstd = tl.zeros([BLOCK_T], dtype=tl.float32)
+    if ADD_NORM:
+        ss = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            dd = d0 + tl.arange(0, BLOCK_D)
+            m = rmask[:, None] & (dd < D)[None, :]
+            v = (tl.load(x_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)
+                 + tl.load(r_rows + dd[None, :], mask=m, other=0.0).to(tl.float32))
+            v = v.to(h_dt).to(tl.float32)
+            ss += tl.sum(v * v, axis=1)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(ss * inv_d + eps))
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         dd = d0 + tl.arange(0, BLOCK_D)
         dmask = dd < D
         wt = tl.load(w_rows + dd[None, :], mask=emask[:, None] & dmask[None, :],
                      other=0.0).to(tl.float32)                                   # [BE, BD]
-        xt = tl.load(x_rows + dd[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+        m = rmask[:, None] & dmask[None, :]
+        if ADD_NORM:
+            h, xt = _add_norm_tile(x_rows, r_rows, dd, m, rstd, nw_ptr, dmask, h_dt, y_dt)
+            if tl.program_id(0) == 0:
+                tl.store(h_ptr + o_rows + dd[None, :], h, mask=m)
+                tl.store(y_ptr + o_rows + dd[None, :], xt, mask=m)
+        else:
+            xt = tl.load(x_rows + dd[None, :], mask=m, other=0.0)
         xt = xt.to(wdt).to(tl.float32)                                           # [BT, BD]
         acc += tl.sum(xt[:, None, :] * wt[None, :, :], axis=2)
     if ROUND_LOGITS:                          # F.linear in a 16-bit dtype rounds its output
@@ -259,25 +301,48 @@ def fused_launch_config(T: int, E: int, D: int) -> dict:
     return dict(BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=block_d, num_warps=4)
 
 
-def route_fused_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       spec: RouteSpec, config: dict | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] (T <= MAX_FUSED_ROWS), weight [E, D] -> (weights [T, k] x.dtype, ids [T, k])."""
+def _route_fused(x, weight, bias, spec, config, w, ids, add_norm=None):
+    """The fused launch; add_norm = (residual, norm weight, eps, y, h) or None."""
     T, D = x.shape
     E = weight.shape[0]
     assert T <= MAX_FUSED_ROWS and weight.stride(1) == 1 and x.stride(1) == 1
-    w, ids = _outputs(T, spec.k, x.dtype, x.device)
     if T == 0:
-        return w, ids
+        return
     cfg = fused_launch_config(T, E, D)
     cfg.update(config or {})
     meta, EG, G = _select_meta(spec, E, cfg["BLOCK_T"])
     meta.update(cfg)
     logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
     counter = arrival_counters(x.device, 1)
+    r, nw, eps, y, h = add_norm if add_norm is not None else (x, x, 0.0, x, x)
     run_kernel(_route_fused_kernel, (triton.cdiv(E, meta["BLOCK_E"]),),
                x, weight, logits, counter, bias if bias is not None else logits, w, ids,
-               T, D, E, EG, G, spec.scaling, x.stride(0), weight.stride(0), logits.stride(0),
-               w.stride(0), ids.stride(0), HAS_BIAS=bias is not None,
-               ROUND_LOGITS=weight.dtype != torch.float32, **meta)
+               r, nw, y, h, T, D, E, EG, G, spec.scaling, 1.0 / D, float(eps),
+               x.stride(0), weight.stride(0), logits.stride(0), w.stride(0), ids.stride(0),
+               r.stride(0), HAS_BIAS=bias is not None, ROUND_LOGITS=weight.dtype != torch.float32,
+               ADD_NORM=add_norm is not None, **meta)
+
+
+def route_fused_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       spec: RouteSpec, config: dict | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] (T <= MAX_FUSED_ROWS), weight [E, D] -> (weights [T, k] x.dtype, ids [T, k])."""
+    w, ids = _outputs(x.shape[0], spec.k, x.dtype, x.device)
+    _route_fused(x, weight, bias, spec, config, w, ids)
     return w, ids
+
+
+def route_add_norm_triton(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
+                          eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
+                          spec: RouteSpec, config: dict | None = None):
+    """The residual add and RMS norm before the router, in the router's launch: x, residual
+    [T, D] (T <= MAX_FUSED_ROWS, unit feature stride) -> (y = rms_norm(residual + x) * norm_w
+    [T, D], h = residual + x [T, D], weights [T, k] in y's dtype, ids [T, k]): the values of
+    fused_ops.add_rms_norm, then route_fused_triton(y)."""
+    assert residual.shape == x.shape and residual.stride(1) == 1 and norm_w.stride(0) == 1
+    h_dtype = torch.promote_types(residual.dtype, x.dtype)
+    h = torch.empty(x.shape, dtype=h_dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=torch.promote_types(h_dtype, norm_w.dtype), device=x.device)
+    w, ids = _outputs(x.shape[0], spec.k, y.dtype, x.device)
+    _route_fused(x, weight, bias, spec, config, w, ids, (residual, norm_w, eps, y, h))
+    return y, h, w, ids

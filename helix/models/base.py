@@ -30,6 +30,9 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.add_forward(h, residual)
         a = self.self_attn(x, pos, meta, cache, backend, ctx)
+        if self.ffn_phase == "moe":       # the router's launch can take the add + norm
+            with phase(self.ffn_phase):
+                return self.mlp.add_norm_forward(a, residual, self.post_attention_layernorm, ctx)
         x, residual = self.post_attention_layernorm.add_forward(a, residual)
         with phase(self.ffn_phase):
             return self.mlp(x, ctx), residual
