@@ -72,12 +72,25 @@ def test_pdl_enabled_needs_cuda_and_the_switch(monkeypatch):
 
 
 def test_pdl_modes_from_the_environment():
-    code = "from helix import triton_util as t; print(t.FLAGS, t.PDL)"
+    # one interpreter: the module re-read (importlib.reload) under each value of HELIX_PDL
+    code = textwrap.dedent("""
+        import importlib, json, os
+        from helix import triton_util as t
+        got = {}
+        for v in ("0", "1", "wait", "early", "full"):
+            os.environ["HELIX_PDL"] = v
+            importlib.reload(t)
+            got[v] = [str(t.FLAGS), str(t.PDL)]
+        print(json.dumps(got))
+    """)
 
     def env(v):
         return dict(os.environ, HELIX_PDL=v)
-    got = {v: subprocess.run([sys.executable, "-c", code], env=env(v), capture_output=True,
-                             text=True).stdout.split() for v in ("0", "1", "wait", "early", "full")}
+    run = subprocess.run([sys.executable, "-c", code], env=env("1"), capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    code = "from helix import triton_util as t; print(t.FLAGS, t.PDL)"
     on, early, pre = triton_util.PDL_ON, triton_util.PDL_EARLY, triton_util.PDL_PREFETCH
     assert got == {"0": ["0", "False"], "1": [str(on), "True"], "wait": [str(on), "True"],
                    "early": [str(on | early), "True"], "full": [str(on | early | pre), "True"]}
