@@ -14,7 +14,7 @@ import pytest
 import torch
 from triton_mode import ON_GPU  # first: chooses the interpreter before triton loads
 
-from helix import LLM, Layout, RuntimeConfig, SamplingParams  # noqa: E402
+from gpu_decode import captured_decode  # noqa: E402
 from helix import triton_util  # noqa: E402
 from helix.attention import triton_splits  # noqa: E402
 from helix.layers import fused_ops  # noqa: E402
@@ -113,16 +113,7 @@ def test_decode_step_kernels_take_pdl():
 
 def _decode(model, flags):
     triton_util.PDL, triton_util.FLAGS = flags != 0, flags
-    rt = RuntimeConfig(device="cuda", dtype="bfloat16", page_size=16, max_batch=4,
-                       graph_buckets=(1, 2, 4), attention_backend="triton")
-    with LLM(model, Layout(), rt) as llm:
-        ids = [llm.add_request(p, SamplingParams(max_new_tokens=6, ignore_eos=True))
-               for p in ([5, 17, 42, 3], [7, 8], [11, 12, 13])]
-        logits = []
-        while llm.has_unfinished():
-            llm.step()
-            logits.append(llm.engine.last_logits.clone())
-        return [llm.outputs[i] for i in ids], logits
+    return captured_decode(model)
 
 
 @pytest.mark.gpu

@@ -336,32 +336,20 @@ def test_captured_decode_with_the_norm_in_the_router(model, monkeypatch):
     """Whole captured decodes: the post-attention norm inside the router's launch against the
     norm kernel, then the same fused router (Router.add_norm_forward's fallback): the same
     greedy tokens, logits to bf16 rounding."""
-    from helix import LLM, Layout, RuntimeConfig, SamplingParams
-
-    def decode():
-        rtc = RuntimeConfig(device="cuda", dtype="bfloat16", page_size=16, max_batch=4,
-                            graph_buckets=(1, 2, 4), attention_backend="triton")
-        with LLM(model, Layout(), rtc) as llm:
-            ids = [llm.add_request(p, SamplingParams(max_new_tokens=6, ignore_eos=True))
-                   for p in ([5, 17, 42, 3], [7, 8], [11, 12, 13])]
-            logits = []
-            while llm.has_unfinished():
-                llm.step()
-                logits.append(llm.engine.last_logits.clone())
-            return [llm.outputs[i] for i in ids], logits
+    from gpu_decode import captured_decode
 
     launches = []
     real = tr.route_add_norm_triton
     monkeypatch.setattr(tr, "route_add_norm_triton",
                         lambda *a, **k: launches.append(1) or real(*a, **k))
-    fused_tokens, fused_logits = decode()
+    fused_tokens, fused_logits = captured_decode(model)
     assert launches                                   # the fused path ran (eager warm-up)
 
     def unfused(self, x, residual, norm):
         y, h = norm.add_forward(x, residual)
         return (y, h, *self(y))
     monkeypatch.setattr(rt.Router, "add_norm_forward", unfused)
-    tokens, logits = decode()
+    tokens, logits = captured_decode(model)
     assert fused_tokens == tokens
     for a, b in zip(fused_logits, logits):
         torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helix.config import ModelConfig
+from helix.layers.fused_ops import use_triton
 from helix.layers.weights import load_full
 
 try:
@@ -132,9 +133,10 @@ class Router(nn.Module):
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The RMSNorm before the router, then the router: -> (norm(residual + x),
         residual + x, weights, ids), the values of norm.add_forward and forward. On the fused
-        path one launch (triton_router.route_add_norm_triton), else those two calls."""
-        if (self.path(x) == "fused" and x.stride(1) == 1 and residual.stride(1) == 1
-                and residual.shape == x.shape):
+        path, with the fused ops on (HELIX_FUSED_OPS), one launch
+        (triton_router.route_add_norm_triton), else those two calls."""
+        if (self.path(x) == "fused" and use_triton(x) and x.stride(1) == 1
+                and residual.stride(1) == 1 and residual.shape == x.shape):
             return triton_router.route_add_norm_triton(
                 x, residual, norm.weight, norm.eps, self.weight, self.e_score_correction_bias,
                 self.spec)
