@@ -246,7 +246,8 @@ def _floor_bytes(llm, batch: int, context: int) -> float:
 
 STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-gluon-simple", "after-nopdl", "after-cublas", "after-nopdl-cublas",
-              "after-pdl-wait", "after-pdl-early", "after-pdl-prefetch")
+              "after-pdl-wait", "after-pdl-early", "after-pdl-prefetch", "after-nonormgemm",
+              "after-normgemm16")
 
 
 def set_kernels(mode: str) -> None:
@@ -258,7 +259,9 @@ def set_kernels(mode: str) -> None:
     without programmatic dependent launch (helix.triton_util.PDL); 'after-cublas': the
     projections in cuBLAS (F.linear / einsum, not helix.layers.skinny_gemm);
     'after-nopdl-cublas': both (the defaults before either); 'after-pdl-wait' / '-early' /
-    '-prefetch': PDL in one mode of helix.triton_util (HELIX_PDL=wait / early / prefetch)."""
+    '-prefetch': PDL in one mode of helix.triton_util (HELIX_PDL=wait / early / prefetch);
+    'after-nonormgemm': the norms before the projections as their own launches
+    (skinny_gemm.NORM_MAX_ROWS = 0); 'after-normgemm16': in the projections up to 16 rows."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -271,6 +274,8 @@ def set_kernels(mode: str) -> None:
     pdl_mode = mode.removeprefix("after-pdl-") if mode.startswith("after-pdl-") else None
     triton_util.FLAGS = triton_util.PDL_MODES[pdl_mode] if pdl_mode else _FLAGS
     skinny_gemm.ENABLED = _SKINNY and mode not in ("after-cublas", "after-nopdl-cublas")
+    skinny_gemm.NORM_MAX_ROWS = {"before": 0, "after-nonormgemm": 0,
+                                 "after-normgemm16": 16}.get(mode, _NORM_ROWS)
 
 
 _NEW_FORWARD = rt.Router.forward
@@ -278,6 +283,7 @@ _GLUON_VARIANT = triton_backend.GLUON_VARIANT
 _PDL = triton_util.PDL
 _FLAGS = triton_util.FLAGS
 _SKINNY = skinny_gemm.ENABLED
+_NORM_ROWS = skinny_gemm.NORM_MAX_ROWS
 
 
 def _legacy_forward(self, x):

@@ -4,6 +4,9 @@
     absorb_q(q [T, h, K], w_uk [h, K, N]) -> [T, h, N]             = einsum("thk,hkn->thn")
     absorb_v(o [T, h, K], w_uv [h, N, K]) -> [T, h * N]            = einsum("thk,hnk->thn")
                                                                      .reshape(T, -1)
+    add_norm_linear(a, residual, norm_w, eps, w, bias) -> (y [T, N], h [T, K])
+        = (linear(rms_norm(h) * norm_w, w, bias), h = residual + a): a layer's input norm in
+        its first projection's launch (q / kv_a, qkv, gate / up)
 (absorbed MLA: the queries' nope dims into latent space through W_UK, the latent outputs to
 value dims through W_UV, per head.)
 
@@ -21,7 +24,11 @@ axis (K for a linear layer's [N, K] weight, N for W_UK's [h, K, N]). With SPLIT_
 programs write fp32 partials, and the last program of a feature block to arrive (an arrival
 counter: helix.triton_util.arrival_counters) sums them in split order, adds the bias and
 rounds once: deterministic, no atomics on data. Accumulation is fp32 and the output rounded
-once to x.dtype, as cuBLAS does; only the order of the K sum differs from it.
+once to x.dtype, as cuBLAS does; only the order of the K sum differs from it. With the norm
+(ADD_NORM) each program first sums the squares of its rows (they are in L2: the previous
+kernel's output and the residual), then forms its K range of the normed rows as the A operand,
+values of fused_ops.add_rms_norm (h bitwise, the normed rows within one ulp: the squares are
+summed in another order); the norm's launch is gone.
 
 The public functions take the kernel on CUDA for T <= MAX_ROWS rows of 16-bit data (absorb_v:
 ABSORB_MAX_ROWS rows, prefill chunks too, of any float dtype) whose weight is at most
@@ -37,7 +44,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from helix.layers.fused_ops import use_triton
+from helix.layers.fused_ops import add_rms_norm, use_triton
 from helix.triton_util import (HAS_TRITON, arrival_counters, pdl_sync, pow2, prefetch_l2,
                                prefetching, run_kernel, tl, triton)
 
@@ -45,18 +52,30 @@ ENABLED = os.environ.get("HELIX_SKINNY_GEMM", "1") != "0"
 MAX_ROWS = 16
 ABSORB_MAX_ROWS = 64
 MAX_WEIGHT_ELEMENTS = 64 << 20
+# add_norm_linear: rows up to this take the add + norm in the GEMM's launch. Every program
+# reads the whole rows twice more (sum of squares, then its K range), so the prologue grows
+# with the rows while the launch it saves does not
+NORM_MAX_ROWS = int(os.environ.get("HELIX_SKINNY_NORM_ROWS", "4"))
 TUNABLES = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 
 if HAS_TRITON:
+    from helix.layers.fused_ops import _add_norm_rstd, _add_norm_tile
+
     @triton.jit(do_not_specialize=["T"])
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, k_chunk,
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr, h_ptr,
+                       T, N, K, k_chunk, inv_k, eps,
                        sxt, sxg,                  # x [T, G, K] (unit stride along K)
                        swg, swn, swk,             # W [G, N, K] (one of swn, swk is 1)
                        syt, syg,                  # y [T, G, N] (unit stride along N)
-                       HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                       srt,                       # residual [T, K] (ADD_NORM; unit stride)
+                       HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
-        """y[t, g, n] = sum_k x[t, g, k] W[g, n, k] (+ bias[n]) for t < T (<= BLOCK_T)."""
+        """y[t, g, n] = sum_k x[t, g, k] W[g, n, k] (+ bias[n]) for t < T (<= BLOCK_T).
+        ADD_NORM (G = 1): the rows are rms_norm(residual + x) * norm weight instead, which
+        every program forms itself (a first pass over the whole rows for their sums of
+        squares, fused_ops' add_rms_norm rule); the programs of feature block 0 also store
+        the new residual h = residual + x [T, K] (contiguous) over their K ranges."""
         nb = tl.program_id(0)
         ks = tl.program_id(1)
         g = tl.program_id(2).to(tl.int64)
@@ -80,13 +99,24 @@ if HAS_TRITON:
         tmask = t < T
         x_rows = x_ptr + t.to(tl.int64)[:, None] * sxt + g * sxg                    # [BT, 1]
         w_rows = w_ptr + g * swg + n.to(tl.int64)[:, None] * swn                     # [BN, 1]
+        r_rows = r_ptr + t.to(tl.int64)[:, None] * srt
+        h_dt = h_ptr.dtype.element_ty
+        rstd = tl.zeros([BLOCK_T], dtype=tl.float32)
+        if ADD_NORM:
+            rstd = _add_norm_rstd(x_rows, r_rows, tmask, K, inv_k, eps, h_dt, BLOCK_T, BLOCK_K)
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             kmask = kk < k_hi
             w = tl.load(w_rows + kk.to(tl.int64)[None, :] * swk,
                         mask=nmask[:, None] & kmask[None, :], other=0.0)
-            a = tl.load(x_rows + kk[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+            am = tmask[:, None] & kmask[None, :]
+            if ADD_NORM:
+                h, a = _add_norm_tile(x_rows, r_rows, kk, am, rstd, nw_ptr, kmask, h_dt, h_dt)
+                if nb == 0:
+                    tl.store(h_ptr + t.to(tl.int64)[:, None] * K + kk[None, :], h, mask=am)
+            else:
+                a = tl.load(x_rows + kk[None, :], mask=am, other=0.0)
             acc = tl.dot(a.to(w.dtype), tl.trans(w), acc=acc, input_precision=DOT_PRECISION)
         y_rows = y_ptr + t.to(tl.int64)[:, None] * syt + g * syg + n[None, :]
         ymask = tmask[:, None] & nmask[None, :]
@@ -137,9 +167,11 @@ def skinny_config(T: int, N: int, K: int, groups: int, sm_count: int,
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-            config: dict | None = None) -> None:
+            config: dict | None = None, norm: tuple | None = None) -> None:
     """y[t, g, n] = sum_k x[t, g, k] w[g, n, k] (+ bias[n]) on views x [T, G, K] (unit stride
-    along K), w [G, N, K] (unit stride along N or K), y [T, G, N] (unit stride along N)."""
+    along K), w [G, N, K] (unit stride along N or K), y [T, G, N] (unit stride along N).
+    norm = (residual [T, K], norm weight [K], eps, h [T, K] contiguous), G = 1: the rows are
+    rms_norm(residual + x) * norm weight, and h receives residual + x."""
     from helix.attention.triton_splits import sm_count_of
     T, G, K = x.shape
     N = w.shape[1]
@@ -159,9 +191,13 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torc
     else:
         part = cnt = y
     precision = "ieee" if w.dtype == torch.float32 else "tf32"
+    r, nw, eps, h = norm if norm is not None else (x, x, 0.0, x)
+    assert norm is None or (G == 1 and r.shape == h.shape == (T, K) and r.stride(1) == 1
+                            and h.is_contiguous() and nw.shape == (K,))
     run_kernel(_skinny_kernel, (blocks, split, G), x, w, bias if bias is not None else w, y,
-               part, cnt, T, N, K, k_chunk, x.stride(0), x.stride(1), *w.stride(),
-               y.stride(0), y.stride(1), HAS_BIAS=bias is not None, BLOCK_T=block_t,
+               part, cnt, r, nw, h, T, N, K, k_chunk, 1.0 / K, float(eps),
+               x.stride(0), x.stride(1), *w.stride(), y.stride(0), y.stride(1), r.stride(0),
+               HAS_BIAS=bias is not None, ADD_NORM=norm is not None, BLOCK_T=block_t,
                SPLIT_K=split, DOT_PRECISION=precision, **cfg)
 
 
@@ -170,6 +206,15 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     _launch(x[:, None], w[None], bias, y[:, None], config)
     return y
+
+
+def add_norm_linear_triton(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
+                           eps: float, w: torch.Tensor, bias: torch.Tensor | None = None,
+                           config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    h = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    y = torch.empty((a.shape[0], w.shape[0]), dtype=a.dtype, device=a.device)
+    _launch(a[:, None], w[None], bias, y[:, None], config, (residual, norm_w, eps, h))
+    return y, h
 
 
 def absorb_q_triton(q: torch.Tensor, w_uk: torch.Tensor,
@@ -205,6 +250,22 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
             and (bias is None or bias.dtype == x.dtype)):
         return linear_triton(x, w, bias)
     return F.linear(x, w, bias)
+
+
+def add_norm_linear(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                    w: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(residual + a) * norm_w, w, bias), residual + a): the residual add and
+    RMS norm before a projection, in the projection's launch for up to NORM_MAX_ROWS rows
+    where the kernel serves the shapes and every operand has one 16-bit dtype; elsewhere
+    fused_ops.add_rms_norm, then linear."""
+    if (a.dim() == 2 and _fits(a, w, a.shape[0], NORM_MAX_ROWS) and w.stride(1) == 1
+            and residual.shape == a.shape and residual.stride(1) == 1
+            and residual.dtype == norm_w.dtype == a.dtype and norm_w.stride(0) == 1
+            and (bias is None or bias.dtype == a.dtype)):
+        return add_norm_linear_triton(a, residual, norm_w, eps, w, bias)
+    x, h = add_rms_norm(a, residual, norm_w, eps)
+    return linear(x, w, bias), h
 
 
 def absorb_q(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
