@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from helix import triton_util  # noqa: E402
 from helix.attention import gluon_mla, triton_backend, triton_mla, triton_mla_few  # noqa: E402
+from helix.layers import fused_mla  # noqa: E402
 from helix.layers import fused_moe as fm  # noqa: E402
 from helix.layers import moe_decode as md  # noqa: E402
 from helix.layers import router as rt  # noqa: E402
@@ -247,7 +248,7 @@ def _floor_bytes(llm, batch: int, context: int) -> float:
 STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-gluon-simple", "after-nopdl", "after-cublas", "after-nopdl-cublas",
               "after-pdl-wait", "after-pdl-early", "after-pdl-prefetch", "after-nonormgemm",
-              "after-normgemm16")
+              "after-normgemm16", "after-noabsorbrow")
 
 
 def set_kernels(mode: str) -> None:
@@ -261,7 +262,9 @@ def set_kernels(mode: str) -> None:
     'after-nopdl-cublas': both (the defaults before either); 'after-pdl-wait' / '-early' /
     '-prefetch': PDL in one mode of helix.triton_util (HELIX_PDL=wait / early / prefetch);
     'after-nonormgemm': the norms before the projections as their own launches
-    (skinny_gemm.NORM_MAX_ROWS = 0); 'after-normgemm16': in the projections up to 16 rows."""
+    (skinny_gemm.NORM_MAX_ROWS = 0); 'after-normgemm16': in the projections up to 16 rows;
+    'after-noabsorbrow': W_UK's absorption and the kv row as two launches
+    (fused_mla.FUSE_ABSORB off)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -274,6 +277,7 @@ def set_kernels(mode: str) -> None:
     pdl_mode = mode.removeprefix("after-pdl-") if mode.startswith("after-pdl-") else None
     triton_util.FLAGS = triton_util.PDL_MODES[pdl_mode] if pdl_mode else _FLAGS
     skinny_gemm.ENABLED = _SKINNY and mode not in ("after-cublas", "after-nopdl-cublas")
+    fused_mla.FUSE_ABSORB = mode not in ("before", "after-noabsorbrow")
     skinny_gemm.NORM_MAX_ROWS = {"before": 0, "after-nonormgemm": 0,
                                  "after-normgemm16": 16}.get(mode, _NORM_ROWS)
 

@@ -96,10 +96,14 @@ def test_kernel_switch(monkeypatch):
     assert skinny_gemm.NORM_MAX_ROWS == 0 and skinny_gemm.ENABLED
     bench.set_kernels("after-normgemm16")
     assert skinny_gemm.NORM_MAX_ROWS == 16
+    from helix.layers import fused_mla
+    assert fused_mla.FUSE_ABSORB
+    bench.set_kernels("after-noabsorbrow")         # W_UK and the kv row: two launches
+    assert not fused_mla.FUSE_ABSORB and skinny_gemm.ENABLED
     bench.set_kernels("after")
     assert triton_util.PDL and skinny_gemm.ENABLED
     assert triton_util.FLAGS == triton_util.PDL_MODES["full"]
-    assert skinny_gemm.NORM_MAX_ROWS == bench._NORM_ROWS
+    assert skinny_gemm.NORM_MAX_ROWS == bench._NORM_ROWS and fused_mla.FUSE_ABSORB
     with pytest.raises(SystemExit):
         bench.set_kernels("later")
 

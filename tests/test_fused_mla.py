@@ -100,6 +100,78 @@ def test_kv_row_appends_to_the_pool(dtype, cache_dtype):
     assert ulps(got["triton"], got["torch"]) <= (8 if dtype == torch.float32 else 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("T,split,append", [(1, None, True), (3, 2, True), (2, 1, False)])
+def test_absorb_and_kv_row_in_one_launch(T, split, append, dtype):
+    """mla_absorb_kv_row_triton: W_UK's absorption (skinny GEMM programs, one K split or
+    several: the arrival counters indexed by the GEMM's own blocks) and the kv rows (the
+    programs after them) of one grid give the two launches' tensors bitwise, the append
+    included, and the counters are reset."""
+    from helix.layers import skinny_gemm as sg
+    g = torch.Generator().manual_seed(T)
+    H, nope, V, Dl, Dr = 4, 64, 16, 48, 16
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0, adjacent_pairs=True), Dr, 64)
+    q = (torch.randn(T, H, nope + Dr, generator=g)).to(dtype)
+    w_kv = (torch.randn(H, nope + V, Dl, generator=g) / 8).to(dtype)
+    ckv = (torch.randn(T, Dl + Dr, generator=g) * 3).to(dtype)
+    w = (torch.rand(Dl, generator=g) + 0.5).to(dtype)
+    pos = torch.tensor([3, 9, 0][:T])
+    slots = torch.tensor([5, -1, 0][:T])
+    args = [t.to(DEV) for t in (q[..., :nope], w_kv[:, :nope], ckv, w)]
+    rest = (1e-6, rope.cos.to(DEV), rope.sin.to(DEV), pos.to(DEV), True, q[..., nope:].to(DEV))
+    cfg = dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=split)
+    real = sg.skinny_config
+    outs = []
+    with mock.patch.object(sg, "skinny_config", lambda *a: real(*a[:5], cfg)):
+        for fused in (True, False):
+            pool = torch.full((3, 4, Dl + Dr), -7.0, dtype=dtype, device=DEV)
+            tail = (pool, slots.to(DEV)) if append else ()
+            if fused:
+                got = fmla.mla_absorb_kv_row_triton(*args, *rest, *tail)
+            else:
+                got = (sg.absorb_q_triton(args[0], args[1], cfg),
+                       *fmla.mla_kv_row_triton(*args[2:], *rest, *tail))
+            outs.append([t.cpu() for t in got] + [pool.cpu()])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    ref = torch.einsum("thn,hnc->thc", q[..., :nope].float(), w_kv[:, :nope].float())
+    torch.testing.assert_close(outs[0][0].float(), ref, rtol=2e-3, atol=2e-3)
+    from helix.triton_util import arrival_counters
+    assert int(arrival_counters(DEV, 64).abs().sum()) == 0
+
+
+def test_absorb_and_kv_row_dispatch():
+    """One launch only where both kernels take the shapes and the rows agree (absorbed
+    steps); otherwise absorb_q and mla_kv_row, whose own rules choose kernel or torch."""
+    from helix.layers import skinny_gemm as sg
+    g = torch.Generator().manual_seed(0)
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0), 8, 16)
+    ckv, w = torch.randn(3, 24, generator=g).half(), torch.rand(16, generator=g).half()
+    pos = torch.tensor([1, 2, 3])
+    q = torch.randn(3, 2, 16, generator=g).half()
+    w_uk = torch.randn(2, 8, 16, generator=g).half()
+    got = fmla.mla_absorb_kv_row(q[..., :8], w_uk, ckv, w, 1e-6, rope.cos, rope.sin, pos, False,
+                                 q[..., 8:])
+    want = (torch.einsum("thk,hkn->thn", q[..., :8], w_uk),
+            *fmla.mla_kv_row_torch(ckv, w, 1e-6, rope.cos, rope.sin, pos, False, q[..., 8:]))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))          # CPU: torch
+    calls = []
+    with mock.patch.object(sg, "use_triton", lambda t: True), \
+            mock.patch.object(fmla, "use_triton", lambda t: True), \
+            mock.patch.object(fmla, "mla_absorb_kv_row_triton",
+                              lambda *a: calls.append("one") or (None, None, None)), \
+            mock.patch.object(fmla, "absorb_q", lambda *a: calls.append("absorb")), \
+            mock.patch.object(fmla, "mla_kv_row", lambda *a: calls.append("row") or (1, 2)):
+        fmla.mla_absorb_kv_row(q[..., :8], w_uk, ckv, w, 1e-6, rope.cos, rope.sin, pos, False,
+                               q[..., 8:])
+        fmla.mla_absorb_kv_row(q[:1, :, :8], w_uk, ckv, w, 1e-6, rope.cos, rope.sin, pos, False,
+                               q[..., 8:])                       # decompressed chunks: fewer
+        with mock.patch.object(fmla, "FUSE_ABSORB", False):
+            fmla.mla_absorb_kv_row(q[..., :8], w_uk, ckv, w, 1e-6, rope.cos, rope.sin, pos,
+                                   False, q[..., 8:])
+    assert calls == ["one", "absorb", "row", "absorb", "row"]
+
+
 def test_dispatch_falls_back_off_cuda_and_for_prefill():
     """CPU tensors take the torch formulas (the layer's previous code, unchanged)."""
     g = torch.Generator().manual_seed(0)
@@ -122,7 +194,18 @@ def test_launch_grids_from_shapes():
             torch.empty(100, 32, **m), torch.empty(4, dtype=torch.int64, **m), True,
             torch.empty(4, 16, 192, dtype=torch.bfloat16, **m)[..., 128:])
         assert out.shape == (4, 576) and q.shape == (4, 16, 64)
-    assert grids == [(4,)]
+        from helix.attention import triton_splits
+        with mock.patch.object(triton_splits, "sm_count_of", lambda device: 132):
+            bf = dict(dtype=torch.bfloat16, **m)      # DeepSeek-V2-Lite, one row
+            ql, row, q = fmla.mla_absorb_kv_row_triton(
+                torch.empty(1, 16, 192, **bf)[..., :128],
+                torch.empty(16, 256, 512, **bf)[:, :128], torch.empty(1, 576, **bf),
+                torch.empty(512, **bf), 1e-6, torch.empty(100, 32, **m),
+                torch.empty(100, 32, **m), torch.empty(1, dtype=torch.int64, **m), True,
+                torch.empty(1, 16, 192, **bf)[..., 128:], torch.empty(9, 64, 576, **bf),
+                torch.empty(1, dtype=torch.int64, **m))
+        assert ql.shape == (1, 16, 512) and row.shape == (1, 576) and q.shape == (1, 16, 64)
+    assert grids == [(4,), (16 + 1, 1, 16)]      # W_UK's 16 blocks x 16 heads, then the row
 
 
 _COMPILE_SCRIPT = """
@@ -141,13 +224,23 @@ with mock.patch.object(fmla, "run_kernel", lambda k, g, *a, **kw: launches.appen
                            torch.empty(8, 128, 192, dtype=bf, **m)[..., 128:],
                            torch.empty(50, 64, 576, dtype=bf, **m),
                            torch.empty(8, dtype=torch.int64, **m))
+    with mock.patch("helix.attention.triton_splits.sm_count_of", lambda d: 132):
+        fmla.mla_absorb_kv_row_triton(
+            torch.empty(1, 16, 192, dtype=bf, **m)[..., :128],
+            torch.empty(16, 256, 512, dtype=bf, **m)[:, :128],
+            torch.empty(1, 576, dtype=bf, **m), torch.empty(512, dtype=bf, **m), 1e-6,
+            torch.empty(100, 32, **m), torch.empty(100, 32, **m),
+            torch.empty(1, dtype=torch.int64, **m), True,
+            torch.empty(1, 16, 192, dtype=bf, **m)[..., 128:],
+            torch.empty(50, 64, 576, dtype=bf, **m), torch.empty(1, dtype=torch.int64, **m))
 print(json.dumps([compile_sm90(k, a, kw) for k, a, kw in launches]))
 """
 
 
 @pytest.mark.sm90
 def test_kernels_compile_for_sm90(tmp_path):
-    """DeepSeek-V2-Lite's shapes (bf16) compile for sm_90 without spills."""
+    """DeepSeek-V2-Lite's shapes (bf16) compile for sm_90 without spills: the kv row alone
+    (8 rows, 128 heads' rope dims) and with W_UK's absorption in its grid (one row)."""
     import json
     import os
     import subprocess
@@ -164,5 +257,25 @@ def test_kernels_compile_for_sm90(tmp_path):
                          timeout=600, env=env, cwd=root)
     assert res.returncode == 0, res.stderr[-3000:]
     recs = json.loads(res.stdout.strip().splitlines()[-1])
-    assert [r["kernel"] for r in recs] == ["_kv_row_kernel"]
+    assert [r["kernel"] for r in recs] == ["_kv_row_kernel", "_absorb_kv_row_kernel"]
     assert all(r["local_loads"] == 0 and r["stack_bytes"] == 0 for r in recs), recs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model", ["tiny-deepseek-v3"])
+def test_captured_decode_with_absorb_and_row_in_one_launch(model, monkeypatch):
+    """Whole captured decodes (q_lora MLA, dense and MoE layers): W_UK's absorption and the kv
+    row in one launch against the two launches: bitwise the same tokens and logits (the
+    same programs compute the same values)."""
+    from gpu_decode import captured_decode
+    launches = []
+    real = fmla.mla_absorb_kv_row_triton
+    monkeypatch.setattr(fmla, "mla_absorb_kv_row_triton",
+                        lambda *a: launches.append(1) or real(*a))
+    one_tokens, one_logits = captured_decode(model)
+    assert launches
+    monkeypatch.setattr(fmla, "FUSE_ABSORB", False)
+    tokens, logits = captured_decode(model)
+    assert one_tokens == tokens
+    assert all(torch.equal(a, b) for a, b in zip(one_logits, logits))

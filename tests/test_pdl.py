@@ -107,7 +107,8 @@ def test_decode_step_kernels_take_pdl():
     for k in (fused_ops._rms_norm_kernel, fused_mla._kv_row_kernel, skinny_gemm._skinny_kernel,
               triton_append._append_kernel, triton_mla_few._mla_few_kernel,
               triton_splits._reduce_splits_kernel, triton_router._route_fused_kernel,
-              moe_decode._gate_up_kernel, moe_decode._down_kernel):
+              moe_decode._gate_up_kernel, moe_decode._down_kernel,
+              fused_mla._absorb_kv_row_kernel):
         assert triton_util._takes_pdl(k), k
 
 

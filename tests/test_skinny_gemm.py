@@ -76,13 +76,15 @@ def test_absorb_v_matches_einsum(T, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("T,N,K,split,bias", [(1, 40, 96, 1, False), (3, 72, 256, 4, True),
-                                              (2, 33, 200, 2, False)])
-def test_add_norm_linear_is_the_norm_then_the_linear(T, N, K, split, bias, dtype):
+@pytest.mark.parametrize("T,N,K,split,bias,tile", [(1, 40, 96, 1, False, None),
+                                                   (3, 72, 256, 4, True, 64),
+                                                   (2, 33, 200, 2, False, None)])
+def test_add_norm_linear_is_the_norm_then_the_linear(T, N, K, split, bias, tile, dtype):
     """The input add + RMS norm in the GEMM's launch: h = residual + a as fused_ops'
     add_rms_norm gives it (bitwise: the feature-block-0 programs of every K split store their
     ranges), y as the linear of the normed rows (the normed rows differ from the norm
-    kernel's by at most an ulp: the squares are summed in another order)."""
+    kernel's by at most an ulp: the squares are summed in another order). tile: a small
+    NORM_TILE, so the prologue sums the rows in 16-wide chunks."""
     from helix.layers.fused_ops import add_rms_norm_torch
     g = torch.Generator().manual_seed(T * K)
     a = (torch.randn(T, K + 8, generator=g) * 2).to(dtype)[:, 3:3 + K]        # strided rows
@@ -93,7 +95,7 @@ def test_add_norm_linear_is_the_norm_then_the_linear(T, N, K, split, bias, dtype
     x_ref, h_ref = add_rms_norm_torch(a, res, nw, 1e-6)
     ref = torch.nn.functional.linear(x_ref.float(), w.float(), None if b is None else b.float())
     cfg = dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=split)
-    with gpu_rounding():
+    with gpu_rounding(), mock.patch.object(sg, "NORM_TILE", tile or sg.NORM_TILE):
         y, h = sg.add_norm_linear_triton(a.to(DEV), res.to(DEV), nw.to(DEV), 1e-6, w.to(DEV),
                                          None if b is None else b.to(DEV), cfg)
     assert y.shape == (T, N) and h.shape == (T, K) and y.dtype == h.dtype == dtype

@@ -20,12 +20,12 @@ from helix.layers.attention_input import NormedInput
 from helix.layers.cp_attention import ContextParallel
 from helix.layers.exchange import KVPExchange
 from helix.layers.hopb import overlapped
-from helix.layers.fused_mla import mla_kv_row
+from helix.layers.fused_mla import mla_absorb_kv_row
 from helix.layers.linear import ColumnShardLinear, MergedColumnLinear, RowShardLinear
 from helix.layers.mla_prefill import MLADims, decompress_plan, decompressed_attention
 from helix.layers.norm import RMSNorm
 from helix.layers.regions import region
-from helix.layers.skinny_gemm import absorb_q, absorb_v
+from helix.layers.skinny_gemm import absorb_v
 from helix.layers.rope import RotaryEmbedding
 from helix.layers.weights import sliced_loader
 from helix.parallel.comm import Comm
@@ -114,16 +114,16 @@ class MLAAttention(NormedInput, nn.Module):
             q = q.view(R, self.hq, self.nope + self.rdim)
             q_nope, q_rope = q.split([self.nope, self.rdim], dim=-1)
             A = R if plan is None else D          # rows in the absorbed form
-            q_latent = absorb_q(q_nope[:A], w_uk)                             # [A, h, Dl]
             norm, rope = self.kv_a_layernorm, self.rope
             (kv_cache,) = cache
             slots = meta.slots
-            # [normed latent | roped key] [R, Dl + Dr] and the roped queries, one launch; on
-            # the absorbed path without context parallelism that launch also appends the row
+            # q_nope absorbed through W_UK [A, h, Dl], [normed latent | roped key] [R, Dl + Dr]
+            # and the roped queries: one launch when every row is absorbed; on the absorbed
+            # path without context parallelism it also appends the row
             fused_append = plan is None and cp is None
-            row, q_rope = mla_kv_row(ckv, norm.weight, norm.eps, rope.cos, rope.sin, pos,
-                                     rope.adjacent_pairs, q_rope,
-                                     *((kv_cache, slots) if fused_append else ()))
+            q_latent, row, q_rope = mla_absorb_kv_row(
+                q_nope[:A], w_uk, ckv, norm.weight, norm.eps, rope.cos, rope.sin, pos,
+                rope.adjacent_pairs, q_rope, *((kv_cache, slots) if fused_append else ()))
 
         def attend_rows(a, b, m):
             return backend.attend_mla(q_latent[a:b], q_rope[a:b], kv_cache, self.lora, m,

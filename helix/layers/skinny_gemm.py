@@ -56,29 +56,23 @@ MAX_WEIGHT_ELEMENTS = 64 << 20
 # reads the whole rows twice more (sum of squares, then its K range), so the prologue grows
 # with the rows while the launch it saves does not
 NORM_MAX_ROWS = int(os.environ.get("HELIX_SKINNY_NORM_ROWS", "4"))
+NORM_TILE = 4096             # elements of the prologue's [rows, chunk] tile
 TUNABLES = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 
 if HAS_TRITON:
     from helix.layers.fused_ops import _add_norm_rstd, _add_norm_tile
 
-    @triton.jit(do_not_specialize=["T"])
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr, h_ptr,
-                       T, N, K, k_chunk, inv_k, eps,
-                       sxt, sxg,                  # x [T, G, K] (unit stride along K)
-                       swg, swn, swk,             # W [G, N, K] (one of swn, swk is 1)
-                       syt, syg,                  # y [T, G, N] (unit stride along N)
-                       srt,                       # residual [T, K] (ADD_NORM; unit stride)
-                       HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
-        """y[t, g, n] = sum_k x[t, g, k] W[g, n, k] (+ bias[n]) for t < T (<= BLOCK_T).
-        ADD_NORM (G = 1): the rows are rms_norm(residual + x) * norm weight instead, which
-        every program forms itself (a first pass over the whole rows for their sums of
-        squares, fused_ops' add_rms_norm rule); the programs of feature block 0 also store
-        the new residual h = residual + x [T, K] (contiguous) over their K ranges."""
-        nb = tl.program_id(0)
-        ks = tl.program_id(1)
-        g = tl.program_id(2).to(tl.int64)
+    @triton.jit
+    def _skinny_program(nb, ks, g, n_blocks, G,
+                        x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr, h_ptr,
+                        T, N, K, k_chunk, inv_k, eps, sxt, sxg, swg, swn, swk, syt, syg, srt,
+                        HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, NORM_T: tl.constexpr,
+                        NORM_D: tl.constexpr, PDL: tl.constexpr):
+        """Program (nb, ks, g) of _skinny_kernel, whose grid is (n_blocks, SPLIT_K, G); also
+        the GEMM part of a launch that does other work in further programs
+        (fused_mla._absorb_kv_row_kernel)."""
         n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < N
         k_lo = ks * k_chunk
@@ -103,7 +97,14 @@ if HAS_TRITON:
         h_dt = h_ptr.dtype.element_ty
         rstd = tl.zeros([BLOCK_T], dtype=tl.float32)
         if ADD_NORM:
-            rstd = _add_norm_rstd(x_rows, r_rows, tmask, K, inv_k, eps, h_dt, BLOCK_T, BLOCK_K)
+            # the sums of squares over the T real rows only (NORM_T = pow2(T), not the dot's
+            # 16 padded ones) in NORM_D-wide chunks (one at DeepSeek-V2-Lite's width and one
+            # row): a chunk's loads are one L2 round trip, this program's weights wait for it
+            tn = tl.arange(0, NORM_T)
+            tn64 = tn.to(tl.int64)[:, None]
+            rs = _add_norm_rstd(x_ptr + tn64 * sxt, r_ptr + tn64 * srt, tn < T, K, inv_k, eps,
+                                h_dt, NORM_T, NORM_D)
+            rstd = tl.sum(tl.where(t[:, None] == tn[None, :], rs[None, :], 0.0), axis=1)
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
@@ -128,11 +129,10 @@ if HAS_TRITON:
             # partials [SPLIT_K, G, BLOCK_T, N] fp32; the last program of (g, nb) to arrive sums
             # them in split order (ordering: CTA barrier, acq_rel GPU-scope atomic, partials
             # read through L2, counter reset by the summing program)
-            G = tl.num_programs(2)
             part = part_ptr + ((g * BLOCK_T + t.to(tl.int64)[:, None]) * N + n[None, :])
             tl.store(part + ks * G * BLOCK_T * N, acc, mask=ymask)
             tl.debug_barrier()
-            cnt = cnt_ptr + g * tl.num_programs(0) + nb
+            cnt = cnt_ptr + g * n_blocks + nb
             arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:
                 total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
@@ -143,6 +143,30 @@ if HAS_TRITON:
                     total += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
                 tl.store(y_rows, total.to(y_ptr.dtype.element_ty), mask=ymask)
                 tl.store(cnt, 0)
+
+
+    @triton.jit(do_not_specialize=["T"])
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr, h_ptr,
+                       T, N, K, k_chunk, inv_k, eps,
+                       sxt, sxg,                  # x [T, G, K] (unit stride along K)
+                       swg, swn, swk,             # W [G, N, K] (one of swn, swk is 1)
+                       syt, syg,                  # y [T, G, N] (unit stride along N)
+                       srt,                       # residual [T, K] (ADD_NORM; unit stride)
+                       HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, NORM_T: tl.constexpr = 1,
+                       NORM_D: tl.constexpr = 16, PDL: tl.constexpr = False):
+        """y[t, g, n] = sum_k x[t, g, k] W[g, n, k] (+ bias[n]) for t < T (<= BLOCK_T).
+        ADD_NORM (G = 1): the rows are rms_norm(residual + x) * norm weight instead, which
+        every program forms itself (a first pass over the whole rows for their sums of
+        squares, fused_ops' add_rms_norm rule); the programs of feature block 0 also store
+        the new residual h = residual + x [T, K] (contiguous) over their K ranges."""
+        _skinny_program(tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64),
+                        tl.num_programs(0), tl.num_programs(2),
+                        x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr, h_ptr,
+                        T, N, K, k_chunk, inv_k, eps, sxt, sxg, swg, swn, swk, syt, syg, srt,
+                        HAS_BIAS, ADD_NORM, BLOCK_T, BLOCK_N, BLOCK_K, SPLIT_K, DOT_PRECISION,
+                        NORM_T, NORM_D, PDL)
 
 
 def skinny_config(T: int, N: int, K: int, groups: int, sm_count: int,
@@ -166,12 +190,13 @@ def skinny_config(T: int, N: int, K: int, groups: int, sm_count: int,
     return cfg
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-            config: dict | None = None, norm: tuple | None = None) -> None:
-    """y[t, g, n] = sum_k x[t, g, k] w[g, n, k] (+ bias[n]) on views x [T, G, K] (unit stride
-    along K), w [G, N, K] (unit stride along N or K), y [T, G, N] (unit stride along N).
-    norm = (residual [T, K], norm weight [K], eps, h [T, K] contiguous), G = 1: the rows are
-    rms_norm(residual + x) * norm weight, and h receives residual + x."""
+def skinny_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                  y: torch.Tensor, config: dict | None = None, norm: tuple | None = None):
+    """-> (grid, args, meta) of _skinny_kernel for y[t, g, n] = sum_k x[t, g, k] w[g, n, k]
+    (+ bias[n]) on views x [T, G, K] (unit stride along K), w [G, N, K] (unit stride along N
+    or K), y [T, G, N] (unit stride along N); None when y is empty. norm = (residual [T, K],
+    norm weight [K], eps, h [T, K] contiguous), G = 1: the rows are rms_norm(residual + x) *
+    norm weight, and h receives residual + x."""
     from helix.attention.triton_splits import sm_count_of
     T, G, K = x.shape
     N = w.shape[1]
@@ -179,7 +204,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torc
         x.shape, w.shape, y.shape)
     assert x.stride(2) == 1 and y.stride(2) == 1 and 1 in (w.stride(1), w.stride(2))
     if y.numel() == 0:
-        return
+        return None
     cfg = skinny_config(T, N, K, G, sm_count_of(x.device), config)
     split = cfg.pop("SPLIT_K")
     block_t = max(16, pow2(T))
@@ -194,11 +219,24 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torc
     r, nw, eps, h = norm if norm is not None else (x, x, 0.0, x)
     assert norm is None or (G == 1 and r.shape == h.shape == (T, K) and r.stride(1) == 1
                             and h.is_contiguous() and nw.shape == (K,))
-    run_kernel(_skinny_kernel, (blocks, split, G), x, w, bias if bias is not None else w, y,
-               part, cnt, r, nw, h, T, N, K, k_chunk, 1.0 / K, float(eps),
-               x.stride(0), x.stride(1), *w.stride(), y.stride(0), y.stride(1), r.stride(0),
-               HAS_BIAS=bias is not None, ADD_NORM=norm is not None, BLOCK_T=block_t,
-               SPLIT_K=split, DOT_PRECISION=precision, **cfg)
+    norm_cfg = {}
+    if norm is not None:      # the prologue's tile: <= NORM_TILE elements of the real rows
+        norm_t = pow2(T)
+        norm_cfg = dict(NORM_T=norm_t, NORM_D=max(16, min(pow2(K), NORM_TILE // norm_t)))
+    args = (x, w, bias if bias is not None else w, y, part, cnt, r, nw, h, T, N, K, k_chunk,
+            1.0 / K, float(eps), x.stride(0), x.stride(1), *w.stride(), y.stride(0),
+            y.stride(1), r.stride(0))
+    meta = dict(HAS_BIAS=bias is not None, ADD_NORM=norm is not None, BLOCK_T=block_t,
+                SPLIT_K=split, DOT_PRECISION=precision, **norm_cfg, **cfg)
+    return (blocks, split, G), args, meta
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+            config: dict | None = None, norm: tuple | None = None) -> None:
+    launch = skinny_launch(x, w, bias, y, config, norm)
+    if launch is not None:
+        grid, args, meta = launch
+        run_kernel(_skinny_kernel, grid, *args, **meta)
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -217,11 +255,19 @@ def add_norm_linear_triton(a: torch.Tensor, residual: torch.Tensor, norm_w: torc
     return y, h
 
 
-def absorb_q_triton(q: torch.Tensor, w_uk: torch.Tensor,
-                    config: dict | None = None) -> torch.Tensor:
+def absorb_q_launch(q: torch.Tensor, w_uk: torch.Tensor, config: dict | None = None):
+    """-> (y [T, h, N], skinny_launch of W_UK's absorption into it)."""
     T, H, _ = q.shape
     y = torch.empty((T, H, w_uk.shape[2]), dtype=q.dtype, device=q.device)
-    _launch(q, w_uk.transpose(1, 2), None, y, config)
+    return y, skinny_launch(q, w_uk.transpose(1, 2), None, y, config)
+
+
+def absorb_q_triton(q: torch.Tensor, w_uk: torch.Tensor,
+                    config: dict | None = None) -> torch.Tensor:
+    y, launch = absorb_q_launch(q, w_uk, config)
+    if launch is not None:
+        grid, args, meta = launch
+        run_kernel(_skinny_kernel, grid, *args, **meta)
     return y
 
 
@@ -271,9 +317,14 @@ def add_norm_linear(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tenso
 def absorb_q(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """q [T, h, K] (the queries' nope dims), w_uk [h, K, N] -> q absorbed into latent space
     [T, h, N]."""
-    if _fits(q, w_uk, q.shape[0]) and (w_uk.stride(2) == 1 or w_uk.stride(1) == 1):
+    if absorb_q_fits(q, w_uk):
         return absorb_q_triton(q, w_uk)
     return torch.einsum("thk,hkn->thn", q, w_uk)
+
+
+def absorb_q_fits(q: torch.Tensor, w_uk: torch.Tensor) -> bool:
+    """Whether absorb_q takes the kernel."""
+    return _fits(q, w_uk, q.shape[0]) and (w_uk.stride(2) == 1 or w_uk.stride(1) == 1)
 
 
 def absorb_v(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
