@@ -247,8 +247,7 @@ def _floor_bytes(llm, batch: int, context: int) -> float:
 
 STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-gluon-simple", "after-nopdl", "after-cublas", "after-nopdl-cublas",
-              "after-pdl-wait", "after-pdl-early", "after-pdl-prefetch", "after-nonormgemm",
-              "after-normgemm16", "after-noabsorbrow")
+              "after-pdl-wait", "after-pdl-early", "after-pdl-prefetch", "after-noabsorbrow")
 
 
 def set_kernels(mode: str) -> None:
@@ -261,8 +260,6 @@ def set_kernels(mode: str) -> None:
     projections in cuBLAS (F.linear / einsum, not helix.layers.skinny_gemm);
     'after-nopdl-cublas': both (the defaults before either); 'after-pdl-wait' / '-early' /
     '-prefetch': PDL in one mode of helix.triton_util (HELIX_PDL=wait / early / prefetch);
-    'after-nonormgemm': the norms before the projections as their own launches
-    (skinny_gemm.NORM_MAX_ROWS = 0); 'after-normgemm16': in the projections up to 16 rows;
     'after-noabsorbrow': W_UK's absorption and the kv row as two launches
     (fused_mla.FUSE_ABSORB off)."""
     if mode not in STEP_MODES:
@@ -278,8 +275,6 @@ def set_kernels(mode: str) -> None:
     triton_util.FLAGS = triton_util.PDL_MODES[pdl_mode] if pdl_mode else _FLAGS
     skinny_gemm.ENABLED = _SKINNY and mode not in ("after-cublas", "after-nopdl-cublas")
     fused_mla.FUSE_ABSORB = mode not in ("before", "after-noabsorbrow")
-    skinny_gemm.NORM_MAX_ROWS = {"before": 0, "after-nonormgemm": 0,
-                                 "after-normgemm16": 16}.get(mode, _NORM_ROWS)
 
 
 _NEW_FORWARD = rt.Router.forward
@@ -287,7 +282,6 @@ _GLUON_VARIANT = triton_backend.GLUON_VARIANT
 _PDL = triton_util.PDL
 _FLAGS = triton_util.FLAGS
 _SKINNY = skinny_gemm.ENABLED
-_NORM_ROWS = skinny_gemm.NORM_MAX_ROWS
 
 
 def _legacy_forward(self, x):

@@ -92,10 +92,6 @@ def test_kernel_switch(monkeypatch):
     assert triton_util.PDL and triton_util.FLAGS == triton_util.PDL_ON
     bench.set_kernels("after-pdl-prefetch")
     assert triton_util.FLAGS == triton_util.PDL_ON | triton_util.PDL_PREFETCH
-    bench.set_kernels("after-nonormgemm")          # the norms as their own launches
-    assert skinny_gemm.NORM_MAX_ROWS == 0 and skinny_gemm.ENABLED
-    bench.set_kernels("after-normgemm16")
-    assert skinny_gemm.NORM_MAX_ROWS == 16
     from helix.layers import fused_mla
     assert fused_mla.FUSE_ABSORB
     bench.set_kernels("after-noabsorbrow")         # W_UK and the kv row: two launches
@@ -103,7 +99,7 @@ def test_kernel_switch(monkeypatch):
     bench.set_kernels("after")
     assert triton_util.PDL and skinny_gemm.ENABLED
     assert triton_util.FLAGS == triton_util.PDL_MODES["full"]
-    assert skinny_gemm.NORM_MAX_ROWS == bench._NORM_ROWS and fused_mla.FUSE_ABSORB
+    assert fused_mla.FUSE_ABSORB
     with pytest.raises(SystemExit):
         bench.set_kernels("later")
 

@@ -122,17 +122,15 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["T"])
     def _absorb_kv_row_kernel(
-            x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr, h_ptr,
-            T, N, K, k_chunk, inv_k, eps, sxt, sxg, swg, swn, swk, syt, syg, srt,
+            x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
+            T, N, K, k_chunk, sxt, sxg, swg, swn, swk, syt, syg,
             ckv_ptr, lw_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, q_ptr, qo_ptr,
             slots_ptr, cache_ptr,
             D_LAT, HALF, HQ, inv_dl, eps_l, stride_ct, stride_ot, sct, sst, sqt, sqh,
-            HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-            DOT_PRECISION: tl.constexpr,
+            HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
             INTERLEAVE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr,
-            BLOCK_H: tl.constexpr, APPEND: tl.constexpr, NORM_T: tl.constexpr = 1,
-            NORM_D: tl.constexpr = 16, PDL: tl.constexpr = False):
+            BLOCK_H: tl.constexpr, APPEND: tl.constexpr, PDL: tl.constexpr = False):
         """W_UK's absorption and the kv rows, independent work on the same input (the x
         projection), in one grid (n_blocks + T, SPLIT_K, G): programs nb < n_blocks are the
         skinny GEMM's (skinny_gemm._skinny_program); program (n_blocks + t, 0, 0) is row t's
@@ -143,10 +141,9 @@ if HAS_TRITON:
         n_blocks = tl.num_programs(0) - T
         if nb < n_blocks:
             _skinny_program(nb, ks, g.to(tl.int64), n_blocks, tl.num_programs(2),
-                            x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr,
-                            h_ptr, T, N, K, k_chunk, inv_k, eps, sxt, sxg, swg, swn, swk, syt,
-                            syg, srt, HAS_BIAS, ADD_NORM, BLOCK_T, BLOCK_N, BLOCK_K, SPLIT_K,
-                            DOT_PRECISION, NORM_T, NORM_D, PDL)
+                            x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, k_chunk,
+                            sxt, sxg, swg, swn, swk, syt, syg, HAS_BIAS, BLOCK_T, BLOCK_N,
+                            BLOCK_K, SPLIT_K, DOT_PRECISION, PDL)
         elif (ks == 0) & (g == 0):
             _kv_row_program((nb - n_blocks).to(tl.int64), ckv_ptr, lw_ptr, cos_ptr, sin_ptr,
                             pos_ptr, out_ptr, q_ptr, qo_ptr, slots_ptr, cache_ptr, D_LAT, HALF,

@@ -102,35 +102,6 @@ if HAS_TRITON:
             v = v.to(tl.float32)
         return v
 
-    @triton.jit
-    def _add_norm_rstd(x_rows, r_rows, rmask, D, inv_d, eps, h_dt: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        """rstd [BR] of the rows h = residual + x (rounded to h_dt) for a consumer that forms
-        the normed rows itself (a GEMM's or the router's prologue): row pointers x_rows /
-        r_rows [BR, 1] (unit feature stride), the sum of squares in BLOCK_D chunks (the
-        add_rms_norm rule; only the order of the sum differs from _rms_norm_kernel's)."""
-        ss = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            dd = d0 + tl.arange(0, BLOCK_D)
-            m = rmask[:, None] & (dd < D)[None, :]
-            v = (tl.load(x_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)
-                 + tl.load(r_rows + dd[None, :], mask=m, other=0.0).to(tl.float32))
-            v = v.to(h_dt).to(tl.float32)
-            ss += tl.sum(v * v, axis=1)
-        return tl.div_rn(1.0, tl.sqrt_rn(ss * inv_d + eps))
-
-    @triton.jit
-    def _add_norm_tile(x_rows, r_rows, dd, m, rstd, nw_ptr, dmask, h_dt: tl.constexpr,
-                       y_dt: tl.constexpr):
-        """-> (h, y) tiles [BR, BD] of features dd: h = residual + x rounded to h_dt,
-        y = (h * rstd rounded to h_dt) * norm weight, rounded to y_dt (the add_rms_norm
-        rule, with rstd from _add_norm_rstd)."""
-        h = (tl.load(x_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)
-             + tl.load(r_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)).to(h_dt)
-        xn = (h.to(tl.float32) * rstd[:, None]).to(h_dt).to(tl.float32)
-        nw = tl.load(nw_ptr + dd, mask=dmask, other=0.0).to(tl.float32)
-        return h, (xn * nw[None, :]).to(y_dt)
-
     @triton.jit(do_not_specialize=["R"])
     def _rms_norm_kernel(
         x_ptr, r_ptr, w_ptr, y_ptr, h_ptr,

@@ -4,9 +4,6 @@
     absorb_q(q [T, h, K], w_uk [h, K, N]) -> [T, h, N]             = einsum("thk,hkn->thn")
     absorb_v(o [T, h, K], w_uv [h, N, K]) -> [T, h * N]            = einsum("thk,hnk->thn")
                                                                      .reshape(T, -1)
-    add_norm_linear(a, residual, norm_w, eps, w, bias) -> (y [T, N], h [T, K])
-        = (linear(rms_norm(h) * norm_w, w, bias), h = residual + a): a layer's input norm in
-        its first projection's launch (q / kv_a, qkv, gate / up)
 (absorbed MLA: the queries' nope dims into latent space through W_UK, the latent outputs to
 value dims through W_UV, per head.)
 
@@ -24,11 +21,7 @@ axis (K for a linear layer's [N, K] weight, N for W_UK's [h, K, N]). With SPLIT_
 programs write fp32 partials, and the last program of a feature block to arrive (an arrival
 counter: helix.triton_util.arrival_counters) sums them in split order, adds the bias and
 rounds once: deterministic, no atomics on data. Accumulation is fp32 and the output rounded
-once to x.dtype, as cuBLAS does; only the order of the K sum differs from it. With the norm
-(ADD_NORM) each program first sums the squares of its rows (they are in L2: the previous
-kernel's output and the residual), then forms its K range of the normed rows as the A operand,
-values of fused_ops.add_rms_norm (h bitwise, the normed rows within one ulp: the squares are
-summed in another order); the norm's launch is gone.
+once to x.dtype, as cuBLAS does; only the order of the K sum differs from it.
 
 The public functions take the kernel on CUDA for T <= MAX_ROWS rows of 16-bit data (absorb_v:
 ABSORB_MAX_ROWS rows, prefill chunks too, of any float dtype) whose weight is at most
@@ -44,7 +37,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from helix.layers.fused_ops import add_rms_norm, use_triton
+from helix.layers.fused_ops import use_triton
 from helix.triton_util import (HAS_TRITON, arrival_counters, pdl_sync, pow2, prefetch_l2,
                                prefetching, run_kernel, tl, triton)
 
@@ -52,24 +45,16 @@ ENABLED = os.environ.get("HELIX_SKINNY_GEMM", "1") != "0"
 MAX_ROWS = 16
 ABSORB_MAX_ROWS = 64
 MAX_WEIGHT_ELEMENTS = 64 << 20
-# add_norm_linear: rows up to this take the add + norm in the GEMM's launch. Every program
-# reads the whole rows twice more (sum of squares, then its K range), so the prologue grows
-# with the rows while the launch it saves does not
-NORM_MAX_ROWS = int(os.environ.get("HELIX_SKINNY_NORM_ROWS", "4"))
-NORM_TILE = 4096             # elements of the prologue's [rows, chunk] tile
 TUNABLES = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 
 if HAS_TRITON:
-    from helix.layers.fused_ops import _add_norm_rstd, _add_norm_tile
-
     @triton.jit
     def _skinny_program(nb, ks, g, n_blocks, G,
-                        x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr, h_ptr,
-                        T, N, K, k_chunk, inv_k, eps, sxt, sxg, swg, swn, swk, syt, syg, srt,
-                        HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, NORM_T: tl.constexpr,
-                        NORM_D: tl.constexpr, PDL: tl.constexpr):
+                        x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
+                        T, N, K, k_chunk, sxt, sxg, swg, swn, swk, syt, syg,
+                        HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
         """Program (nb, ks, g) of _skinny_kernel, whose grid is (n_blocks, SPLIT_K, G); also
         the GEMM part of a launch that does other work in further programs
         (fused_mla._absorb_kv_row_kernel)."""
@@ -93,31 +78,13 @@ if HAS_TRITON:
         tmask = t < T
         x_rows = x_ptr + t.to(tl.int64)[:, None] * sxt + g * sxg                    # [BT, 1]
         w_rows = w_ptr + g * swg + n.to(tl.int64)[:, None] * swn                     # [BN, 1]
-        r_rows = r_ptr + t.to(tl.int64)[:, None] * srt
-        h_dt = h_ptr.dtype.element_ty
-        rstd = tl.zeros([BLOCK_T], dtype=tl.float32)
-        if ADD_NORM:
-            # the sums of squares over the T real rows only (NORM_T = pow2(T), not the dot's
-            # 16 padded ones) in NORM_D-wide chunks (one at DeepSeek-V2-Lite's width and one
-            # row): a chunk's loads are one L2 round trip, this program's weights wait for it
-            tn = tl.arange(0, NORM_T)
-            tn64 = tn.to(tl.int64)[:, None]
-            rs = _add_norm_rstd(x_ptr + tn64 * sxt, r_ptr + tn64 * srt, tn < T, K, inv_k, eps,
-                                h_dt, NORM_T, NORM_D)
-            rstd = tl.sum(tl.where(t[:, None] == tn[None, :], rs[None, :], 0.0), axis=1)
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             kmask = kk < k_hi
             w = tl.load(w_rows + kk.to(tl.int64)[None, :] * swk,
                         mask=nmask[:, None] & kmask[None, :], other=0.0)
-            am = tmask[:, None] & kmask[None, :]
-            if ADD_NORM:
-                h, a = _add_norm_tile(x_rows, r_rows, kk, am, rstd, nw_ptr, kmask, h_dt, h_dt)
-                if nb == 0:
-                    tl.store(h_ptr + t.to(tl.int64)[:, None] * K + kk[None, :], h, mask=am)
-            else:
-                a = tl.load(x_rows + kk[None, :], mask=am, other=0.0)
+            a = tl.load(x_rows + kk[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
             acc = tl.dot(a.to(w.dtype), tl.trans(w), acc=acc, input_precision=DOT_PRECISION)
         y_rows = y_ptr + t.to(tl.int64)[:, None] * syt + g * syg + n[None, :]
         ymask = tmask[:, None] & nmask[None, :]
@@ -146,27 +113,19 @@ if HAS_TRITON:
 
 
     @triton.jit(do_not_specialize=["T"])
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr, h_ptr,
-                       T, N, K, k_chunk, inv_k, eps,
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, k_chunk,
                        sxt, sxg,                  # x [T, G, K] (unit stride along K)
                        swg, swn, swk,             # W [G, N, K] (one of swn, swk is 1)
                        syt, syg,                  # y [T, G, N] (unit stride along N)
-                       srt,                       # residual [T, K] (ADD_NORM; unit stride)
-                       HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, NORM_T: tl.constexpr = 1,
-                       NORM_D: tl.constexpr = 16, PDL: tl.constexpr = False):
-        """y[t, g, n] = sum_k x[t, g, k] W[g, n, k] (+ bias[n]) for t < T (<= BLOCK_T).
-        ADD_NORM (G = 1): the rows are rms_norm(residual + x) * norm weight instead, which
-        every program forms itself (a first pass over the whole rows for their sums of
-        squares, fused_ops' add_rms_norm rule); the programs of feature block 0 also store
-        the new residual h = residual + x [T, K] (contiguous) over their K ranges."""
+                       HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+        """y[t, g, n] = sum_k x[t, g, k] W[g, n, k] (+ bias[n]) for t < T (<= BLOCK_T)."""
         _skinny_program(tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64),
                         tl.num_programs(0), tl.num_programs(2),
-                        x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, r_ptr, nw_ptr, h_ptr,
-                        T, N, K, k_chunk, inv_k, eps, sxt, sxg, swg, swn, swk, syt, syg, srt,
-                        HAS_BIAS, ADD_NORM, BLOCK_T, BLOCK_N, BLOCK_K, SPLIT_K, DOT_PRECISION,
-                        NORM_T, NORM_D, PDL)
+                        x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, k_chunk,
+                        sxt, sxg, swg, swn, swk, syt, syg,
+                        HAS_BIAS, BLOCK_T, BLOCK_N, BLOCK_K, SPLIT_K, DOT_PRECISION, PDL)
 
 
 def skinny_config(T: int, N: int, K: int, groups: int, sm_count: int,
@@ -191,12 +150,10 @@ def skinny_config(T: int, N: int, K: int, groups: int, sm_count: int,
 
 
 def skinny_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                  y: torch.Tensor, config: dict | None = None, norm: tuple | None = None):
+                  y: torch.Tensor, config: dict | None = None):
     """-> (grid, args, meta) of _skinny_kernel for y[t, g, n] = sum_k x[t, g, k] w[g, n, k]
     (+ bias[n]) on views x [T, G, K] (unit stride along K), w [G, N, K] (unit stride along N
-    or K), y [T, G, N] (unit stride along N); None when y is empty. norm = (residual [T, K],
-    norm weight [K], eps, h [T, K] contiguous), G = 1: the rows are rms_norm(residual + x) *
-    norm weight, and h receives residual + x."""
+    or K), y [T, G, N] (unit stride along N); None when y is empty."""
     from helix.attention.triton_splits import sm_count_of
     T, G, K = x.shape
     N = w.shape[1]
@@ -216,24 +173,16 @@ def skinny_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     else:
         part = cnt = y
     precision = "ieee" if w.dtype == torch.float32 else "tf32"
-    r, nw, eps, h = norm if norm is not None else (x, x, 0.0, x)
-    assert norm is None or (G == 1 and r.shape == h.shape == (T, K) and r.stride(1) == 1
-                            and h.is_contiguous() and nw.shape == (K,))
-    norm_cfg = {}
-    if norm is not None:      # the prologue's tile: <= NORM_TILE elements of the real rows
-        norm_t = pow2(T)
-        norm_cfg = dict(NORM_T=norm_t, NORM_D=max(16, min(pow2(K), NORM_TILE // norm_t)))
-    args = (x, w, bias if bias is not None else w, y, part, cnt, r, nw, h, T, N, K, k_chunk,
-            1.0 / K, float(eps), x.stride(0), x.stride(1), *w.stride(), y.stride(0),
-            y.stride(1), r.stride(0))
-    meta = dict(HAS_BIAS=bias is not None, ADD_NORM=norm is not None, BLOCK_T=block_t,
-                SPLIT_K=split, DOT_PRECISION=precision, **norm_cfg, **cfg)
+    args = (x, w, bias if bias is not None else w, y, part, cnt, T, N, K, k_chunk,
+            x.stride(0), x.stride(1), *w.stride(), y.stride(0), y.stride(1))
+    meta = dict(HAS_BIAS=bias is not None, BLOCK_T=block_t, SPLIT_K=split,
+                DOT_PRECISION=precision, **cfg)
     return (blocks, split, G), args, meta
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-            config: dict | None = None, norm: tuple | None = None) -> None:
-    launch = skinny_launch(x, w, bias, y, config, norm)
+            config: dict | None = None) -> None:
+    launch = skinny_launch(x, w, bias, y, config)
     if launch is not None:
         grid, args, meta = launch
         run_kernel(_skinny_kernel, grid, *args, **meta)
@@ -244,15 +193,6 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     _launch(x[:, None], w[None], bias, y[:, None], config)
     return y
-
-
-def add_norm_linear_triton(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
-                           eps: float, w: torch.Tensor, bias: torch.Tensor | None = None,
-                           config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    h = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-    y = torch.empty((a.shape[0], w.shape[0]), dtype=a.dtype, device=a.device)
-    _launch(a[:, None], w[None], bias, y[:, None], config, (residual, norm_w, eps, h))
-    return y, h
 
 
 def absorb_q_launch(q: torch.Tensor, w_uk: torch.Tensor, config: dict | None = None):
@@ -296,22 +236,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
             and (bias is None or bias.dtype == x.dtype)):
         return linear_triton(x, w, bias)
     return F.linear(x, w, bias)
-
-
-def add_norm_linear(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
-                    w: torch.Tensor, bias: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(rms_norm(residual + a) * norm_w, w, bias), residual + a): the residual add and
-    RMS norm before a projection, in the projection's launch for up to NORM_MAX_ROWS rows
-    where the kernel serves the shapes and every operand has one 16-bit dtype; elsewhere
-    fused_ops.add_rms_norm, then linear."""
-    if (a.dim() == 2 and _fits(a, w, a.shape[0], NORM_MAX_ROWS) and w.stride(1) == 1
-            and residual.shape == a.shape and residual.stride(1) == 1
-            and residual.dtype == norm_w.dtype == a.dtype and norm_w.stride(0) == 1
-            and (bias is None or bias.dtype == a.dtype)):
-        return add_norm_linear_triton(a, residual, norm_w, eps, w, bias)
-    x, h = add_rms_norm(a, residual, norm_w, eps)
-    return linear(x, w, bias), h
 
 
 def absorb_q(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:

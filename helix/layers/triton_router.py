@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from helix.triton_util import arrival_counters
-from helix.layers.fused_ops import _add_norm_rstd, _add_norm_tile, _exp_f32
+from helix.layers.fused_ops import _exp_f32
 from helix.triton_util import pdl_sync, pow2, prefetch_l2, prefetching, run_kernel
 
 BIG = tl.constexpr(1 << 30)   # "no expert": above every id
@@ -165,6 +165,18 @@ def _route_select_kernel(lg_ptr, stride_lt, T, bias_ptr, w_ptr, id_ptr, stride_w
                  NORM, HAS_BIAS, False, BLOCK_T, BLOCK_G, BLOCK_EG, BLOCK_K)
 
 
+@triton.jit
+def _add_norm_tile(x_rows, r_rows, dd, m, rstd, nw_ptr, dmask, h_dt: tl.constexpr,
+                   y_dt: tl.constexpr):
+    """-> (h, y) tiles [BT, BD]: h = residual + x rounded to h_dt, y = (h * rstd rounded to
+    h_dt) * norm weight, rounded to y_dt (fused_ops' add_rms_norm rule)."""
+    h = (tl.load(x_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)
+         + tl.load(r_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)).to(h_dt)
+    xn = (h.to(tl.float32) * rstd[:, None]).to(h_dt).to(tl.float32)
+    nw = tl.load(nw_ptr + dd, mask=dmask, other=0.0).to(tl.float32)
+    return h, (xn * nw[None, :]).to(y_dt)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _route_fused_kernel(x_ptr, wr_ptr, lg_ptr, cnt_ptr, bias_ptr, w_ptr, id_ptr,
                         r_ptr, nw_ptr, y_ptr, h_ptr,
@@ -198,7 +210,15 @@ def _route_fused_kernel(x_ptr, wr_ptr, lg_ptr, cnt_ptr, bias_ptr, w_ptr, id_ptr,
     y_dt = y_ptr.dtype.element_ty
     rstd = tl.zeros([BLOCK_T], dtype=tl.float32)
     if ADD_NORM:
-        rstd = _add_norm_rstd(x_rows, r_rows, rmask, D, inv_d, eps, h_dt, BLOCK_T, BLOCK_D)
+        ss = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            dd = d0 + tl.arange(0, BLOCK_D)
+            m = rmask[:, None] & (dd < D)[None, :]
+            v = (tl.load(x_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)
+                 + tl.load(r_rows + dd[None, :], mask=m, other=0.0).to(tl.float32))
+            v = v.to(h_dt).to(tl.float32)
+            ss += tl.sum(v * v, axis=1)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(ss * inv_d + eps))
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         dd = d0 + tl.arange(0, BLOCK_D)
