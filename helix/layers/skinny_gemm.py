@@ -21,7 +21,9 @@ axis (K for a linear layer's [N, K] weight, N for W_UK's [h, K, N]). With SPLIT_
 programs write fp32 partials, and the last program of a feature block to arrive (an arrival
 counter: helix.triton_util.arrival_counters) sums them in split order, adds the bias and
 rounds once: deterministic, no atomics on data. Accumulation is fp32 and the output rounded
-once to x.dtype, as cuBLAS does; only the order of the K sum differs from it.
+once to x.dtype, as cuBLAS does; only the order of the K sum differs from it. The kernel's body
+is `_skinny_program`, which fused_mla's W_UK + kv-row launch runs in its first programs
+(skinny_launch gives the grid and arguments).
 
 The public functions take the kernel on CUDA for T <= MAX_ROWS rows of 16-bit data (absorb_v:
 ABSORB_MAX_ROWS rows, prefill chunks too, of any float dtype) whose weight is at most
