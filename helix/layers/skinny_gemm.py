@@ -184,7 +184,11 @@ def skinny_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
 
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
             config: dict | None = None) -> None:
-    launch = skinny_launch(x, w, bias, y, config)
+    _run(skinny_launch(x, w, bias, y, config))
+
+
+def _run(launch) -> None:
+    """Launch _skinny_kernel from skinny_launch's (grid, args, meta); None: nothing to do."""
     if launch is not None:
         grid, args, meta = launch
         run_kernel(_skinny_kernel, grid, *args, **meta)
@@ -207,9 +211,7 @@ def absorb_q_launch(q: torch.Tensor, w_uk: torch.Tensor, config: dict | None = N
 def absorb_q_triton(q: torch.Tensor, w_uk: torch.Tensor,
                     config: dict | None = None) -> torch.Tensor:
     y, launch = absorb_q_launch(q, w_uk, config)
-    if launch is not None:
-        grid, args, meta = launch
-        run_kernel(_skinny_kernel, grid, *args, **meta)
+    _run(launch)
     return y
 
 
