@@ -247,7 +247,8 @@ def _floor_bytes(llm, batch: int, context: int) -> float:
 
 STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-gluon-simple", "after-nopdl", "after-cublas", "after-nopdl-cublas",
-              "after-pdl-wait", "after-pdl-early", "after-pdl-prefetch", "after-noabsorbrow")
+              "after-pdl-wait", "after-pdl-early", "after-pdl-prefetch", "after-noabsorbrow",
+              "after-nogemv", "after-gemv-late")
 
 
 def set_kernels(mode: str) -> None:
@@ -261,7 +262,9 @@ def set_kernels(mode: str) -> None:
     'after-nopdl-cublas': both (the defaults before either); 'after-pdl-wait' / '-early' /
     '-prefetch': PDL in one mode of helix.triton_util (HELIX_PDL=wait / early / prefetch);
     'after-noabsorbrow': W_UK's absorption and the kv row as two launches
-    (fused_mla.FUSE_ABSORB off)."""
+    (fused_mla.FUSE_ABSORB off); 'after-nogemv': the projections of <= 4 rows in the split-K
+    skinny kernel, not the one-tile GEMV (skinny_gemm.GEMV off); 'after-gemv-late': the GEMV
+    loading its weights after the PDL wait (skinny_gemm.GEMV_EARLY off)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -275,6 +278,8 @@ def set_kernels(mode: str) -> None:
     triton_util.FLAGS = triton_util.PDL_MODES[pdl_mode] if pdl_mode else _FLAGS
     skinny_gemm.ENABLED = _SKINNY and mode not in ("after-cublas", "after-nopdl-cublas")
     fused_mla.FUSE_ABSORB = mode not in ("before", "after-noabsorbrow")
+    skinny_gemm.GEMV = _GEMV and mode not in ("before", "after-nogemv")
+    skinny_gemm.GEMV_EARLY = mode != "after-gemv-late"
 
 
 _NEW_FORWARD = rt.Router.forward
@@ -282,6 +287,7 @@ _GLUON_VARIANT = triton_backend.GLUON_VARIANT
 _PDL = triton_util.PDL
 _FLAGS = triton_util.FLAGS
 _SKINNY = skinny_gemm.ENABLED
+_GEMV = skinny_gemm.GEMV
 
 
 def _legacy_forward(self, x):

@@ -96,10 +96,17 @@ def test_kernel_switch(monkeypatch):
     assert fused_mla.FUSE_ABSORB
     bench.set_kernels("after-noabsorbrow")         # W_UK and the kv row: two launches
     assert not fused_mla.FUSE_ABSORB and skinny_gemm.ENABLED
+    monkeypatch.setattr(skinny_gemm, "GEMV", True)
+    monkeypatch.setattr(bench, "_GEMV", True)
+    assert skinny_gemm.GEMV and skinny_gemm.GEMV_EARLY
+    bench.set_kernels("after-nogemv")              # the split-K skinny kernel at <= 4 rows
+    assert not skinny_gemm.GEMV and skinny_gemm.ENABLED
+    bench.set_kernels("after-gemv-late")           # the GEMV's weights after the wait
+    assert skinny_gemm.GEMV and not skinny_gemm.GEMV_EARLY
     bench.set_kernels("after")
     assert triton_util.PDL and skinny_gemm.ENABLED
     assert triton_util.FLAGS == triton_util.PDL_MODES["full"]
-    assert fused_mla.FUSE_ABSORB
+    assert fused_mla.FUSE_ABSORB and skinny_gemm.GEMV and skinny_gemm.GEMV_EARLY
     with pytest.raises(SystemExit):
         bench.set_kernels("later")
 

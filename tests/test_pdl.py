@@ -105,6 +105,7 @@ def test_decode_step_kernels_take_pdl():
     from helix.attention import triton_append, triton_mla_few
     from helix.layers import fused_mla, moe_decode, skinny_gemm, triton_router
     for k in (fused_ops._rms_norm_kernel, fused_mla._kv_row_kernel, skinny_gemm._skinny_kernel,
+              skinny_gemm._gemv_kernel,
               triton_append._append_kernel, triton_mla_few._mla_few_kernel,
               triton_splits._reduce_splits_kernel, triton_router._route_fused_kernel,
               moe_decode._gate_up_kernel, moe_decode._down_kernel,
@@ -178,7 +179,7 @@ _PTX_SCRIPT = textwrap.dedent("""
             mock.patch.object(md, "arrival_counters", cnt), \\
             mock.patch.object(md, "sm_count_of", lambda d: 132), \\
             mock.patch("helix.attention.triton_splits.sm_count_of", lambda d: 132):
-        sg.linear_triton(e(1, 2048), e(3072, 2048))                 # rows along N
+        sg.linear_triton(e(1, 2048), e(3072, 2048), None, {})     # rows along N (not the GEMV)
         sg.absorb_q_triton(e(1, 16, 128), e(16, 128, 512))          # rows along K
         D, I = 2048, 1408
         md.moe_decode(e(1, D), e(64, I, D), e(64, I, D), e(64, D, I), e(1, 6),

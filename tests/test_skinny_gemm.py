@@ -75,6 +75,77 @@ def test_absorb_v_matches_einsum(T, dtype):
         _close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,G,N,K,bias,early", [(1, 1, 40, 96, False, True),
+                                                (2, 1, 72, 256, True, False),
+                                                (3, 3, 24, 80, False, True),
+                                                (4, 2, 33, 200, True, True)])
+def test_gemv_matches_the_torch_formulas(T, G, N, K, bias, early, dtype):
+    """The one-tile GEMV: ragged feature blocks and K (masked to the power-of-two tile), row
+    counts 1-4 below and at the compiled ROWS, several groups (W_UV's heads, a strided view),
+    the bias; the weight loaded before or after the PDL wait."""
+    g = torch.Generator().manual_seed(T * N + G)
+    x = torch.randn(T, G, K, generator=g).to(dtype)
+    w = (torch.randn(G, N + 5, K, generator=g) / K ** 0.5).to(dtype)[:, 5:]      # strided
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    ref = torch.einsum("tgk,gnk->tgn", x.float(), w.float())
+    if bias:
+        ref = ref + b.float()
+    y = torch.empty(T, G, N, dtype=dtype, device=DEV)
+    with mock.patch.object(sg, "GEMV_EARLY", early):
+        grid, args, meta = sg.gemv_launch(x.to(DEV), w.to(DEV), None if b is None else b.to(DEV),
+                                          y, dict(BLOCK_N=8))
+        sg._run((grid, args, meta), sg._gemv_kernel)
+    assert grid == (-(-N // 8), G) and meta["ROWS"] == sg.pow2(T) and meta["EARLY"] == early
+    _close(y, ref, dtype)
+
+
+def test_gemv_takes_decode_rows_of_linear_and_absorb_v():
+    """linear / absorb_v at <= GEMV_MAX_ROWS rows of a weight with K <= GEMV_MAX_K run the
+    GEMV and match the torch formula; more rows, a longer K, explicit skinny tiles or GEMV
+    off: the skinny kernel."""
+    g = torch.Generator().manual_seed(3)
+    dtype = torch.float16
+    x = torch.randn(2, 64, generator=g).to(dtype)
+    w = (torch.randn(48, 64, generator=g) / 8).to(dtype)
+    kernels = []
+    real = sg._run
+    with mock.patch.object(sg, "_run", lambda launch, kernel=None: (
+            kernels.append((kernel or sg._skinny_kernel).fn.__name__), real(launch, kernel))):
+        _close(sg.linear_triton(x.to(DEV), w.to(DEV)), torch.nn.functional.linear(
+            x.float(), w.float()), dtype)
+        o = torch.randn(1, 3, 32, generator=g).to(dtype)
+        wv = (torch.randn(3, 16, 32, generator=g) / 6).to(dtype)
+        _close(sg.absorb_v_triton(o.to(DEV), wv.to(DEV)), sg.absorb_v_torch(o.float(),
+                                                                             wv.float()), dtype)
+        five = torch.randn(sg.GEMV_MAX_ROWS + 1, 64, generator=g).to(dtype)
+        _close(sg.linear_triton(five.to(DEV), w.to(DEV)), torch.nn.functional.linear(
+            five.float(), w.float()), dtype)
+        sg.linear_triton(x.to(DEV), w.to(DEV), None, dict(SPLIT_K=2))
+        with mock.patch.object(sg, "GEMV", False):
+            sg.linear_triton(x.to(DEV), w.to(DEV))
+    assert kernels == ["_gemv_kernel", "_gemv_kernel"] + ["_skinny_kernel"] * 3
+    long_k = torch.empty(1, 1, sg.GEMV_MAX_K + 1)
+    assert not sg.gemv_fits(long_k, torch.empty(1, 8, sg.GEMV_MAX_K + 1))
+    assert sg.gemv_fits(long_k[..., 1:], torch.empty(1, 8, sg.GEMV_MAX_K))
+    assert not sg.gemv_fits(torch.empty(1, 1, 16), torch.empty(1, 16, 8).transpose(1, 2))
+
+
+def test_gemv_rule_from_shapes():
+    """DeepSeek-V2-Lite at one row, 132 SMs: 16K-element tiles, rows halved to a program per
+    SM."""
+    def rule(N, K, G=1):
+        c = sg.gemv_config(1, N, K, G, 132)
+        return c["BLOCK_N"], c["BLOCK_K"]
+    assert rule(3648, 2048) == (8, 2048)        # the x projection: 456 programs
+    assert rule(2048, 2048) == (8, 2048)        # o_proj: 256
+    assert rule(128, 512, 16) == (8, 512)       # W_UV: 16 blocks x 16 heads
+    assert rule(576, 2048) == (4, 2048)         # kv_a alone: 144
+    assert rule(10, 4096) == (1, 4096)          # never below one row
+    with pytest.raises(ValueError, match="unknown GEMV tunables"):
+        sg.gemv_config(1, 8, 8, 1, 132, {"SPLIT_K": 2})
+
+
 def test_dispatch_falls_back_off_cuda_and_past_the_rows():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 32, generator=g), torch.randn(8, 32, generator=g)
@@ -114,11 +185,77 @@ def test_launch_grids_from_shapes():
             mock.patch.object(sg, "arrival_counters", lambda device, n: None), \
             mock.patch.object(triton_splits, "sm_count_of", lambda device: 132):
         bf = torch.bfloat16
-        out = sg.linear_triton(torch.empty(2, 2048, dtype=bf, **m),
+        out = sg.linear_triton(torch.empty(5, 2048, dtype=bf, **m),
                                torch.empty(3072, 2048, dtype=bf, **m))
-        assert out.shape == (2, 3072)
-        out = sg.absorb_v_triton(torch.empty(4, 16, 512, dtype=bf, **m),
+        assert out.shape == (5, 3072)
+        out = sg.absorb_v_triton(torch.empty(8, 16, 512, dtype=bf, **m),
                                  torch.empty(16, 128, 512, dtype=bf, **m))
-        assert out.shape == (4, 2048)
-    assert grids == [(96, 4, 1), (4, 4, 16)]
+        assert out.shape == (8, 2048)
+        out = sg.linear_triton(torch.empty(2, 2048, dtype=bf, **m),      # the GEMV
+                               torch.empty(3072, 2048, dtype=bf, **m))
+        out = sg.absorb_v_triton(torch.empty(1, 16, 512, dtype=bf, **m),
+                                 torch.empty(16, 128, 512, dtype=bf, **m))
+        assert out.shape == (1, 2048)
+    assert grids == [(96, 4, 1), (4, 4, 16), (384, 1), (16, 16)]
 
+
+
+_COMPILE_SCRIPT = """
+import json, re
+from unittest import mock
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from helix.layers import skinny_gemm as sg
+from profiling.kernel_resources import _signature, compile_sm90
+m = dict(device="meta")
+e = lambda *s: torch.empty(*s, dtype=torch.bfloat16, **m)
+launches = []
+with mock.patch.object(sg, "run_kernel", lambda k, g, *a, **kw: launches.append((k, a, kw))), \\
+        mock.patch("helix.attention.triton_splits.sm_count_of", lambda d: 132):
+    for T in (1, 4):
+        sg.linear_triton(e(T, 2048), e(3648, 2048))                 # the x projection
+    sg.absorb_v_triton(e(1, 16, 512), e(16, 128, 512))              # W_UV
+    with mock.patch.object(sg, "GEMV_EARLY", False):
+        sg.linear_triton(e(1, 2048), e(2048, 2048))
+out = []
+for k, a, kw in launches:
+    rec = compile_sm90(k, a, dict(kw, PDL=1))
+    sig, consts, attrs, options = _signature(k, a, dict(kw, PDL=1))
+    src = triton.compiler.ASTSource(fn=k, signature=sig, constexprs=consts, attrs=attrs)
+    target = GPUTarget("cuda", 90, 32)
+    opts = triton.compiler.make_backend(target).parse_options(options)
+    ptx = triton.compile(src, target=target, options=opts.__dict__).asm["ptx"]
+    rec["order"] = [x for i, x in enumerate(re.findall(r"ld\\.global|griddepcontrol\\.wait", ptx))]
+    out.append(rec)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.sm90
+def test_gemv_compiles_for_sm90_and_loads_its_weights_before_the_wait(tmp_path):
+    """DeepSeek-V2-Lite's decode GEMVs (the x projection at 1 and 4 rows, W_UV) compile for
+    sm_90 without spills; with GEMV_EARLY the weight loads come before griddepcontrol.wait,
+    without it every load comes after."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import triton
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
+        pytest.skip("this triton wheel ships no ptxas / cuobjdump")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([root] + sys.path))
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True,
+                         timeout=600, env=env, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [r["kernel"] for r in recs] == ["_gemv_kernel"] * 4
+    assert all(r["local_loads"] == 0 and r["stack_bytes"] == 0 for r in recs), recs
+    for r in recs[:3]:
+        wait = r["order"].index("griddepcontrol.wait")
+        assert wait > 0 and r["order"].count("griddepcontrol.wait") == 1, r["order"]
+    assert recs[3]["order"][0] == "griddepcontrol.wait", recs[3]["order"]

@@ -48,6 +48,12 @@ MAX_ROWS = 16
 ABSORB_MAX_ROWS = 64
 MAX_WEIGHT_ELEMENTS = 64 << 20
 TUNABLES = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+# The one-tile GEMV (_gemv_kernel): module flags read per call (benches switch them)
+GEMV = os.environ.get("HELIX_GEMV", "1") != "0"
+GEMV_EARLY = True              # its weight tile loaded before the PDL wait
+GEMV_MAX_ROWS = 4
+GEMV_MAX_K = 4096
+GEMV_TUNABLES = ("TILE", "BLOCK_N", "num_warps")
 
 if HAS_TRITON:
     @triton.jit
@@ -130,6 +136,90 @@ if HAS_TRITON:
                         HAS_BIAS, BLOCK_T, BLOCK_N, BLOCK_K, SPLIT_K, DOT_PRECISION, PDL)
 
 
+    @triton.jit(do_not_specialize=["T"])
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K,
+                     sxt, sxg,                      # x [T, G, K] (unit stride along K)
+                     swg, swn,                      # W [G, N, K] (unit stride along K)
+                     syt, syg,                      # y [T, G, N] (unit stride along N)
+                     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr = False):
+        """y[t, g, n] = sum_k x[t, g, k] W[g, n, k] (+ bias[n]) for t < T <= ROWS and
+        K <= BLOCK_K: program (nb, g) loads its whole [BLOCK_N, K] weight tile in one go
+        (EARLY: before the PDL wait; weights are no kernel's output), then takes the products
+        row by row in fp32 registers (no shared memory, no split, no second pass)."""
+        nb = tl.program_id(0)
+        g = tl.program_id(1).to(tl.int64)
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, BLOCK_K)
+        nmask = n < N
+        kmask = k < K
+        tile = w_ptr + g * swg + n.to(tl.int64)[:, None] * swn + k[None, :]
+        if EARLY:
+            w = tl.load(tile, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            pdl_sync(PDL)
+        else:
+            pdl_sync(PDL)
+            w = tl.load(tile, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if HAS_BIAS:
+            b = tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)
+        for r in tl.static_range(ROWS):
+            live = tl.full([BLOCK_K], r, tl.int32) < T
+            x = tl.load(x_ptr + r * sxt + g * sxg + k, mask=kmask & live, other=0.0)
+            y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            if HAS_BIAS:
+                y += b
+            tl.store(y_ptr + r * syt + g * syg + n, y.to(y_ptr.dtype.element_ty),
+                     mask=nmask & (tl.full([BLOCK_N], r, tl.int32) < T))
+
+
+def gemv_config(T: int, N: int, K: int, groups: int, sm_count: int,
+                config: dict | None = None) -> dict:
+    """The one-tile GEMV's tiles from shapes only: a TILE-element weight tile of the whole K
+    (rounded up to a power of two), its feature rows halved (down to 1) until the launch has a
+    program per SM. DeepSeek-V2-Lite at one row, 132 SMs: the x projection 3648 x 2048 ->
+    456 programs of 8 rows, o_proj 2048 x 2048 -> 256 of 8, W_UV 16 heads of 128 x 512 ->
+    256 of 8, kv_a 576 x 2048 alone -> 144 of 4."""
+    cfg = dict(TILE=16384, BLOCK_N=None, num_warps=4)
+    unknown = set(config or {}) - set(GEMV_TUNABLES)
+    if unknown:
+        raise ValueError(f"unknown GEMV tunables {sorted(unknown)}; known: {GEMV_TUNABLES}")
+    cfg.update(config or {})
+    block_k = pow2(K)
+    if cfg["BLOCK_N"] is None:
+        bn = max(1, cfg["TILE"] // block_k)
+        while bn > 1 and -(-N // bn) * groups < sm_count:
+            bn //= 2
+        cfg["BLOCK_N"] = bn
+    cfg["BLOCK_K"] = block_k
+    del cfg["TILE"]
+    return cfg
+
+
+def gemv_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether _launch takes the one-tile GEMV for views x [T, G, K], w [G, N, K]: GEMV on,
+    T <= GEMV_MAX_ROWS, K <= GEMV_MAX_K, the weight's unit stride along K."""
+    return GEMV and x.shape[0] <= GEMV_MAX_ROWS and x.shape[2] <= GEMV_MAX_K and w.stride(2) == 1
+
+
+def gemv_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                y: torch.Tensor, config: dict | None = None):
+    """-> (grid, args, meta) of _gemv_kernel for skinny_launch's contract where gemv_fits;
+    None when y is empty."""
+    from helix.attention.triton_splits import sm_count_of
+    T, G, K = x.shape
+    N = w.shape[1]
+    assert w.shape == (G, N, K) and y.shape == (T, G, N) and T <= GEMV_MAX_ROWS, (
+        x.shape, w.shape, y.shape)
+    assert x.stride(2) == 1 and y.stride(2) == 1 and w.stride(2) == 1 and K <= GEMV_MAX_K
+    if y.numel() == 0:
+        return None
+    cfg = gemv_config(T, N, K, G, sm_count_of(x.device), config)
+    args = (x, w, bias if bias is not None else w, y, T, N, K, x.stride(0), x.stride(1),
+            w.stride(0), w.stride(1), y.stride(0), y.stride(1))
+    meta = dict(HAS_BIAS=bias is not None, ROWS=pow2(T), EARLY=GEMV_EARLY, **cfg)
+    return (-(-N // cfg["BLOCK_N"]), G), args, meta
+
+
 def skinny_config(T: int, N: int, K: int, groups: int, sm_count: int,
                   config: dict | None = None) -> dict:
     """Tiles from shapes only (graph-safe): 32-wide feature blocks, 128-deep K tiles, and K
@@ -184,14 +274,19 @@ def skinny_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
 
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
             config: dict | None = None) -> None:
-    _run(skinny_launch(x, w, bias, y, config))
+    """The one-tile GEMV where it fits and no skinny tiles are given, else the skinny kernel."""
+    if config is None and gemv_fits(x, w):
+        _run(gemv_launch(x, w, bias, y), _gemv_kernel)
+    else:
+        _run(skinny_launch(x, w, bias, y, config))
 
 
-def _run(launch) -> None:
-    """Launch _skinny_kernel from skinny_launch's (grid, args, meta); None: nothing to do."""
+def _run(launch, kernel=None) -> None:
+    """Launch `kernel` (_skinny_kernel) from its launch's (grid, args, meta); None: nothing to
+    do."""
     if launch is not None:
         grid, args, meta = launch
-        run_kernel(_skinny_kernel, grid, *args, **meta)
+        run_kernel(kernel or _skinny_kernel, grid, *args, **meta)
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
