@@ -85,6 +85,7 @@ def run(args, copy_bw) -> list[dict]:
         for name, on, early, tiles in VARIANTS:
             set_variant(on, early, tiles)
             us = graph_time_us(fn, args.iters) / LAYERS
+            fn()                                  # eagerly: the graph's pool is gone
             y = out["y"].float()
             ref = y if ref is None else ref
             recs.append(dict(case="projection chain", rows=rows, variant=name, tiles=tiles,

@@ -68,6 +68,16 @@ MOE_VARIANTS = [  # (name, fused_moe variant, moe_decode config)
     ("dot-2launch", "decode", dict(mode="dot", FUSED_COMBINE=False)),
     ("fma", "decode", dict(mode="fma")),
     ("fma-m2", "decode", dict(mode="fma", BLOCK_M=2)),
+    # one weight tile over the whole K range a program (gate/up: D; down: half of I)
+    ("fma-tile-n1", "decode", dict(mode="fma", BLOCK_M=1, up_BLOCK_N=1, up_BLOCK_K=2048,
+                                   down_BLOCK_N=2, down_BLOCK_K=1024, K_SPLITS=2)),
+    ("fma-tile-n2", "decode", dict(mode="fma", BLOCK_M=1, up_BLOCK_N=2, up_BLOCK_K=2048,
+                                   down_BLOCK_N=4, down_BLOCK_K=1024, K_SPLITS=2)),
+    ("fma-tile-n4", "decode", dict(mode="fma", BLOCK_M=1, up_BLOCK_N=4, up_BLOCK_K=2048,
+                                   down_BLOCK_N=8, down_BLOCK_K=1024, K_SPLITS=2)),
+    ("fma-tile-n2-w8", "decode", dict(mode="fma", BLOCK_M=1, up_BLOCK_N=2, up_BLOCK_K=2048,
+                                      down_BLOCK_N=4, down_BLOCK_K=1024, K_SPLITS=2,
+                                      num_warps=8)),
 ]
 MLA_VARIANTS = [  # (name, kernel, config)
     ("triton_mla", "mla", None),

@@ -25,7 +25,15 @@ once to x.dtype, as cuBLAS does; only the order of the K sum differs from it. Th
 is `_skinny_program`, which fused_mla's W_UK + kv-row launch runs in its first programs
 (skinny_launch gives the grid and arguments).
 
-The public functions take the kernel on CUDA for T <= MAX_ROWS rows of 16-bit data (absorb_v:
+At one or two rows (GEMV_MAX_ROWS) with K <= GEMV_MAX_K and the weight's unit stride along K
+(linear layers, W_UV), `_gemv_kernel` runs instead: grid (feature blocks, groups), each
+program loads its whole [BLOCK_N, K] weight tile in one go, BEFORE the PDL wait (GEMV_EARLY:
+weights are no kernel's output, so the tile streams while the previous kernel runs), and takes
+the products in fp32 registers: one DRAM round trip a program, no split, no second pass. In a
+chain of DeepSeek-V2-Lite's per-layer projections on the H200 it took 17.6 -> 11.9 us a layer
+at one row (profiling/results/gemv.md); at four rows the skinny kernel was faster.
+
+The public functions take a kernel on CUDA for T <= MAX_ROWS rows of 16-bit data (absorb_v:
 ABSORB_MAX_ROWS rows, prefill chunks too, of any float dtype) whose weight is at most
 MAX_WEIGHT_ELEMENTS (an LM head streams at the copy rate in cuBLAS already), with
 HELIX_SKINNY_GEMM not "0" (module flag ENABLED, read per call: benches switch it); everywhere
@@ -51,7 +59,7 @@ TUNABLES = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 # The one-tile GEMV (_gemv_kernel): module flags read per call (benches switch them)
 GEMV = os.environ.get("HELIX_GEMV", "1") != "0"
 GEMV_EARLY = True              # its weight tile loaded before the PDL wait
-GEMV_MAX_ROWS = 4
+GEMV_MAX_ROWS = 2              # measured: slower than the skinny kernel at 4 rows
 GEMV_MAX_K = 4096
 GEMV_TUNABLES = ("TILE", "BLOCK_N", "num_warps")
 
@@ -174,12 +182,14 @@ if HAS_TRITON:
 
 def gemv_config(T: int, N: int, K: int, groups: int, sm_count: int,
                 config: dict | None = None) -> dict:
-    """The one-tile GEMV's tiles from shapes only: a TILE-element weight tile of the whole K
-    (rounded up to a power of two), its feature rows halved (down to 1) until the launch has a
-    program per SM. DeepSeek-V2-Lite at one row, 132 SMs: the x projection 3648 x 2048 ->
-    456 programs of 8 rows, o_proj 2048 x 2048 -> 256 of 8, W_UV 16 heads of 128 x 512 ->
+    """The one-tile GEMV's tiles from shapes only: a weight tile of the whole K (rounded up to
+    a power of two) and TILE = 8192 / rows elements (measured on the H200 in a chain of
+    DeepSeek-V2-Lite's projections: the best of 4K-32K tiles and 4 or 8 warps at 1 and at 2
+    rows, profiling/results/gemv.md), its feature rows halved (down to 1) until the launch has
+    a program per SM. DeepSeek-V2-Lite at one row, 132 SMs: the x projection 3648 x 2048 ->
+    912 programs of 4 rows, o_proj 2048 x 2048 -> 512 of 4, W_UV 16 heads of 128 x 512 ->
     256 of 8, kv_a 576 x 2048 alone -> 144 of 4."""
-    cfg = dict(TILE=16384, BLOCK_N=None, num_warps=4)
+    cfg = dict(TILE=8192 // pow2(T), BLOCK_N=None, num_warps=4)
     unknown = set(config or {}) - set(GEMV_TUNABLES)
     if unknown:
         raise ValueError(f"unknown GEMV tunables {sorted(unknown)}; known: {GEMV_TUNABLES}")
