@@ -258,7 +258,7 @@ def _floor_bytes(llm, batch: int, context: int) -> float:
 STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-gluon-simple", "after-nopdl", "after-cublas", "after-nopdl-cublas",
               "after-pdl-wait", "after-pdl-early", "after-pdl-prefetch", "after-noabsorbrow",
-              "after-nogemv", "after-gemv-late")
+              "after-nogemv", "after-gemv-late", "after-router-chunked")
 
 
 def set_kernels(mode: str) -> None:
@@ -274,7 +274,9 @@ def set_kernels(mode: str) -> None:
     'after-noabsorbrow': W_UK's absorption and the kv row as two launches
     (fused_mla.FUSE_ABSORB off); 'after-nogemv': the projections of <= 4 rows in the split-K
     skinny kernel, not the one-tile GEMV (skinny_gemm.GEMV off); 'after-gemv-late': the GEMV
-    loading its weights after the PDL wait (skinny_gemm.GEMV_EARLY off)."""
+    loading its weights after the PDL wait (skinny_gemm.GEMV_EARLY off); 'after-router-chunked':
+    the fused router over D in chunks, its weight read after the wait (triton_router.ONE_TILE
+    off)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -290,6 +292,7 @@ def set_kernels(mode: str) -> None:
     fused_mla.FUSE_ABSORB = mode not in ("before", "after-noabsorbrow")
     skinny_gemm.GEMV = _GEMV and mode not in ("before", "after-nogemv")
     skinny_gemm.GEMV_EARLY = mode != "after-gemv-late"
+    tr.ONE_TILE = mode not in ("before", "after-router-chunked")
 
 
 _NEW_FORWARD = rt.Router.forward

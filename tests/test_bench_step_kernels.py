@@ -103,8 +103,12 @@ def test_kernel_switch(monkeypatch):
     assert not skinny_gemm.GEMV and skinny_gemm.ENABLED
     bench.set_kernels("after-gemv-late")           # the GEMV's weights after the wait
     assert skinny_gemm.GEMV and not skinny_gemm.GEMV_EARLY
+    from helix.layers import triton_router
+    monkeypatch.setattr(triton_router, "ONE_TILE", True)
+    bench.set_kernels("after-router-chunked")      # the router over D in chunks
+    assert not triton_router.ONE_TILE and skinny_gemm.GEMV
     bench.set_kernels("after")
-    assert triton_util.PDL and skinny_gemm.ENABLED
+    assert triton_util.PDL and skinny_gemm.ENABLED and triton_router.ONE_TILE
     assert triton_util.FLAGS == triton_util.PDL_MODES["full"]
     assert fused_mla.FUSE_ABSORB and skinny_gemm.GEMV and skinny_gemm.GEMV_EARLY
     with pytest.raises(SystemExit):

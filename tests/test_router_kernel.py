@@ -108,12 +108,23 @@ def test_select_kernel_matches_torch(name, spec, E):
 FUSED = [MODES[1], MODES[2], MODES[4], MODES[6]]
 
 
+def test_fused_launch_config_takes_d_in_one_tile_where_it_fits():
+    """DeepSeek-V2-Lite (64 experts, D 2048) at 1-4 rows and Qwen3 (128, 4096) at one: one
+    tile; DeepSeek-V3 (256, 7168) and 8 rows of V2-Lite: chunks."""
+    cfg = tr.fused_launch_config
+    assert [cfg(T, 64, 2048)["BLOCK_D"] for T in (1, 4, 8)] == [2048, 2048, 1024]
+    assert cfg(1, 128, 4096)["BLOCK_D"] == 4096 and cfg(2, 128, 4096)["BLOCK_D"] == 1024
+    assert cfg(1, 256, 7168)["BLOCK_D"] == 1024
+
+
+@pytest.mark.parametrize("block_d", [32, 128], ids=["chunked", "one-tile"])
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("name,spec,E", FUSED, ids=[m[0] for m in FUSED])
-def test_fused_kernel_matches_torch(name, spec, E, wdtype, T):
+def test_fused_kernel_matches_torch(name, spec, E, wdtype, T, block_d):
     """GEMM + routing in one launch against F.linear + route_torch: x in fp16 cast to the
-    router's dtype (fp32 for DeepSeek; fp16 logits rounded like F.linear's output)."""
+    router's dtype (fp32 for DeepSeek; fp16 logits rounded like F.linear's output); D in
+    32-wide chunks, or in one tile (its router rows loaded before the PDL wait)."""
     g = torch.Generator().manual_seed(T * E)
     D = 96
     x = (torch.randn(T, D, generator=g)).half()
@@ -122,7 +133,7 @@ def test_fused_kernel_matches_torch(name, spec, E, wdtype, T):
     logits = F.linear(x.to(wdtype).float(), weight.float()).to(wdtype).float()
     ref_w, ref_ids = rt.route_torch(logits, bias, spec)
     w, ids = tr.route_fused_triton(x.to(DEV), weight.to(DEV), None if bias is None else
-                                   bias.to(DEV), spec, config=dict(BLOCK_D=32))
+                                   bias.to(DEV), spec, config=dict(BLOCK_D=block_d))
     assert w.dtype == torch.float16
     assert torch.equal(ids.cpu(), ref_ids)
     _close_weights(w, ref_w.half(), torch.float16)
@@ -131,12 +142,14 @@ def test_fused_kernel_matches_torch(name, spec, E, wdtype, T):
     assert int(arrival_counters(DEV, 1)[0]) == 0
 
 
+@pytest.mark.parametrize("block_d", [32, 128], ids=["chunked", "one-tile"])
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("name,spec,E", [MODES[1], MODES[4]], ids=[MODES[1][0], MODES[4][0]])
-def test_fused_kernel_with_the_norm_before_it(name, spec, E, T):
+def test_fused_kernel_with_the_norm_before_it(name, spec, E, T, block_d):
     """route_add_norm_triton: the residual add and RMS norm in the router's launch give
     add_rms_norm's h bitwise and its y within one ulp (the sum of squares in another order),
-    and the routing of that y; the output buffers are new, contiguous, in the norm's dtypes."""
+    and the routing of that y; the output buffers are new, contiguous, in the norm's dtypes;
+    D in chunks (two passes) or in one tile (x and the residual loaded once)."""
     from helix.layers.fused_ops import add_rms_norm_torch
     g = torch.Generator().manual_seed(7 * T + E)
     D = 96
@@ -149,7 +162,8 @@ def test_fused_kernel_with_the_norm_before_it(name, spec, E, T):
     with gpu_rounding():
         y, h, w, ids = tr.route_add_norm_triton(a.to(DEV), res.to(DEV), nw.to(DEV), 1e-6,
                                                 weight.to(DEV), None if bias is None else
-                                                bias.to(DEV), spec, config=dict(BLOCK_D=32))
+                                                bias.to(DEV), spec,
+                                                config=dict(BLOCK_D=block_d))
     assert y.dtype == h.dtype == w.dtype == torch.bfloat16 and y.is_contiguous()
     assert torch.equal(h.cpu(), ref_h)
     diff = (y.cpu().float() - ref_y.float()).abs()

@@ -166,15 +166,23 @@ def _route_select_kernel(lg_ptr, stride_lt, T, bias_ptr, w_ptr, id_ptr, stride_w
 
 
 @triton.jit
-def _add_norm_tile(x_rows, r_rows, dd, m, rstd, nw_ptr, dmask, h_dt: tl.constexpr,
-                   y_dt: tl.constexpr):
-    """-> (h, y) tiles [BT, BD]: h = residual + x rounded to h_dt, y = (h * rstd rounded to
-    h_dt) * norm weight, rounded to y_dt (fused_ops' add_rms_norm rule)."""
-    h = (tl.load(x_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)
-         + tl.load(r_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)).to(h_dt)
+def _added(x_rows, r_rows, dd, m, h_dt: tl.constexpr):
+    """h [BT, BD] = residual + x rounded to h_dt (fused_ops' add_rms_norm rule)."""
+    return (tl.load(x_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)
+            + tl.load(r_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)).to(h_dt)
+
+
+@triton.jit
+def _rstd(ss, inv_d, eps):
+    return tl.div_rn(1.0, tl.sqrt_rn(ss * inv_d + eps))
+
+
+@triton.jit
+def _normed(h, rstd, nw_ptr, dd, dmask, h_dt: tl.constexpr, y_dt: tl.constexpr):
+    """y = (h * rstd rounded to h_dt) * norm weight, rounded to y_dt (add_rms_norm's rule)."""
     xn = (h.to(tl.float32) * rstd[:, None]).to(h_dt).to(tl.float32)
     nw = tl.load(nw_ptr + dd, mask=dmask, other=0.0).to(tl.float32)
-    return h, (xn * nw[None, :]).to(y_dt)
+    return (xn * nw[None, :]).to(y_dt)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -187,54 +195,51 @@ def _route_fused_kernel(x_ptr, wr_ptr, lg_ptr, cnt_ptr, bias_ptr, w_ptr, id_ptr,
                         ROUND_LOGITS: tl.constexpr, ADD_NORM: tl.constexpr,
                         BLOCK_T: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-                        BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                        BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """Program p: logits[:, p*BLOCK_E : (p+1)*BLOCK_E] = x W^T for all T (<= BLOCK_T) rows;
     the last program to finish routes every row. ADD_NORM: the router's input is
     rms_norm(residual + x) * norm weight, which every program forms itself (a first pass for
     each row's sum of squares); program 0 also stores it (y [T, D]) and the new residual
-    (h [T, D], contiguous) for the experts and the next layer."""
+    (h [T, D], contiguous) for the experts and the next layer. ONE_TILE (D <= BLOCK_D): the
+    program's router rows are loaded in one go BEFORE the PDL wait (no kernel of a step writes
+    them) and the rows x / residual once, for the norm and the products alike."""
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = e < E
     wdt = wr_ptr.dtype.element_ty
-    if prefetching(PDL):                      # the router weight: L2 may fetch it early
+    w_rows = wr_ptr + e.to(tl.int64)[:, None] * stride_re                   # [BE, 1]
+    if ONE_TILE:
+        dd = tl.arange(0, BLOCK_D)
+        dmask = dd < D
+        wt = tl.load(w_rows + dd[None, :], mask=emask[:, None] & dmask[None, :], other=0.0)
+    elif prefetching(PDL):                    # the router weight: L2 may fetch it early
         prefetch_l2(wr_ptr + e.to(tl.int64) * stride_re, D * (wdt.primitive_bitwidth // 8),
                     emask)
     pdl_sync(PDL)
     rows = tl.arange(0, BLOCK_T)
     rmask = rows < T
-    w_rows = wr_ptr + e.to(tl.int64)[:, None] * stride_re                   # [BE, 1]
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt                 # [BT, 1]
     r_rows = r_ptr + rows.to(tl.int64)[:, None] * stride_rt
     o_rows = rows.to(tl.int64)[:, None] * D                                 # y / h rows
     h_dt = h_ptr.dtype.element_ty
     y_dt = y_ptr.dtype.element_ty
-    rstd = tl.zeros([BLOCK_T], dtype=tl.float32)
-    if ADD_NORM:
-        ss = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            dd = d0 + tl.arange(0, BLOCK_D)
-            m = rmask[:, None] & (dd < D)[None, :]
-            v = (tl.load(x_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)
-                 + tl.load(r_rows + dd[None, :], mask=m, other=0.0).to(tl.float32))
-            v = v.to(h_dt).to(tl.float32)
-            ss += tl.sum(v * v, axis=1)
-        rstd = tl.div_rn(1.0, tl.sqrt_rn(ss * inv_d + eps))
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        dd = d0 + tl.arange(0, BLOCK_D)
-        dmask = dd < D
-        wt = tl.load(w_rows + dd[None, :], mask=emask[:, None] & dmask[None, :],
-                     other=0.0).to(tl.float32)                                   # [BE, BD]
+    if ONE_TILE:
         m = rmask[:, None] & dmask[None, :]
         if ADD_NORM:
-            h, xt = _add_norm_tile(x_rows, r_rows, dd, m, rstd, nw_ptr, dmask, h_dt, y_dt)
+            h = _added(x_rows, r_rows, dd, m, h_dt)
+            v = h.to(tl.float32)
+            xt = _normed(h, _rstd(tl.sum(v * v, axis=1), inv_d, eps), nw_ptr, dd, dmask, h_dt,
+                         y_dt)
             if tl.program_id(0) == 0:
                 tl.store(h_ptr + o_rows + dd[None, :], h, mask=m)
                 tl.store(y_ptr + o_rows + dd[None, :], xt, mask=m)
         else:
             xt = tl.load(x_rows + dd[None, :], mask=m, other=0.0)
         xt = xt.to(wdt).to(tl.float32)                                           # [BT, BD]
-        acc += tl.sum(xt[:, None, :] * wt[None, :, :], axis=2)
+        acc = tl.sum(xt[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+    else:
+        acc = _logits_chunked(x_rows, w_rows, r_rows, o_rows, rmask, emask, nw_ptr, y_ptr,
+                              h_ptr, D, inv_d, eps, ADD_NORM, BLOCK_T, BLOCK_E, BLOCK_D)
     if ROUND_LOGITS:                          # F.linear in a 16-bit dtype rounds its output
         acc = acc.to(wdt).to(tl.float32)
     tl.store(lg_ptr + rows.to(tl.int64)[:, None] * stride_lt + e[None, :], acc,
@@ -251,7 +256,46 @@ def _route_fused_kernel(x_ptr, wr_ptr, lg_ptr, cnt_ptr, bias_ptr, w_ptr, id_ptr,
         tl.store(cnt_ptr, 0)
 
 
+@triton.jit
+def _logits_chunked(x_rows, w_rows, r_rows, o_rows, rmask, emask, nw_ptr, y_ptr, h_ptr,
+                    D, inv_d, eps, ADD_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """_route_fused_kernel's logits [BT, BE] fp32 over D in BLOCK_D chunks (ADD_NORM: a first
+    pass for the rows' sums of squares)."""
+    wdt = w_rows.dtype.element_ty
+    h_dt = h_ptr.dtype.element_ty
+    y_dt = y_ptr.dtype.element_ty
+    rstd = tl.zeros([BLOCK_T], dtype=tl.float32)
+    if ADD_NORM:
+        ss = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            dd = d0 + tl.arange(0, BLOCK_D)
+            v = _added(x_rows, r_rows, dd, rmask[:, None] & (dd < D)[None, :],
+                       h_dt).to(tl.float32)
+            ss += tl.sum(v * v, axis=1)
+        rstd = _rstd(ss, inv_d, eps)
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        dd = d0 + tl.arange(0, BLOCK_D)
+        dmask = dd < D
+        wt = tl.load(w_rows + dd[None, :], mask=emask[:, None] & dmask[None, :],
+                     other=0.0).to(tl.float32)                                   # [BE, BD]
+        m = rmask[:, None] & dmask[None, :]
+        if ADD_NORM:
+            h = _added(x_rows, r_rows, dd, m, h_dt)
+            xt = _normed(h, rstd, nw_ptr, dd, dmask, h_dt, y_dt)
+            if tl.program_id(0) == 0:
+                tl.store(h_ptr + o_rows + dd[None, :], h, mask=m)
+                tl.store(y_ptr + o_rows + dd[None, :], xt, mask=m)
+        else:
+            xt = tl.load(x_rows + dd[None, :], mask=m, other=0.0)
+        xt = xt.to(wdt).to(tl.float32)                                           # [BT, BD]
+        acc += tl.sum(xt[:, None, :] * wt[None, :, :], axis=2)
+    return acc
+
+
 _RULES = {"none": 0, "max": 1, "top2": 2}
+ONE_TILE = True               # module flag, read per call (benches switch it): D in one tile
 MAX_FUSED_ROWS = 8            # route_fused_triton: at most this many rows (decode buckets)
 
 
@@ -294,10 +338,13 @@ def route_select_triton(logits: torch.Tensor, bias: torch.Tensor | None, spec: R
 
 def fused_launch_config(T: int, E: int, D: int) -> dict:
     """Experts per program so ~64-128 programs stream the router weight (E x D) and each
-    program's tile [BLOCK_T, BLOCK_E, BLOCK_D] stays <= 8K elements."""
+    program's tile [BLOCK_T, BLOCK_E, BLOCK_D] stays <= 8K elements: all of D in one tile
+    where that fits (the kernel's ONE_TILE path: DeepSeek-V2-Lite at 1-4 rows, Qwen3 at one),
+    else 1024-wide chunks or less."""
     block_e = max(1, min(16, pow2(E) // 64))
     block_t = pow2(T)
-    block_d = max(64, min(1024, pow2(D), 8192 // (block_t * block_e)))
+    one = ONE_TILE and pow2(D) * block_t * block_e <= 8192
+    block_d = pow2(D) if one else max(64, min(1024, pow2(D), 8192 // (block_t * block_e)))
     return dict(BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=block_d, num_warps=4)
 
 
@@ -320,7 +367,7 @@ def _route_fused(x, weight, bias, spec, config, w, ids, add_norm=None):
                r, nw, y, h, T, D, E, EG, G, spec.scaling, 1.0 / D, float(eps),
                x.stride(0), weight.stride(0), logits.stride(0), w.stride(0), ids.stride(0),
                r.stride(0), HAS_BIAS=bias is not None, ROUND_LOGITS=weight.dtype != torch.float32,
-               ADD_NORM=add_norm is not None, **meta)
+               ADD_NORM=add_norm is not None, ONE_TILE=D <= meta["BLOCK_D"], **meta)
 
 
 def route_fused_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
