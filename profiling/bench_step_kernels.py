@@ -251,14 +251,16 @@ def _floor_bytes(llm, batch: int, context: int) -> float:
         total += n
     E, k = cfg.num_experts, cfg.experts_per_token
     hit_frac = 1 - (1 - k / E) ** batch if E else 0.0
-    kv = sum(c.element_size() * c.shape[-1] for caches in llm.engine.caches for c in caches)
+    # a token's KV bytes: each cache is [pages, page, per-token dims...] (MLA: the latent row;
+    # GQA: heads x head dim)
+    kv = sum(c.element_size() * c[0, 0].numel() for caches in llm.engine.caches for c in caches)
     return total + routed * hit_frac + batch * context * kv
 
 
 STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-gluon-simple", "after-nopdl", "after-cublas", "after-nopdl-cublas",
               "after-pdl-wait", "after-pdl-early", "after-pdl-prefetch", "after-noabsorbrow",
-              "after-nogemv", "after-gemv-late", "after-router-chunked")
+              "after-nogemv", "after-gemv-late", "after-router-chunked", "after-nonormgemv")
 
 
 def set_kernels(mode: str) -> None:
@@ -276,7 +278,8 @@ def set_kernels(mode: str) -> None:
     skinny kernel, not the one-tile GEMV (skinny_gemm.GEMV off); 'after-gemv-late': the GEMV
     loading its weights after the PDL wait (skinny_gemm.GEMV_EARLY off); 'after-router-chunked':
     the fused router over D in chunks, its weight read after the wait (triton_router.ONE_TILE
-    off)."""
+    off); 'after-nonormgemv': the input norms as their own launches, not in the GEMV's
+    (skinny_gemm.NORM_IN_GEMV off)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -293,6 +296,7 @@ def set_kernels(mode: str) -> None:
     skinny_gemm.GEMV = _GEMV and mode not in ("before", "after-nogemv")
     skinny_gemm.GEMV_EARLY = mode != "after-gemv-late"
     tr.ONE_TILE = mode not in ("before", "after-router-chunked")
+    skinny_gemm.NORM_IN_GEMV = mode not in ("before", "after-nonormgemv")
 
 
 _NEW_FORWARD = rt.Router.forward

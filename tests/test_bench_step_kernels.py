@@ -107,8 +107,12 @@ def test_kernel_switch(monkeypatch):
     monkeypatch.setattr(triton_router, "ONE_TILE", True)
     bench.set_kernels("after-router-chunked")      # the router over D in chunks
     assert not triton_router.ONE_TILE and skinny_gemm.GEMV
+    monkeypatch.setattr(skinny_gemm, "NORM_IN_GEMV", True)
+    bench.set_kernels("after-nonormgemv")          # the input norms: their own launches
+    assert not skinny_gemm.NORM_IN_GEMV and skinny_gemm.GEMV and triton_router.ONE_TILE
     bench.set_kernels("after")
     assert triton_util.PDL and skinny_gemm.ENABLED and triton_router.ONE_TILE
+    assert skinny_gemm.NORM_IN_GEMV
     assert triton_util.FLAGS == triton_util.PDL_MODES["full"]
     assert fused_mla.FUSE_ABSORB and skinny_gemm.GEMV and skinny_gemm.GEMV_EARLY
     with pytest.raises(SystemExit):
@@ -138,3 +142,20 @@ def test_step_moe_overrides_reach_every_moe_decode_launch(monkeypatch):
         bench.overrides({})
     assert md.moe_decode_config is bench._MOE_CONFIG
     assert md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132) == default
+
+
+def test_floor_counts_every_per_token_kv_dim():
+    """The step floor's KV bytes per token: a GQA cache [pages, page, heads, d] counts
+    heads x d (not d alone), an MLA cache [pages, page, Dl + Dr] its row; parameters whole,
+    the embedding table by rows read, routed experts by the expected hit fraction."""
+    from types import SimpleNamespace
+    model = torch.nn.Module()
+    model.embed_tokens = torch.nn.Embedding(10, 4)
+    model.proj = torch.nn.Linear(4, 3, bias=False)
+    gqa = [torch.empty(2, 16, 8, 128, dtype=torch.bfloat16)] * 2         # k and v
+    mla = [torch.empty(2, 16, 576, dtype=torch.bfloat16)]
+    llm = SimpleNamespace(cfg=SimpleNamespace(num_experts=0, experts_per_token=0),
+                          engine=SimpleNamespace(model=model, caches=[gqa, mla]))
+    params = 3 * 4 * 4 + 2 * 4 * 4                                   # proj, 2 embedding rows
+    per_token = 2 * (2 * 8 * 128) + 2 * 576
+    assert bench._floor_bytes(llm, 2, 100) == params + 2 * 100 * per_token

@@ -349,6 +349,10 @@ class _Attn(nn.Module):
     def forward(self, x, pos, meta, cache, backend, ctx=None):
         return x @ self.w
 
+    def add_norm_forward(self, h, residual, norm, *args):
+        x, residual = norm.add_forward(h, residual)        # the consumer's contract
+        return self(x, *args), residual
+
 
 class _MLP(_Attn):
     def forward(self, x, ctx=None):

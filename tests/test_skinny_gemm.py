@@ -8,7 +8,7 @@ products are not the GPU's); on a GPU the same tests run the compiled kernel in 
 
 import torch
 
-from triton_mode import DEV, ON_GPU  # first: chooses the interpreter before triton loads
+from triton_mode import DEV, ON_GPU, gpu_rounding  # first: picks the interpreter
 
 from unittest import mock  # noqa: E402
 
@@ -146,6 +146,53 @@ def test_gemv_rule_from_shapes():
         sg.gemv_config(1, 8, 8, 1, 132, {"SPLIT_K": 2})
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,N,K,bias", [(1, 40, 96, False), (2, 72, 256, True),
+                                        (2, 33, 200, False)])
+def test_add_norm_linear_is_the_norm_then_the_linear(T, N, K, bias, dtype):
+    """The input add + RMS norm in the GEMV's launch: h = residual + a as fused_ops'
+    add_rms_norm gives it (bitwise: program 0 stores it), y as the linear of the normed rows
+    (the normed rows differ from the norm kernel's by at most an ulp: the squares are summed
+    in another order); several feature blocks, each forming the rows itself."""
+    from helix.layers.fused_ops import add_rms_norm_torch
+    g = torch.Generator().manual_seed(T * K)
+    a = (torch.randn(T, K + 8, generator=g) * 2).to(dtype)[:, 3:3 + K]        # strided rows
+    res = (torch.randn(T, K, generator=g) * 3).to(dtype)
+    nw = (torch.rand(K, generator=g) + 0.5).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    x_ref, h_ref = add_rms_norm_torch(a, res, nw, 1e-6)
+    ref = torch.nn.functional.linear(x_ref.float(), w.float(), None if b is None else b.float())
+    with gpu_rounding():
+        y, h = sg.add_norm_linear_triton(a.to(DEV), res.to(DEV), nw.to(DEV), 1e-6, w.to(DEV),
+                                         None if b is None else b.to(DEV), dict(BLOCK_N=8))
+    assert y.shape == (T, N) and h.shape == (T, K) and y.dtype == h.dtype == dtype
+    assert torch.equal(h.cpu(), h_ref)
+    _close(y, ref, dtype)
+
+
+def test_add_norm_linear_dispatch():
+    """Off CUDA (and past GEMV_MAX_ROWS rows, with a strided residual, or NORM_IN_GEMV off)
+    add_norm_linear is add_rms_norm, then linear: the same tensors as the two calls."""
+    from helix.layers.fused_ops import add_rms_norm
+    g = torch.Generator().manual_seed(1)
+    a, res = torch.randn(2, 32, generator=g).bfloat16(), torch.randn(2, 32, generator=g).bfloat16()
+    nw, w = torch.rand(32, generator=g).bfloat16(), torch.randn(8, 32, generator=g).bfloat16()
+    y, h = sg.add_norm_linear(a, res, nw, 1e-5, w)
+    x_ref, h_ref = add_rms_norm(a, res, nw, 1e-5)
+    assert torch.equal(h, h_ref) and torch.equal(y, sg.linear(x_ref, w))
+    with mock.patch.object(sg, "use_triton", lambda t: True), \
+            mock.patch.object(sg, "linear_triton", lambda x, w, b=None: ("plain", x)), \
+            mock.patch.object(sg, "add_norm_linear_triton", lambda *args: ("fused", None)):
+        assert sg.add_norm_linear(a, res, nw, 1e-5, w)[0] == "fused"
+        res_t = res.t().contiguous().t()                          # no unit feature stride
+        assert sg.add_norm_linear(a, res_t, nw, 1e-5, w)[0][0] != "fused"
+        big = torch.randn(sg.GEMV_MAX_ROWS + 1, 32).bfloat16()
+        assert sg.add_norm_linear(big, big, nw, 1e-5, w)[0][0] == "plain"
+        with mock.patch.object(sg, "NORM_IN_GEMV", False):
+            assert sg.add_norm_linear(a, res, nw, 1e-5, w)[0][0] == "plain"
+
+
 def test_dispatch_falls_back_off_cuda_and_past_the_rows():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 32, generator=g), torch.randn(8, 32, generator=g)
@@ -218,6 +265,7 @@ with mock.patch.object(sg, "run_kernel", lambda k, g, *a, **kw: launches.append(
     sg.absorb_v_triton(e(1, 16, 512), e(16, 128, 512))              # W_UV
     with mock.patch.object(sg, "GEMV_EARLY", False):
         sg.linear_triton(e(1, 2048), e(2048, 2048))
+    sg.add_norm_linear_triton(e(1, 2048), e(1, 2048), e(2048), 1e-6, e(3648, 2048))
 out = []
 for k, a, kw in launches:
     rec = compile_sm90(k, a, dict(kw, PDL=1))
@@ -234,9 +282,9 @@ print(json.dumps(out))
 
 @pytest.mark.sm90
 def test_gemv_compiles_for_sm90_and_loads_its_weights_before_the_wait(tmp_path):
-    """DeepSeek-V2-Lite's decode GEMVs (the x projection at 1 and 2 rows, W_UV) compile for
-    sm_90 without spills; with GEMV_EARLY the weight loads come before griddepcontrol.wait,
-    without it every load comes after."""
+    """DeepSeek-V2-Lite's decode GEMVs (the x projection at 1 and 2 rows, W_UV, the x
+    projection with the input norm) compile for sm_90 without spills; with GEMV_EARLY the
+    weight loads come before griddepcontrol.wait, without it every load comes after."""
     import json
     import os
     import subprocess
@@ -253,9 +301,47 @@ def test_gemv_compiles_for_sm90_and_loads_its_weights_before_the_wait(tmp_path):
                          timeout=600, env=env, cwd=root)
     assert res.returncode == 0, res.stderr[-3000:]
     recs = json.loads(res.stdout.strip().splitlines()[-1])
-    assert [r["kernel"] for r in recs] == ["_gemv_kernel"] * 4
+    assert [r["kernel"] for r in recs] == ["_gemv_kernel"] * 5
     assert all(r["local_loads"] == 0 and r["stack_bytes"] == 0 for r in recs), recs
-    for r in recs[:3]:
+    assert recs[4]["constexprs"]["ADD_NORM"]
+    for r in recs[:3] + recs[4:]:
         wait = r["order"].index("griddepcontrol.wait")
         assert wait > 0 and r["order"].count("griddepcontrol.wait") == 1, r["order"]
     assert recs[3]["order"][0] == "griddepcontrol.wait", recs[3]["order"]
+
+
+# the interpreter takes ~25 s a decode of tiny-deepseek-v3 (its MLA, a dense layer, a MoE
+# layer); tiny-llama's GQA layers on the GPU only
+@pytest.mark.parametrize("model", ["tiny-deepseek-v3"] + (["tiny-llama"] if ON_GPU else []))
+def test_decode_with_the_input_norms_in_the_projections(model):
+    """Whole decodes (the interpreter off CUDA): the norms before the attention's input
+    projection (MLA q_a + kv_a, GQA qkv) and before a dense MLP's gate/up inside those GEMVs'
+    launches, against the decode without them (the norm kernel or formula, then the GEMM): the
+    same greedy tokens, logits to the dtype's rounding."""
+    from helix import LLM, Layout, RuntimeConfig, SamplingParams
+    dtype = "bfloat16" if ON_GPU else "float16"
+    calls = []
+    real = sg.add_norm_linear_triton
+
+    def decode():
+        rt = RuntimeConfig(device=DEV, dtype=dtype, page_size=16, max_batch=1, max_context=32)
+        with LLM(model, Layout(), rt) as llm:
+            rid = llm.add_request([5, 17, 42], SamplingParams(max_new_tokens=3, ignore_eos=True))
+            logits = []
+            while llm.has_unfinished():
+                llm.step()
+                logits.append(llm.engine.last_logits.clone())
+            return llm.outputs[rid], logits
+
+    with mock.patch.object(sg, "add_norm_linear_triton",
+                           lambda *a, **k: calls.append(a[4].shape) or real(*a, **k)):
+        with mock.patch.object(sg, "use_triton", lambda t: True):
+            fused_tokens, fused_logits = decode()
+        fused_calls = len(calls)
+        with mock.patch.object(sg, "ENABLED", False):
+            tokens, logits = decode()
+    assert fused_calls and len(calls) == fused_calls           # the second decode: none
+    assert len(set(calls)) >= 2      # the attention's input projection and a dense gate/up
+    assert fused_tokens == tokens
+    for a, b in zip(fused_logits, logits):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

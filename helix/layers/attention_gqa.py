@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from helix.config import ModelConfig
+from helix.layers.attention_input import NormedInput
 from helix.layers.cp_attention import ContextParallel
 from helix.layers.exchange import KVPExchange
 from helix.layers.hopb import overlapped
@@ -35,7 +36,7 @@ def kv_head_range(cfg: ModelConfig, tpa: int, tpa_rank: int) -> tuple[int, int]:
     return h, h + 1
 
 
-class GQAAttention(nn.Module):
+class GQAAttention(NormedInput, nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Comm, rope: RotaryEmbedding, dtype=torch.float32):
         super().__init__()
         lay, mesh = comm.mesh.layout, comm.mesh
@@ -71,16 +72,17 @@ class GQAAttention(nn.Module):
         message sizes of context-parallel prefill's pass-KV / pass-Q rule."""
         return 2 * self.hkv * self.d, self.hq * (self.d + 1)
 
-    def forward(self, x, pos, meta, cache, backend, ctx=None):
-        """x [T, D] replicated, pos [T] global positions -> [T, D] replicated. With a pass-KV
-        plan (meta.cp) this rank projects only the decode rows and the chunk positions it owns."""
-        T = x.shape[0]
+    @property
+    def in_proj(self):
+        return self.qkv_proj
+
+    def attend_projected(self, y, pos, T, meta, cache, backend, ctx=None):
+        """y [R, q + k + v] the projection of the rows this rank projects (NormedInput), pos
+        [R] their global positions -> [T, D] replicated."""
         cp = meta.cp
-        if cp is not None:
-            x, pos = x[cp.rows], pos[cp.rows]
-        R = x.shape[0]
+        R = y.shape[0]
         with phase("qkv"):
-            q, k, v = self.qkv_proj(x)                      # one GEMM, three views
+            q, k, v = y.split(self.qkv_proj.sizes, dim=-1)              # one GEMM, three views
             q = q.view(R, self.hq, self.d)
             k = k.view(R, self.hkv, self.d)
             v = v.view(R, self.hkv, self.d)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from helix.config import ModelConfig
+from helix.layers.attention_input import NormedInput
 from helix.layers.cp_attention import ContextParallel
 from helix.layers.exchange import KVPExchange
 from helix.layers.hopb import overlapped
@@ -31,7 +32,7 @@ from helix.parallel.comm import Comm
 from helix.tracing import phase
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(NormedInput, nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Comm, rope: RotaryEmbedding, dtype=torch.float32):
         super().__init__()
         lay, mesh = comm.mesh.layout, comm.mesh
@@ -92,21 +93,22 @@ class MLAAttention(nn.Module):
         the message sizes of context-parallel prefill's pass-KV / pass-Q rule."""
         return self.lora + self.rdim, self.hq * (self.lora + 1)
 
-    def forward(self, x, pos, meta, cache, backend, ctx=None):
-        """x [T, D] replicated, pos [T] -> [T, D] replicated. With a pass-KV plan (meta.cp)
-        this rank projects only the decode rows and the chunk positions it owns."""
-        T = x.shape[0]
+    @property
+    def in_proj(self):
+        return self.x_proj
+
+    def attend_projected(self, y, pos, T, meta, cache, backend, ctx=None):
+        """y [R, q (or q_lora) + Dl + Dr] the projection of x for the rows this rank projects
+        (NormedInput), pos [R] their positions -> [T, D] replicated."""
         cp = meta.cp
-        if cp is not None:
-            x, pos = x[cp.rows], pos[cp.rows]
-        R = x.shape[0]
+        R = y.shape[0]
         D = meta.num_decode
         plan = None       # the chunks' local key counts when they run the decompressed form
         if cp is None and not meta.is_decode:
             plan = decompress_plan(meta.split()[1] if D else meta, self.hq, self.dims)
         w_uk, w_uv = self._w_uk_uv()
         with phase("qkv"):
-            q, ckv = self.x_proj(x)                      # [R, q_lora or hq * qk], [R, Dl + Dr]
+            q, ckv = y.split(self.x_proj.sizes, dim=-1)   # [R, q_lora or hq * qk], [R, Dl + Dr]
             if self.q_lora:
                 q = self.q_b_proj(self.q_a_layernorm(q))
             q = q.view(R, self.hq, self.nope + self.rdim)

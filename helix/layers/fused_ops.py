@@ -88,6 +88,27 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 # -- kernels -------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    # The add + RMS norm rule for kernels that form a norm's output themselves (the router's
+    # and the GEMV's prologues), in _rms_norm_kernel's roundings: h = residual + x rounded to
+    # h's dtype, y = (h * rstd rounded to h's dtype) * weight, rounded to y's dtype.
+    @triton.jit
+    def _added(x_rows, r_rows, dd, m, h_dt: tl.constexpr):
+        """h [BT, BD] = residual + x rounded to h_dt: row pointers [BT, 1], features dd."""
+        return (tl.load(x_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)
+                + tl.load(r_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)).to(h_dt)
+
+    @triton.jit
+    def _rstd(ss, inv_d, eps):
+        """1 / sqrt(mean of squares + eps) from the rows' sums of squares ss."""
+        return tl.div_rn(1.0, tl.sqrt_rn(ss * inv_d + eps))
+
+    @triton.jit
+    def _normed(h, rstd, nw_ptr, dd, dmask, h_dt: tl.constexpr, y_dt: tl.constexpr):
+        """y [BT, BD] = (h * rstd rounded to h_dt) * norm weight, rounded to y_dt."""
+        xn = (h.to(tl.float32) * rstd[:, None]).to(h_dt).to(tl.float32)
+        nw = tl.load(nw_ptr + dd, mask=dmask, other=0.0).to(tl.float32)
+        return (xn * nw[None, :]).to(y_dt)
+
     @triton.jit
     def _norm_input(x_row, r_row, h_row, cols, m, sxd, srd,
                     HAS_RES: tl.constexpr, STORE_RES: tl.constexpr):

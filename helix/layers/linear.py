@@ -3,7 +3,8 @@
 ColumnShard: this rank holds output features [start, stop) of the checkpoint's weight; no comm.
 RowShard:    this rank holds input features [start, stop); the partial products are summed with
              an all-reduce over `axis` inside forward (bias added once, after the reduce).
-MergedColumn: several column shards (or whole weights) of one input in ONE GEMM; no comm.
+MergedColumn: several column shards (or whole weights) of one input in ONE GEMM; no comm;
+             add_norm_joint takes the RMS norm before it (and its residual add) in the launch.
 The product is helix.layers.skinny_gemm.linear: F.linear, or one PDL Triton launch for
 decode-sized rows on CUDA.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from helix.layers.skinny_gemm import linear
+from helix.layers.skinny_gemm import add_norm_linear, linear
 from helix.layers.weights import load_full, sliced_loader
 from helix.parallel.comm import Comm
 
@@ -69,6 +70,11 @@ class MergedColumnLinear(nn.Module):
     def joint(self, x):
         """-> [T, sum of parts]: the parts side by side, as one tensor."""
         return linear(x, self.weight, self.bias)
+
+    def add_norm_joint(self, a, residual, norm):
+        """-> (joint(norm(residual + a)), residual + a) for an RMSNorm `norm`: the residual add
+        and the norm in the GEMM's launch where skinny_gemm.add_norm_linear can."""
+        return add_norm_linear(a, residual, norm.weight, norm.eps, self.weight, self.bias)
 
     def forward(self, x):
         """-> one [T, size_i] view per part."""

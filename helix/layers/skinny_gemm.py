@@ -47,7 +47,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from helix.layers.fused_ops import use_triton
+from helix.layers.fused_ops import add_rms_norm, use_triton
 from helix.triton_util import (HAS_TRITON, arrival_counters, pdl_sync, pow2, prefetch_l2,
                                prefetching, run_kernel, tl, triton)
 
@@ -62,8 +62,11 @@ GEMV_EARLY = True              # its weight tile loaded before the PDL wait
 GEMV_MAX_ROWS = 2              # measured: slower than the skinny kernel at 4 rows
 GEMV_MAX_K = 4096
 GEMV_TUNABLES = ("TILE", "BLOCK_N", "num_warps")
+NORM_IN_GEMV = True            # add_norm_linear: the input norm in the GEMV's launch
 
 if HAS_TRITON:
+    from helix.layers.fused_ops import _added, _normed, _rstd
+
     @triton.jit
     def _skinny_program(nb, ks, g, n_blocks, G,
                         x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
@@ -145,16 +148,21 @@ if HAS_TRITON:
 
 
     @triton.jit(do_not_specialize=["T"])
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, T, N, K,
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, h_ptr, T, N, K, inv_k, eps,
                      sxt, sxg,                      # x [T, G, K] (unit stride along K)
                      swg, swn,                      # W [G, N, K] (unit stride along K)
                      syt, syg,                      # y [T, G, N] (unit stride along N)
-                     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr = False):
+                     srt,                           # ADD_NORM: residual [T, K], h [T, K]
+                     HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY: tl.constexpr,
+                     PDL: tl.constexpr = False):
         """y[t, g, n] = sum_k x[t, g, k] W[g, n, k] (+ bias[n]) for t < T <= ROWS and
         K <= BLOCK_K: program (nb, g) loads its whole [BLOCK_N, K] weight tile in one go
         (EARLY: before the PDL wait; weights are no kernel's output), then takes the products
-        row by row in fp32 registers (no shared memory, no split, no second pass)."""
+        row by row in fp32 registers (no shared memory, no split, no second pass).
+        ADD_NORM (G = 1): x is the decoder's input norm of h = residual + x, which every
+        program forms from the whole row it holds anyway (fused_ops' add + RMS norm rule);
+        program 0 stores h (contiguous rows) for the next layer."""
         nb = tl.program_id(0)
         g = tl.program_id(1).to(tl.int64)
         n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -172,8 +180,20 @@ if HAS_TRITON:
             b = tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)
         for r in tl.static_range(ROWS):
             live = tl.full([BLOCK_K], r, tl.int32) < T
-            x = tl.load(x_ptr + r * sxt + g * sxg + k, mask=kmask & live, other=0.0)
-            y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            if ADD_NORM:
+                m = (kmask & live)[None, :]
+                one = tl.zeros([1, 1], dtype=tl.int64)
+                h = _added(one + x_ptr + r * sxt, one + r_ptr + r * srt, k, m,
+                           h_ptr.dtype.element_ty)                                # [1, BK]
+                v = h.to(tl.float32)
+                x = _normed(h, _rstd(tl.sum(v * v, axis=1), inv_k, eps), nw_ptr, k, kmask,
+                            h_ptr.dtype.element_ty, x_ptr.dtype.element_ty)
+                if nb == 0:
+                    tl.store(h_ptr + r * K + k[None, :], h, mask=m)
+            else:
+                x = tl.load(x_ptr + r * sxt + g * sxg + k, mask=kmask & live,
+                            other=0.0)[None, :]
+            y = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
             if HAS_BIAS:
                 y += b
             tl.store(y_ptr + r * syt + g * syg + n, y.to(y_ptr.dtype.element_ty),
@@ -212,9 +232,10 @@ def gemv_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def gemv_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                y: torch.Tensor, config: dict | None = None):
+                y: torch.Tensor, config: dict | None = None, add_norm=None):
     """-> (grid, args, meta) of _gemv_kernel for skinny_launch's contract where gemv_fits;
-    None when y is empty."""
+    None when y is empty. add_norm = (residual [T, K], norm weight [K], eps, h [T, K]): x is
+    the input of the add + norm (G = 1), h its residual output."""
     from helix.attention.triton_splits import sm_count_of
     T, G, K = x.shape
     N = w.shape[1]
@@ -224,9 +245,13 @@ def gemv_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     if y.numel() == 0:
         return None
     cfg = gemv_config(T, N, K, G, sm_count_of(x.device), config)
-    args = (x, w, bias if bias is not None else w, y, T, N, K, x.stride(0), x.stride(1),
-            w.stride(0), w.stride(1), y.stride(0), y.stride(1))
-    meta = dict(HAS_BIAS=bias is not None, ROWS=pow2(T), EARLY=GEMV_EARLY, **cfg)
+    res, nw, eps, h = add_norm if add_norm is not None else (x, x, 0.0, x)
+    assert add_norm is None or (G == 1 and res.stride(-1) == 1 and h.is_contiguous())
+    args = (x, w, bias if bias is not None else w, y, res, nw, h, T, N, K, 1.0 / K, float(eps),
+            x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
+            res.stride(0))
+    meta = dict(HAS_BIAS=bias is not None, ADD_NORM=add_norm is not None, ROWS=pow2(T),
+                EARLY=GEMV_EARLY, **cfg)
     return (-(-N // cfg["BLOCK_N"]), G), args, meta
 
 
@@ -306,6 +331,17 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     return y
 
 
+def add_norm_linear_triton(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
+                           eps: float, w: torch.Tensor, bias: torch.Tensor | None = None,
+                           config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_norm_linear in one _gemv_kernel launch (its ADD_NORM prologue)."""
+    h = torch.empty(a.shape, dtype=residual.dtype, device=a.device)
+    y = torch.empty((a.shape[0], w.shape[0]), dtype=a.dtype, device=a.device)
+    _run(gemv_launch(a[:, None], w[None], bias, y[:, None], config, (residual, norm_w, eps, h)),
+         _gemv_kernel)
+    return y, h
+
+
 def absorb_q_launch(q: torch.Tensor, w_uk: torch.Tensor, config: dict | None = None):
     """-> (y [T, h, N], skinny_launch of W_UK's absorption into it)."""
     T, H, _ = q.shape
@@ -345,6 +381,22 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
             and (bias is None or bias.dtype == x.dtype)):
         return linear_triton(x, w, bias)
     return F.linear(x, w, bias)
+
+
+def add_norm_linear(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                    w: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(residual + a) * norm_w, w, bias), residual + a): the decoder's residual
+    add and RMS norm before a projection, in the GEMV's launch (NORM_IN_GEMV) where linear
+    takes the GEMV and every operand has one 16-bit dtype; elsewhere fused_ops.add_rms_norm,
+    then linear."""
+    if (NORM_IN_GEMV and a.dim() == 2 and _fits(a, w, a.shape[0]) and w.stride(1) == 1
+            and gemv_fits(a[:, None], w[None]) and residual.shape == a.shape
+            and residual.stride(1) == 1 and residual.dtype == norm_w.dtype == a.dtype
+            and norm_w.stride(0) == 1 and (bias is None or bias.dtype == a.dtype)):
+        return add_norm_linear_triton(a, residual, norm_w, eps, w, bias)
+    x, h = add_rms_norm(a, residual, norm_w, eps)
+    return linear(x, w, bias), h
 
 
 def absorb_q(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from helix.triton_util import arrival_counters
-from helix.layers.fused_ops import _exp_f32
+from helix.layers.fused_ops import _added, _exp_f32, _normed, _rstd
 from helix.triton_util import pdl_sync, pow2, prefetch_l2, prefetching, run_kernel
 
 BIG = tl.constexpr(1 << 30)   # "no expert": above every id
@@ -163,26 +163,6 @@ def _route_select_kernel(lg_ptr, stride_lt, T, bias_ptr, w_ptr, id_ptr, stride_w
     _select_rows(lg_ptr, stride_lt, tl.program_id(0) * BLOCK_T, T, bias_ptr, w_ptr, id_ptr,
                  stride_wt, stride_it, EG, G, scaling, K, SIGMOID, GROUP_RULE, TOPK_GROUP,
                  NORM, HAS_BIAS, False, BLOCK_T, BLOCK_G, BLOCK_EG, BLOCK_K)
-
-
-@triton.jit
-def _added(x_rows, r_rows, dd, m, h_dt: tl.constexpr):
-    """h [BT, BD] = residual + x rounded to h_dt (fused_ops' add_rms_norm rule)."""
-    return (tl.load(x_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)
-            + tl.load(r_rows + dd[None, :], mask=m, other=0.0).to(tl.float32)).to(h_dt)
-
-
-@triton.jit
-def _rstd(ss, inv_d, eps):
-    return tl.div_rn(1.0, tl.sqrt_rn(ss * inv_d + eps))
-
-
-@triton.jit
-def _normed(h, rstd, nw_ptr, dd, dmask, h_dt: tl.constexpr, y_dt: tl.constexpr):
-    """y = (h * rstd rounded to h_dt) * norm weight, rounded to y_dt (add_rms_norm's rule)."""
-    xn = (h.to(tl.float32) * rstd[:, None]).to(h_dt).to(tl.float32)
-    nw = tl.load(nw_ptr + dd, mask=dmask, other=0.0).to(tl.float32)
-    return (xn * nw[None, :]).to(y_dt)
 
 
 @triton.jit(do_not_specialize=["T"])

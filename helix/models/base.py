@@ -23,19 +23,18 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, pos, meta, cache, backend, ctx=None, residual=None):
         """-> (out, residual): this layer's hidden state is out + residual. The residual adds are
-        left to the next norm, which fuses them (RMSNorm.add_forward: one kernel on CUDA):
-        residual=None means h is the whole hidden state (the first layer)."""
+        left to the next norm, which fuses them (RMSNorm.add_forward: one kernel on CUDA), and
+        the norm to its consumer where that launch can take it (the attention's input
+        projection, the router, the MLP's gate/up: their add_norm_forward): residual=None
+        means h is the whole hidden state (the first layer)."""
         if residual is None:
-            x, residual = self.input_layernorm(h), h
-        else:
-            x, residual = self.input_layernorm.add_forward(h, residual)
-        a = self.self_attn(x, pos, meta, cache, backend, ctx)
-        if self.ffn_phase == "moe":       # the router's launch can take the add + norm
-            with phase(self.ffn_phase):
-                return self.mlp.add_norm_forward(a, residual, self.post_attention_layernorm, ctx)
-        x, residual = self.post_attention_layernorm.add_forward(a, residual)
-        with phase(self.ffn_phase):
-            return self.mlp(x, ctx), residual
+            a = self.self_attn(self.input_layernorm(h), pos, meta, cache, backend, ctx)
+            residual = h
+        else:                             # the input projection's launch can take the add + norm
+            a, residual = self.self_attn.add_norm_forward(h, residual, self.input_layernorm, pos,
+                                                          meta, cache, backend, ctx)
+        with phase(self.ffn_phase):       # the router's or gate/up's launch: likewise
+            return self.mlp.add_norm_forward(a, residual, self.post_attention_layernorm, ctx)
 
 
 class DecoderStack(nn.Module):
