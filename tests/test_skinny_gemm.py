@@ -172,8 +172,9 @@ def test_add_norm_linear_is_the_norm_then_the_linear(T, N, K, bias, dtype):
 
 
 def test_add_norm_linear_dispatch():
-    """Off CUDA (and past GEMV_MAX_ROWS rows, with a strided residual, or NORM_IN_GEMV off)
-    add_norm_linear is add_rms_norm, then linear: the same tensors as the two calls."""
+    """Off CUDA (and past GEMV_MAX_ROWS rows, with a strided residual, NORM_IN_GEMV off, or
+    fewer than NORM_MIN_ROWS weight rows a program: Llama-8B's qkv) add_norm_linear is
+    add_rms_norm, then linear: the same tensors as the two calls."""
     from helix.layers.fused_ops import add_rms_norm
     g = torch.Generator().manual_seed(1)
     a, res = torch.randn(2, 32, generator=g).bfloat16(), torch.randn(2, 32, generator=g).bfloat16()
@@ -191,6 +192,13 @@ def test_add_norm_linear_dispatch():
         assert sg.add_norm_linear(big, big, nw, 1e-5, w)[0][0] == "plain"
         with mock.patch.object(sg, "NORM_IN_GEMV", False):
             assert sg.add_norm_linear(a, res, nw, 1e-5, w)[0][0] == "plain"
+        with mock.patch.object(sg, "NORM_MIN_ROWS", 10 ** 6):      # tiles of too few rows
+            assert sg.add_norm_linear(a, res, nw, 1e-5, w)[0][0] == "plain"
+    from helix.attention import triton_splits
+    with mock.patch.object(triton_splits, "sm_count_of", lambda device: 132):
+        m = dict(device="meta", dtype=torch.bfloat16)
+        assert sg._gemv_rows(torch.empty(1, 2048, **m), torch.empty(3648, 2048, **m)) == 4
+        assert sg._gemv_rows(torch.empty(1, 4096, **m), torch.empty(6144, 4096, **m)) == 2
 
 
 def test_dispatch_falls_back_off_cuda_and_past_the_rows():

@@ -63,6 +63,7 @@ GEMV_MAX_ROWS = 2              # measured: slower than the skinny kernel at 4 ro
 GEMV_MAX_K = 4096
 GEMV_TUNABLES = ("TILE", "BLOCK_N", "num_warps")
 NORM_IN_GEMV = True            # add_norm_linear: the input norm in the GEMV's launch
+NORM_MIN_ROWS = 4              # ... where a program's weight tile has at least this many rows
 
 if HAS_TRITON:
     from helix.layers.fused_ops import _added, _normed, _rstd
@@ -331,6 +332,12 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     return y
 
 
+def _gemv_rows(x: torch.Tensor, w: torch.Tensor) -> int:
+    """The weight rows a program of the GEMV of x [T, K] with w [N, K] holds (gemv_config)."""
+    from helix.attention.triton_splits import sm_count_of
+    return gemv_config(x.shape[0], w.shape[0], w.shape[1], 1, sm_count_of(x.device))["BLOCK_N"]
+
+
 def add_norm_linear_triton(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
                            eps: float, w: torch.Tensor, bias: torch.Tensor | None = None,
                            config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -388,12 +395,16 @@ def add_norm_linear(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tenso
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(residual + a) * norm_w, w, bias), residual + a): the decoder's residual
     add and RMS norm before a projection, in the GEMV's launch (NORM_IN_GEMV) where linear
-    takes the GEMV and every operand has one 16-bit dtype; elsewhere fused_ops.add_rms_norm,
-    then linear."""
+    takes the GEMV, every operand has one 16-bit dtype and a program's weight tile has at
+    least NORM_MIN_ROWS rows; elsewhere fused_ops.add_rms_norm, then linear. Every program
+    re-reads the whole rows it normalises: on the H200 that paid with DeepSeek-V2-Lite's x
+    projection (4 rows of 2048 a program: 1 x 32K 2.552 -> 2.531 ms) and lost with Llama-3.1-8B's
+    qkv (2 rows of 4096: 5.484 -> 5.641 ms; profiling/results/gemv.md)."""
     if (NORM_IN_GEMV and a.dim() == 2 and _fits(a, w, a.shape[0]) and w.stride(1) == 1
             and gemv_fits(a[:, None], w[None]) and residual.shape == a.shape
             and residual.stride(1) == 1 and residual.dtype == norm_w.dtype == a.dtype
-            and norm_w.stride(0) == 1 and (bias is None or bias.dtype == a.dtype)):
+            and norm_w.stride(0) == 1 and (bias is None or bias.dtype == a.dtype)
+            and _gemv_rows(a, w) >= NORM_MIN_ROWS):
         return add_norm_linear_triton(a, residual, norm_w, eps, w, bias)
     x, h = add_rms_norm(a, residual, norm_w, eps)
     return linear(x, w, bias), h
