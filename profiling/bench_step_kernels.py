@@ -260,7 +260,8 @@ def _floor_bytes(llm, batch: int, context: int) -> float:
 STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-gluon-simple", "after-nopdl", "after-cublas", "after-nopdl-cublas",
               "after-pdl-wait", "after-pdl-early", "after-pdl-prefetch", "after-noabsorbrow",
-              "after-nogemv", "after-gemv-late", "after-router-chunked", "after-nonormgemv")
+              "after-nogemv", "after-gemv-late", "after-router-chunked", "after-nonormgemv",
+              "after-noonetile")
 
 
 def set_kernels(mode: str) -> None:
@@ -279,7 +280,9 @@ def set_kernels(mode: str) -> None:
     loading its weights after the PDL wait (skinny_gemm.GEMV_EARLY off); 'after-router-chunked':
     the fused router over D in chunks, its weight read after the wait (triton_router.ONE_TILE
     off); 'after-nonormgemv': the input norms as their own launches, not in the GEMV's
-    (skinny_gemm.NORM_IN_GEMV off)."""
+    (skinny_gemm.NORM_IN_GEMV off); 'after-noonetile': none of the one-tile kernels that load
+    their weights before the wait (the GEMV, so the norm in it too, and the one-tile router
+    off: the kernels of 6f0a1b1)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -293,9 +296,9 @@ def set_kernels(mode: str) -> None:
     triton_util.FLAGS = triton_util.PDL_MODES[pdl_mode] if pdl_mode else _FLAGS
     skinny_gemm.ENABLED = _SKINNY and mode not in ("after-cublas", "after-nopdl-cublas")
     fused_mla.FUSE_ABSORB = mode not in ("before", "after-noabsorbrow")
-    skinny_gemm.GEMV = _GEMV and mode not in ("before", "after-nogemv")
+    skinny_gemm.GEMV = _GEMV and mode not in ("before", "after-nogemv", "after-noonetile")
     skinny_gemm.GEMV_EARLY = mode != "after-gemv-late"
-    tr.ONE_TILE = mode not in ("before", "after-router-chunked")
+    tr.ONE_TILE = mode not in ("before", "after-router-chunked", "after-noonetile")
     skinny_gemm.NORM_IN_GEMV = mode not in ("before", "after-nonormgemv")
 
 

@@ -110,9 +110,11 @@ def test_kernel_switch(monkeypatch):
     monkeypatch.setattr(skinny_gemm, "NORM_IN_GEMV", True)
     bench.set_kernels("after-nonormgemv")          # the input norms: their own launches
     assert not skinny_gemm.NORM_IN_GEMV and skinny_gemm.GEMV and triton_router.ONE_TILE
+    bench.set_kernels("after-noonetile")           # neither one-tile kernel
+    assert not skinny_gemm.GEMV and not triton_router.ONE_TILE and skinny_gemm.ENABLED
     bench.set_kernels("after")
     assert triton_util.PDL and skinny_gemm.ENABLED and triton_router.ONE_TILE
-    assert skinny_gemm.NORM_IN_GEMV
+    assert skinny_gemm.NORM_IN_GEMV and skinny_gemm.GEMV
     assert triton_util.FLAGS == triton_util.PDL_MODES["full"]
     assert fused_mla.FUSE_ABSORB and skinny_gemm.GEMV and skinny_gemm.GEMV_EARLY
     with pytest.raises(SystemExit):
