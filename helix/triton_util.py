@@ -12,7 +12,9 @@ has finished and its writes are visible (griddepcontrol.wait), and then lets the
 start the same way (griddepcontrol.launch_dependents). The rule, written once here:
   - a kernel opts in by declaring `PDL: tl.constexpr = False` and calling `pdl_sync(PDL)`
     before its first load or store (so it reads nothing an earlier kernel writes, and writes
-    nothing an earlier kernel still reads, before the wait);
+    nothing an earlier kernel still reads, before the wait). The one exception: loads of bytes
+    NO kernel of a step writes (weights) may come first, as in the one-tile GEMV
+    (skinny_gemm._gemv_kernel) and router, whose weight tiles stream under the previous kernel;
   - `run_kernel` launches such a kernel with PDL=True and launch_pdl where `pdl_enabled`
     (CUDA, compute capability >= 9, HELIX_PDL not "0"); everywhere else PDL=False, the call
     compiles away, and the launch is an ordinary one.
