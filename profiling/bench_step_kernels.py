@@ -261,7 +261,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-gluon-simple", "after-nopdl", "after-cublas", "after-nopdl-cublas",
               "after-pdl-wait", "after-pdl-early", "after-pdl-prefetch", "after-noabsorbrow",
               "after-nogemv", "after-gemv-late", "after-router-chunked", "after-nonormgemv",
-              "after-noonetile")
+              "after-noonetile", "after-nogluon")
 
 
 def set_kernels(mode: str) -> None:
@@ -282,7 +282,8 @@ def set_kernels(mode: str) -> None:
     off); 'after-nonormgemv': the input norms as their own launches, not in the GEMV's
     (skinny_gemm.NORM_IN_GEMV off); 'after-noonetile': none of the one-tile kernels that load
     their weights before the wait (the GEMV, so the norm in it too, and the one-tile router
-    off: the kernels of 6f0a1b1)."""
+    off: the kernels of 6f0a1b1); 'after-nogluon': absorbed MLA decode on triton_mla, not the
+    Gluon kernel (HELIX_MLA_GLUON=0 for the engines built in this mode)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -300,6 +301,12 @@ def set_kernels(mode: str) -> None:
     skinny_gemm.GEMV_EARLY = mode != "after-gemv-late"
     tr.ONE_TILE = mode not in ("before", "after-router-chunked", "after-noonetile")
     skinny_gemm.NORM_IN_GEMV = mode not in ("before", "after-nonormgemv")
+    if mode == "after-nogluon":
+        os.environ["HELIX_MLA_GLUON"] = "0"
+    elif _MLA_GLUON is None:
+        os.environ.pop("HELIX_MLA_GLUON", None)
+    else:
+        os.environ["HELIX_MLA_GLUON"] = _MLA_GLUON
 
 
 _NEW_FORWARD = rt.Router.forward
@@ -308,6 +315,7 @@ _PDL = triton_util.PDL
 _FLAGS = triton_util.FLAGS
 _SKINNY = skinny_gemm.ENABLED
 _GEMV = skinny_gemm.GEMV
+_MLA_GLUON = os.environ.get("HELIX_MLA_GLUON")
 
 
 def _legacy_forward(self, x):
