@@ -105,8 +105,23 @@ def layer_inputs(batch: int, heads: int, ctx: int, layers: int, gen, tail_tokens
     return out
 
 
-def small_variants(batch: int, ctx: int, sms: int):
-    """(name, fn(layer inputs) -> None) of every variant timed at one shape."""
+def flagged(fn, **flags):
+    """fn run with gluon_mla's module flags set to `flags` (restored after each call)."""
+    def run(x):
+        saved = {k: getattr(gluon_mla, k) for k in flags}
+        for k, v in flags.items():
+            setattr(gluon_mla, k, v)
+        try:
+            return fn(x)
+        finally:
+            for k, v in saved.items():
+                setattr(gluon_mla, k, v)
+    return run
+
+
+def small_variants(batch: int, ctx: int, sms: int, full: bool):
+    """(name, fn(layer inputs) -> None) of every variant timed at one shape (full: with the
+    few-heads kernel's split / tile variants, all three stream depths)."""
     auto = fill_num_splits(batch, 1, ctx, sms, min_tokens=128, max_splits=128)
     v = []
 
@@ -114,13 +129,14 @@ def small_variants(batch: int, ctx: int, sms: int):
         return lambda x: triton_mla_few.mla_decode_few(*x, SCALE, num_splits=splits, config=cfg)
 
     v.append(("few", few()))
-    for s in (16, 32, 64, 256):
-        if s != auto and s * 128 <= batch * ctx * 2:
-            v.append((f"few-s{s}", few(splits=s)))
-    v.append(("few-bn32-st3", few(dict(BLOCK_N=32, num_stages=3, min_tokens=64))))
-    v.append(("few-bn32-st4", few(dict(BLOCK_N=32, num_stages=4, min_tokens=64))))
-    v.append(("few-w8", few(dict(num_warps=8))))
-    v.append(("few-bf16-partials", few(dict(partial_dtype=torch.bfloat16))))
+    if full:
+        for s in (16, 32, 64, 256):
+            if s != auto and s * 128 <= batch * ctx * 2:
+                v.append((f"few-s{s}", few(splits=s)))
+        v.append(("few-bn32-st3", few(dict(BLOCK_N=32, num_stages=3, min_tokens=64))))
+        v.append(("few-bn32-st4", few(dict(BLOCK_N=32, num_stages=4, min_tokens=64))))
+        v.append(("few-w8", few(dict(num_warps=8))))
+        v.append(("few-bf16-partials", few(dict(partial_dtype=torch.bfloat16))))
 
     def few_kernel_only(x):
         # the split kernel without the reduce: the reduce's cost is the difference
@@ -137,8 +153,14 @@ def small_variants(batch: int, ctx: int, sms: int):
     v.append(("few-kernel-only", few_kernel_only))
     if gluon_mla.gluon_available(torch.device("cuda")):
         v.append(("gluon", lambda x: gluon_mla.mla_decode_gluon(*x, SCALE)))
+        v.append(("gluon-nopdl", flagged(lambda x: gluon_mla.mla_decode_gluon(*x, SCALE),
+                                         PDL=False)))
+        v.append(("gluon-kv-late", flagged(lambda x: gluon_mla.mla_decode_gluon(*x, SCALE),
+                                           KV_EARLY=False)))
+        v.append(("gluon-7a34bf8", flagged(lambda x: gluon_mla.mla_decode_gluon(*x, SCALE),
+                                           PDL=False, MAX_SPLITS=64)))
     outs = {}
-    for stages in (2, 3, 4):
+    for stages in ((2, 3, 4) if full else (2,)):
         def st(x, stages=stages):
             o = outs.setdefault(id(x[2]), torch.empty(batch * 256, device="cuda"))
             stream(x[2], x[3], x[4], o, auto, stages=stages)
@@ -161,7 +183,7 @@ def bench_small(args, copy_bw: float) -> list[dict]:
             layers = args.layers
             xs = layer_inputs(batch, HEADS, ctx, layers, gen)
             nbytes = batch * ctx * (DL + DR) * 2
-            variants, auto = small_variants(batch, ctx, sms)
+            variants, auto = small_variants(batch, ctx, sms, args.all_variants)
             ref = triton_mla_few.mla_decode_few(*xs[0], SCALE)[0].float()
             for name, fn in variants:
                 try:
@@ -226,6 +248,8 @@ def main(argv=None):
     p.add_argument("--contexts", default="1024,8192,32768,131072")
     p.add_argument("--layers", type=int, default=27)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--all-variants", action="store_true",
+                   help="the few-heads kernel's split / tile variants and every stream depth")
     p.add_argument("--pair-shapes", default="8x524288,32x524288,64x262144,64x524288",
                    help="batch x context of part pairs")
     args = p.parse_args(argv)

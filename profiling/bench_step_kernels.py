@@ -261,7 +261,8 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-gluon-simple", "after-nopdl", "after-cublas", "after-nopdl-cublas",
               "after-pdl-wait", "after-pdl-early", "after-pdl-prefetch", "after-noabsorbrow",
               "after-nogemv", "after-gemv-late", "after-router-chunked", "after-nonormgemv",
-              "after-noonetile", "after-nogluon")
+              "after-noonetile", "after-nogluon", "after-gluon-nopdl", "after-gluon-kv-late",
+              "after-few-batch1", "after-attn-7a34bf8")
 
 
 def set_kernels(mode: str) -> None:
@@ -283,7 +284,11 @@ def set_kernels(mode: str) -> None:
     (skinny_gemm.NORM_IN_GEMV off); 'after-noonetile': none of the one-tile kernels that load
     their weights before the wait (the GEMV, so the norm in it too, and the one-tile router
     off: the kernels of 6f0a1b1); 'after-nogluon': absorbed MLA decode on triton_mla, not the
-    Gluon kernel (HELIX_MLA_GLUON=0 for the engines built in this mode)."""
+    Gluon kernel (HELIX_MLA_GLUON=0 for the engines built in this mode); 'after-gluon-nopdl':
+    the Gluon kernel launched without PDL (gluon_mla.PDL off); 'after-gluon-kv-late': with PDL
+    but every KV tile loaded after the wait (gluon_mla.KV_EARLY off); 'after-few-batch1': the
+    few-heads kernel at batch 1 (triton_backend.GLUON_FEW_HEADS_FROM_BATCH = 2);
+    'after-attn-7a34bf8': all three, and Gluon's 64-split cap: the MLA decode of 7a34bf8."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -301,6 +306,12 @@ def set_kernels(mode: str) -> None:
     skinny_gemm.GEMV_EARLY = mode != "after-gemv-late"
     tr.ONE_TILE = mode not in ("before", "after-router-chunked", "after-noonetile")
     skinny_gemm.NORM_IN_GEMV = mode not in ("before", "after-nonormgemv")
+    start = mode == "after-attn-7a34bf8"
+    gluon_mla.PDL = mode not in ("after-gluon-nopdl",) and not start
+    gluon_mla.KV_EARLY = mode != "after-gluon-kv-late"
+    gluon_mla.MAX_SPLITS = 64 if start else _GLUON_MAX_SPLITS
+    triton_backend.GLUON_FEW_HEADS_FROM_BATCH = (2 if start or mode == "after-few-batch1"
+                                                 else _FEW_FROM_BATCH)
     if mode == "after-nogluon":
         os.environ["HELIX_MLA_GLUON"] = "0"
     elif _MLA_GLUON is None:
@@ -316,6 +327,8 @@ _FLAGS = triton_util.FLAGS
 _SKINNY = skinny_gemm.ENABLED
 _GEMV = skinny_gemm.GEMV
 _MLA_GLUON = os.environ.get("HELIX_MLA_GLUON")
+_GLUON_MAX_SPLITS = gluon_mla.MAX_SPLITS
+_FEW_FROM_BATCH = triton_backend.GLUON_FEW_HEADS_FROM_BATCH
 
 
 def _legacy_forward(self, x):

@@ -109,15 +109,19 @@ def resources(cc) -> dict:
                 setmaxnreg=[" ".join(m.split()) for m in
                             re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+", ptx)],
                 tma_loads=ptx.count("cp.async.bulk.tensor"),
+                gdc_waits=ptx.count("griddepcontrol.wait"),
+                gdc_launches=ptx.count("griddepcontrol.launch_dependents"),
                 tensordesc_meta=getattr(cc.metadata, "tensordesc_meta", None),
                 num_warps=cc.metadata.num_warps)
 
 
-def check(variant: str, page: int, heads: int = 128, num_splits: int = 2) -> dict:
-    """One compile: its resources, or its full error text."""
-    rec = dict(variant=variant, page=page, heads=heads, num_splits=num_splits)
+def check(variant: str, page: int, heads: int = 128, num_splits: int = 2, pdl: int = 0) -> dict:
+    """One compile (`pdl`: the kernel's PDL value, as run_kernel passes it on an sm_90 device):
+    its resources, or its full error text."""
+    rec = dict(variant=variant, page=page, heads=heads, num_splits=num_splits, pdl=pdl)
     try:
         kernel, args, meta = record_launch(heads, page, variant, num_splits)
+        meta["PDL"] = pdl
         rec.update(ok=True, **compile_sm90(kernel, args, meta))
     except Exception:  # noqa: BLE001 - the point is to report any failure in full
         rec.update(ok=False, error=traceback.format_exc())
@@ -129,13 +133,17 @@ def main():
     p.add_argument("--variants", default="seesaw,simple")
     p.add_argument("--pages", default="64")
     p.add_argument("--splits", default="2", help="1 writes bf16 O directly, >1 fp32 partials")
+    p.add_argument("--pdl", default="0", help="comma list of PDL values (0 off, 1 on, 9 on "
+                                                "with every KV tile after the wait)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    recs = [check(v, int(pg), num_splits=int(s)) for v in args.variants.split(",")
-            for pg in args.pages.split(",") for s in args.splits.split(",")]
+    recs = [check(v, int(pg), num_splits=int(s), pdl=int(d)) for v in args.variants.split(",")
+            for pg in args.pages.split(",") for s in args.splits.split(",")
+            for d in args.pdl.split(",")]
     for r in recs:
         if r["ok"]:
-            print(f"{r['variant']:7} page {r['page']:3} splits {r['num_splits']}: "
+            print(f"{r['variant']:7} page {r['page']:3} splits {r['num_splits']} pdl {r['pdl']}: "
+                  f"{r['gdc_waits']} / {r['gdc_launches']} gdc wait / launch, "
                   f"{r['registers']} regs, stack {r['stack_bytes']}, smem {r['shared_bytes']}, "
                   f"{r['hgmma']} HGMMA {r['hgmma_shapes']}, {r['tma_loads']} TMA, "
                   f"setmaxnreg {r['setmaxnreg']}")

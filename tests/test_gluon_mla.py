@@ -26,7 +26,8 @@ def test_plan_pads_heads_to_64_row_blocks(heads, blocks):
                                        (3, 4096), (1, 64)])
 def test_plan_splits_follow_fill_policy(batch, ctx):
     p = gluon_mla.plan(batch, 128, ctx, 132)
-    assert p.num_splits == fill_num_splits(batch, 2, ctx, 132, min_tokens=128)
+    assert p.num_splits == fill_num_splits(batch, 2, ctx, 132, min_tokens=128,
+                                           max_splits=gluon_mla.MAX_SPLITS)
     programs = batch * 2 * p.num_splits
     if ctx >= 128 * 64:         # enough tokens for the splits a wave wants: >= 90 % full
         assert programs / (-(-programs // 132) * 132) >= 0.9 or p.num_splits == 64
@@ -34,6 +35,46 @@ def test_plan_splits_follow_fill_policy(batch, ctx):
     assert p.num_splits & (p.num_splits - 1) == 0 and ctx // p.num_splits >= min(ctx, 128)
     assert gluon_mla.plan(1, 128, 4096, 132).num_splits == 32
     assert gluon_mla.plan(1, 128, 4096, 132, variant="simple").num_splits == 64
+
+
+@pytest.mark.parametrize("ctx,splits", [(131072, 128), (32768, 128), (8192, 64), (1024, 8)])
+def test_plan_one_head_block_fills_the_gpu_at_batch_1(ctx, splits):
+    """16 heads (one head block) at batch 1: up to 128 splits, so 128 of 132 SMs hold a
+    program (at most 64 had left half of them idle), each split a pair of tiles at least."""
+    assert gluon_mla.plan(1, 16, ctx, 132).num_splits == splits
+
+
+def _recorded_meta(monkeypatch, pdl_on: bool) -> dict:
+    """The meta gluon_mla.launch hands run_kernel, and what run_kernel adds on a device
+    where PDL is (or is not) enabled."""
+    from helix import triton_util
+    got = {}
+    monkeypatch.setattr(triton_util, "pdl_enabled", lambda device: pdl_on)
+    monkeypatch.setattr(triton_util, "_takes_pdl", lambda kernel: True)
+    monkeypatch.setattr(triton_util, "PDL", True)
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: got.update(meta)
+    gluon_mla.launch(Kernel(), (1, 1, 1), torch.zeros(1), num_warps=4)
+    return got
+
+
+@pytest.mark.parametrize("pdl,kv_early,pdl_on,want", [
+    (True, True, True, "flags"), (True, False, True, "late"), (False, True, True, 0),
+    (True, True, False, 0), (True, False, False, 0)])
+def test_launch_takes_pdl_and_the_kv_late_bit(monkeypatch, pdl, kv_early, pdl_on, want):
+    """gluon_mla.launch goes through run_kernel: PDL = triton_util.FLAGS where the device
+    takes it, with PDL_KV_LATE (every KV tile after the wait) when KV_EARLY is off; 0 and no
+    launch_pdl with the module flag PDL off or on a device without PDL."""
+    from helix import triton_util
+    monkeypatch.setattr(gluon_mla, "PDL", pdl)
+    monkeypatch.setattr(gluon_mla, "KV_EARLY", kv_early)
+    meta = _recorded_meta(monkeypatch, pdl_on)
+    expect = {"flags": triton_util.FLAGS, "late": triton_util.FLAGS | gluon_mla.PDL_KV_LATE,
+              0: 0}[want]
+    assert meta["PDL"] == expect and bool(meta.get("launch_pdl")) == (expect != 0)
+    assert meta["num_warps"] == 4
 
 
 def test_plan_forced_splits_variant_and_boxes():
@@ -144,7 +185,7 @@ def test_launch_arguments_match_the_kernel_signature(monkeypatch, splits):
     assert named["HEADS"] == 128 and named["num_splits"] == splits
     assert abs(named["scale_log2"] - 0.1 * 1.4426950408889634) < 1e-12
     consts = {n for i, n in enumerate(kernel.arg_names) if kernel.params[i].is_constexpr}
-    assert consts - {"num_warps"} <= set(meta) and meta["PAGE_SIZE"] == 64
+    assert consts - {"num_warps", "PDL"} <= set(meta) and meta["PAGE_SIZE"] == 64   # PDL: below
     assert o.shape == (3, 128, 512) and o.dtype == torch.bfloat16 and lse.shape == (3, 128)
     if splits == 1:        # O and LSE written directly: no split stride, no merge
         assert named["o_ptr"] is o and named["stride_os"] == 0 and "reduce" not in calls
@@ -198,7 +239,9 @@ def test_both_variants_compile_for_sm90(tmp_path):
     """Both variants compile for sm_90 with this machine's triton (no GPU): shared memory under
     the block limit, the wgmma shapes of the design (seesaw: each warpgroup's QK^T of its own
     tiles as 36 m64n64k16, issued before the loop and in it, and 2 x 4 m64n256k16 PV; simple:
-    36 m64n32k16 + 4 m64n256k16), register reallocation."""
+    36 m64n32k16 + 4 m64n256k16), register reallocation, compiled as launched on sm_90 (PDL
+    on): seesaw waits for the previous kernel in the producer (the last tiles) and in both
+    consumers (Q), which also let the next kernel launch; simple once, before Q."""
     import triton
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
@@ -208,7 +251,8 @@ def test_both_variants_compile_for_sm90(tmp_path):
                PYTHONPATH=os.pathsep.join([ROOT] + sys.path))
     out = tmp_path / "res.json"
     res = subprocess.run([sys.executable, os.path.join(ROOT, "profiling", "gluon_resources.py"),
-                          "--variants", "seesaw,simple", "--pages", "64", "--json", str(out)],
+                          "--variants", "seesaw,simple", "--pages", "64", "--pdl", "1",
+                          "--json", str(out)],
                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     import json
@@ -221,6 +265,8 @@ def test_both_variants_compile_for_sm90(tmp_path):
     assert recs["seesaw"]["hgmma_shapes"] == {"64x64x16": 4 * 36, "64x256x16": 4 * 4}
     assert recs["simple"]["hgmma_shapes"] == {"64x32x16": 36, "64x256x16": 4}
     assert recs["simple"]["stack_bytes"] == 0
+    assert (recs["seesaw"]["gdc_waits"], recs["seesaw"]["gdc_launches"]) == (3, 2)
+    assert (recs["simple"]["gdc_waits"], recs["simple"]["gdc_launches"]) == (1, 1)
 
 
 def test_bench_cases_poison_only_stale_slots():
@@ -263,17 +309,18 @@ def test_bench_summary_and_child_timeout(tmp_path, monkeypatch):
     assert bench.sub("check", str(tmp_path), 5, variant="seesaw").startswith("TIMEOUT")
 
 
-@pytest.mark.parametrize("heads,batch,gluon", [(16, "1", False), (16, "from-1", False),
-                                               (16, "from", True), (16, "4from", True),
-                                               (128, "1", True)])
-def test_backend_sends_few_heads_small_batches_to_the_few_heads_kernel(heads, batch, gluon):
+@pytest.mark.parametrize("heads,batch,threshold,gluon", [
+    (16, 1, 2, False), (16, 2, 2, True), (16, 8, 2, True), (128, 1, 2, True),
+    (16, 1, None, True), (128, 1, None, True)])
+def test_backend_routes_few_heads_by_batch(monkeypatch, heads, batch, threshold, gluon):
     """On sm_90 the backend runs Gluon for a launch unless it has few heads (triton_mla_few.routes)
-    and a batch under GLUON_FEW_HEADS_FROM_BATCH (measured in whole steps, step_kernels.md)."""
+    and a batch under GLUON_FEW_HEADS_FROM_BATCH; the default (None) sends every batch to Gluon
+    (measured as the step runs it, profiling/results/mla_small.md)."""
     from helix.attention import triton_backend
-    start = triton_backend.GLUON_FEW_HEADS_FROM_BATCH
-    B = {"1": 1, "from-1": start - 1, "from": start, "4from": 4 * start}[batch]
+    if threshold is not None:
+        monkeypatch.setattr(triton_backend, "GLUON_FEW_HEADS_FROM_BATCH", threshold)
     kv = torch.zeros(6, 64, 576, dtype=torch.bfloat16)
     fits = triton_backend.TritonAttention._gluon_fits(
-        torch.zeros(B, heads, 512, dtype=torch.bfloat16),
-        torch.zeros(B, heads, 64, dtype=torch.bfloat16), kv)
+        torch.zeros(batch, heads, 512, dtype=torch.bfloat16),
+        torch.zeros(batch, heads, 64, dtype=torch.bfloat16), kv)
     assert fits is gluon

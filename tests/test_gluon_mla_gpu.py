@@ -44,3 +44,51 @@ def test_gluon_mla_under_cuda_graph(variant):
     from profiling.bench_mla_gluon import graph_check
     rec = graph_check(variant)
     assert rec["ok"], rec
+
+
+@needs_sm90
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("kv_early", [True, False])
+def test_gluon_mla_sees_the_row_the_previous_kernel_appends(heads, kv_early, monkeypatch):
+    """The decode step's order under PDL: a kernel appends each sequence's new row (its last,
+    kv_len - 1), then the Gluon kernel attends. With KV_EARLY its producer loads the earlier
+    tiles before waiting for the append: the new rows (stale NaN until the append) must be
+    read after it, every time, eagerly and replayed in a CUDA graph. Lengths put the last row
+    first in a tile, last in a tile, mid-tile and in a one-row sequence."""
+    from helix import triton_util
+    from helix.attention import triton_append
+    from profiling.bench_mla_gluon import SCALE, compare, ragged_case
+    assert triton_util.pdl_enabled(torch.device("cuda"))    # else nothing here overlaps
+    monkeypatch.setattr(gluon_mla, "KV_EARLY", kv_early)
+    lens = [4097, 4096, 3000, 1]
+    ql, qr, kv, bt, kl = ragged_case(4, heads, lens, 4096 + 64, 64, seed=7)
+    page = kv.shape[1]
+    last = torch.tensor([n - 1 for n in lens], device="cuda")
+    slots = bt[torch.arange(4, device="cuda"), last // page].long() * page + last % page
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    rows = torch.empty(4, kv.shape[2], device="cuda", dtype=kv.dtype)
+
+    def step():
+        triton_append.append_kv(kv, rows, slots)
+        return gluon_mla.mla_decode_gluon(ql, qr, kv, bt, kl, SCALE)
+
+    def stale_rows():
+        kv.view(-1, kv.shape[2])[slots] = float("nan")      # what the append must replace
+        rows.copy_(torch.randn(rows.shape, generator=gen, device="cuda"))
+
+    for _ in range(10):
+        stale_rows()
+        o, lse = step()
+        rec = compare(o, lse, *gluon_mla.reference(ql, qr, kv, bt, kl, SCALE))
+        assert rec["ok"], rec
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = step()
+    for _ in range(10):
+        stale_rows()
+        graph.replay()
+        torch.cuda.synchronize()
+        rec = compare(o, lse, *gluon_mla.reference(ql, qr, kv, bt, kl, SCALE))
+        assert rec["ok"], rec

@@ -35,6 +35,7 @@ import functools
 import torch
 import triton
 
+from helix import triton_util
 from helix.attention.triton_splits import (LOG2E, fill_num_splits, reduce_splits, sm_count_of,
                                            split_workspace)
 
@@ -48,6 +49,16 @@ STAGES = 2                   # KV ring depth: what shared memory allows next to 
 MIN_SPLIT_TOKENS = {"seesaw": 2 * BLOCK_N, "simple": BLOCK_N}
 SM90_SMEM_LIMIT = 232448     # bytes of shared memory one block may use on H100 / H200
 VARIANTS = ("seesaw", "simple")
+# Splits a sequence may take: 128 lets one sequence of one head block (DeepSeek-V2-Lite's 16
+# heads at batch 1) fill 128 of 132 SMs; at 64 it left half of them idle (H200, 1 x 128K:
+# profiling/results/mla_small.md)
+MAX_SPLITS = 128
+# Programmatic dependent launch (helix.triton_util's rule) for the kernel; with it, the producer
+# loads the KV tiles before the sequence's last row without waiting for the previous kernel
+# (KV_EARLY; the kernel's _kv_wait says why that is exact). Module flags: benches switch them.
+PDL = True
+KV_EARLY = True
+PDL_KV_LATE = 8              # a bit of the kernel's PDL value: every tile waits (KV_EARLY off)
 # Registers per thread (warp_specialize's worker budgets; the default partition gets the rest of
 # maxnreg x all warps). seesaw: 4 (WG 0) + 4 (WG 1) + 4 (the producer, the default partition)
 # warps: 168 x 384 threads = 64512 <= 65536, 240 for each consumer warpgroup, 24 left for the
@@ -106,7 +117,7 @@ def plan(batch: int, heads: int, max_context: int, sm_count: int, page_size: int
     head_blocks = triton.cdiv(heads, BLOCK_H)
     if num_splits is None:
         num_splits = fill_num_splits(batch, head_blocks, max_context, sm_count,
-                                     min_tokens=MIN_SPLIT_TOKENS[variant])
+                                     min_tokens=MIN_SPLIT_TOKENS[variant], max_splits=MAX_SPLITS)
     return GluonMLAPlan(head_blocks=head_blocks, num_splits=max(1, int(num_splits)), batch=batch,
                         box_rows=box_rows(page_size), variant=variant)
 
@@ -194,8 +205,16 @@ def mla_decode_gluon(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: tor
 
 
 def launch(kernel, grid, *args, **meta):
-    """kernel[grid](*args, **meta): the one launch point (profiling swaps it to record)."""
-    return kernel[grid](*args, **meta)
+    """The one launch point (profiling swaps it to record): helix.triton_util.run_kernel, so
+    the kernel gets programmatic dependent launch where the device takes it (module flags PDL,
+    KV_EARLY)."""
+    if not PDL:
+        meta["PDL"] = 0
+    elif not KV_EARLY:
+        on = triton_util.pdl_enabled(next(a.device for a in args if isinstance(a, torch.Tensor)))
+        if on:
+            meta.update(PDL=triton_util.FLAGS | PDL_KV_LATE, launch_pdl=True)
+    return triton_util.run_kernel(kernel, grid, *args, **meta)
 
 
 @functools.lru_cache(maxsize=None)

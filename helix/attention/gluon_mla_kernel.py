@@ -61,15 +61,45 @@ CHUNK = gl.constexpr(64)         # the K step of QK^T over the latent: one 128-b
 
 
 @gluon.jit
+def _gdc(asm: gl.constexpr):
+    """One grid-dependency-control instruction (griddepcontrol.wait / .launch_dependents)."""
+    gl.inline_asm_elementwise(asm + " // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _pdl_wait(PDL: gl.constexpr):
+    """helix.triton_util.pdl_sync's rule for a partition that reads the previous kernel's
+    output (Q) or writes (O, LSE): wait for it, and let the next kernel launch (before the wait
+    with PDL_EARLY, after it otherwise). Nothing with PDL = 0."""
+    if PDL & 2:
+        _gdc("griddepcontrol.launch_dependents;")
+        _gdc("griddepcontrol.wait;")
+    elif PDL:
+        _gdc("griddepcontrol.wait;")
+        _gdc("griddepcontrol.launch_dependents;")
+
+
+@gluon.jit
+def _kv_wait(t0, kv_len, PDL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Before loading the tile at token t0: with PDL, wait for the previous kernel if the tile
+    may hold the sequence's last row (kv_len - 1), the only KV row a kernel of this step can
+    still be writing (the new token's append); earlier tiles stream under that kernel."""
+    if PDL:
+        if (PDL & 8) or t0 + BLOCK_N >= kv_len:          # 8: gluon_mla.PDL_KV_LATE
+            _gdc("griddepcontrol.wait;")
+
+
+@gluon.jit
 def _split_tiles(lens_ptr, b, split, num_splits, BLOCK_N: gl.constexpr):
-    """(start, end, n_tiles) of this program's split: the same BLOCK_N-aligned chunks as
+    """(start, end, n_tiles, kv_len) of this program's split: the same BLOCK_N-aligned chunks as
     triton_splits.split_range, so one split's tiles never straddle a page of >= BLOCK_N."""
     kv_len = gl.load(lens_ptr + b)
     chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = gl.minimum(start + chunk, kv_len)
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-    return start, end, n_tiles
+    return start, end, n_tiles, kv_len
 
 
 @gluon.jit
@@ -186,12 +216,13 @@ def _load_part(desc_lat, desc_rope, k_lat, k_rope, ready, empty, phase, row, t0,
 
 @gluon.jit
 def _seesaw_producer(args, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                     PAGE_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr):
+                     PAGE_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, PDL: gl.constexpr):
     """Per pair i: K0 lo, K0 hi (tile 2i), K1 hi, K1 lo (tile 2i + 1): the order the consumers
-    release them in."""
+    release them in. With PDL the tiles before the sequence's last row are loaded without
+    waiting for the previous kernel (_kv_wait)."""
     (kv_lat, kv_rope, q_lat, p_smem, m_smem, l_smem, ready, empty, bar_ab, l_bar, desc_lat,
      desc_rope, ql_ptr, qr_ptr, stride_qlb, stride_qlh, stride_qrb, stride_qrh, bt_ptr, o_ptr,
-     lse_ptr, b, hb, split, start, end, n_tiles, HEADS, scale_log2, stride_btb, stride_ob,
+     lse_ptr, b, hb, split, start, end, n_tiles, kv_len, HEADS, scale_log2, stride_btb, stride_ob,
      stride_oh, stride_os, stride_lb, stride_lh) = args
     bt_row = bt_ptr + b * stride_btb
     for i in range(gl.cdiv(n_tiles, 2)):
@@ -200,6 +231,7 @@ def _seesaw_producer(args, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
         t1 = t0 + BLOCK_N
         row0 = _tile_row(bt_row, t0, end, PAGE_SIZE)
         row1 = _tile_row(bt_row, t1, end, PAGE_SIZE)
+        _kv_wait(t1, kv_len, PDL, BLOCK_N)          # (t1's tile covers t0's: one test a pair)
         k0 = kv_lat.index(0)
         k1 = kv_lat.index(1)
         _load_part(desc_lat, desc_rope, k0, kv_rope.index(0), ready.index(0), empty.index(0),
@@ -287,13 +319,14 @@ def _q_rope_regs(qr_ptr, b, hb, HEADS, stride_qrb, stride_qrh, layout: gl.conste
 
 
 @gluon.jit
-def _seesaw_consumer(args, WG: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+def _seesaw_consumer(args, WG: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                     PDL: gl.constexpr):
     """One consumer warpgroup of the seesaw schedule (module doc). Barriers: ready / empty
     [lo K0, hi K0, lo K1, hi K1]; bar_ab [a: (P_0, m_0) published, b: (P_1, m_1) published];
     each completes once per pair, so its wait parity is the pair's."""
     (kv_lat, kv_rope, q_lat, p_smem, m_smem, l_smem, ready, empty, bar_ab, l_bar, desc_lat,
      desc_rope, ql_ptr, qr_ptr, stride_qlb, stride_qlh, stride_qrb, stride_qrh, bt_ptr, o_ptr,
-     lse_ptr, b, hb, split, start, end, n_tiles, HEADS, scale_log2, stride_btb, stride_ob,
+     lse_ptr, b, hb, split, start, end, n_tiles, kv_len, HEADS, scale_log2, stride_btb, stride_ob,
      stride_oh, stride_os, stride_lb, stride_lh) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -314,7 +347,8 @@ def _seesaw_consumer(args, WG: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.
     v1 = k1.slice(WG * HALF, HALF, dim=1)
     # Q: each warpgroup stores half of Q's latent columns (the producer's first loads are
     # already in flight), both wait for both halves (l_bar's first phase); the rope columns go
-    # straight to registers
+    # straight to registers. Q is the previous kernel's output: wait for it (PDL)
+    _pdl_wait(PDL)
     _load_q(ql_ptr, qr_ptr, q_lat.index(0), None, b, hb, HEADS, stride_qlb, stride_qlh,
             stride_qrb, stride_qrh, BLOCK_H, WG * HALF, HALF, False, 4)
     q_r = _q_rope_regs(qr_ptr, b, hb, HEADS, stride_qrb, stride_qrh, qa_layout,
@@ -412,14 +446,14 @@ def _seesaw_consumer(args, WG: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.
 
 @gluon.jit
 def _seesaw_wg0(args, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                BOX_ROWS: gl.constexpr):
-    _seesaw_consumer(args, 0, BLOCK_H, BLOCK_N)
+                BOX_ROWS: gl.constexpr, PDL: gl.constexpr):
+    _seesaw_consumer(args, 0, BLOCK_H, BLOCK_N, PDL)
 
 
 @gluon.jit
 def _seesaw_wg1(args, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                BOX_ROWS: gl.constexpr):
-    _seesaw_consumer(args, 1, BLOCK_H, BLOCK_N)
+                BOX_ROWS: gl.constexpr, PDL: gl.constexpr):
+    _seesaw_consumer(args, 1, BLOCK_H, BLOCK_N, PDL)
 
 
 # ----------------------------------------------------------------------------------- SIMPLE
@@ -430,7 +464,7 @@ def _simple_producer(args, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                      PAGE_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, STAGES: gl.constexpr):
     """1 warp: whole KV tiles of this split through TMA, STAGES deep."""
     (kv_lat, kv_rope, q_lat, q_rope, kv_ready, kv_empty, desc_lat, desc_rope, bt_ptr, o_ptr,
-     lse_ptr, b, hb, split, start, end, n_tiles, HEADS, scale_log2, stride_btb, stride_ob,
+     lse_ptr, b, hb, split, start, end, n_tiles, kv_len, HEADS, scale_log2, stride_btb, stride_ob,
      stride_oh, stride_os, stride_lb, stride_lh) = args
     bt_row = bt_ptr + b * stride_btb
     tile_bytes: gl.constexpr = BLOCK_N * (D_LATENT + D_ROPE) * 2
@@ -468,7 +502,7 @@ def _simple_consumer(args, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     half of the tokens), O [64, 512] with warps [4, 2] (each warpgroup 256 columns); the
     compiler moves P and the row maxima between the warpgroups."""
     (kv_lat, kv_rope, q_lat, q_rope, kv_ready, kv_empty, desc_lat, desc_rope, bt_ptr, o_ptr,
-     lse_ptr, b, hb, split, start, end, n_tiles, HEADS, scale_log2, stride_btb, stride_ob,
+     lse_ptr, b, hb, split, start, end, n_tiles, kv_len, HEADS, scale_log2, stride_btb, stride_ob,
      stride_oh, stride_os, stride_lb, stride_lh) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, BLOCK_N // 2, 16])
@@ -515,6 +549,7 @@ def mla_decode_kernel(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
     BOX_ROWS: gl.constexpr, STAGES: gl.constexpr, SEESAW: gl.constexpr,
     WG_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    PDL: gl.constexpr = 0,
 ):
     hb = gl.program_id(0)
     split = gl.program_id(1)
@@ -523,7 +558,7 @@ def mla_decode_kernel(
     lat_layout: gl.constexpr = desc_lat.layout
     rope_layout: gl.constexpr = desc_rope.layout
     mbar: gl.constexpr = mbarrier.MBarrierLayout()
-    start, end, n_tiles = _split_tiles(lens_ptr, b, split, num_splits, BLOCK_N)
+    start, end, n_tiles, kv_len = _split_tiles(lens_ptr, b, split, num_splits, BLOCK_N)
 
     kv_lat = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_LATENT], lat_layout)
     kv_rope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], rope_layout)
@@ -548,15 +583,17 @@ def mla_decode_kernel(
         mbarrier.init(l_bar, count=2)
         args = (kv_lat, kv_rope, q_lat, p_smem, m_smem, l_smem, ready, empty, bar_ab, l_bar,
                 desc_lat, desc_rope, ql_ptr, qr_ptr, stride_qlb, stride_qlh, stride_qrb,
-                stride_qrh, bt_ptr, o_ptr, lse_ptr, b, hb, split, start, end, n_tiles, HEADS,
-                scale_log2, stride_btb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh)
+                stride_qrh, bt_ptr, o_ptr, lse_ptr, b, hb, split, start, end, n_tiles, kv_len,
+                HEADS, scale_log2, stride_btb, stride_ob, stride_oh, stride_os, stride_lb,
+                stride_lh)
         # constexprs must sit in the literal tuples: a tuple bound to a name holds tensors.
         # The producer is the default partition (num_warps = 4, the registers left over) and
         # the consumers are workers: values a worker uses arrive through shared memory, where
         # the default partition would keep the parent's values live in registers
-        gl.warp_specialize([(_seesaw_producer, (args, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS)),
-                            (_seesaw_wg0, (args, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS)),
-                            (_seesaw_wg1, (args, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS))],
+        gl.warp_specialize([(_seesaw_producer, (args, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS,
+                                                 PDL)),
+                            (_seesaw_wg0, (args, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS, PDL)),
+                            (_seesaw_wg1, (args, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS, PDL))],
                            [4, 4], [WG_REGS, WG_REGS])
     else:
         q_lat = gl.allocate_shared_memory(dtype, [BLOCK_H, D_LATENT], lat_layout)
@@ -566,12 +603,13 @@ def mla_decode_kernel(
         for i in gl.static_range(STAGES):
             mbarrier.init(kv_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=1)
+        _pdl_wait(PDL)                        # (simple: Q and every tile after the wait)
         _load_q(ql_ptr, qr_ptr, q_lat, q_rope, b, hb, HEADS, stride_qlb, stride_qlh, stride_qrb,
                 stride_qrh, BLOCK_H, 0, D_LATENT, True, num_warps)
         fence_async_shared()
         args = (kv_lat, kv_rope, q_lat, q_rope, kv_ready, kv_empty, desc_lat, desc_rope, bt_ptr,
-                o_ptr, lse_ptr, b, hb, split, start, end, n_tiles, HEADS, scale_log2, stride_btb,
-                stride_ob, stride_oh, stride_os, stride_lb, stride_lh)
+                o_ptr, lse_ptr, b, hb, split, start, end, n_tiles, kv_len, HEADS, scale_log2,
+                stride_btb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh)
         gl.warp_specialize([(_simple_consumer, (args, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS,
                                                  STAGES)),
                             (_simple_producer, (args, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS,

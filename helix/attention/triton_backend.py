@@ -34,10 +34,11 @@ from helix.kv.manager import LocalKVMeta
 PREFILL_IMPLS = ("auto", "triton") + torch_prefill.KERNELS
 GLUON_VARIANT = "seesaw"     # the faster variant at every shape of profiling/results/mla_gluon.md
 # A few-heads MLA launch (triton_mla_few.routes) of at least this batch runs the Gluon kernel where
-# it runs (sm_90). H200, 16 heads (profiling/results/mla_gluon.md, the seesaw variant): alone,
-# the few-heads kernel wins at batch 1 (30.0 against 33.0 us at 32K, 75.9 against 79.4 at
-# 128K), Gluon from batch 2 (41.0 against 47.5 us at 2 x 32K, 310 against 475 at 8 x 128K).
-GLUON_FEW_HEADS_FROM_BATCH = 2
+# it runs (sm_90). H200, 16 heads, as the step runs them (a chain of layers under PDL,
+# profiling/results/mla_small.md): Gluon at 128 splits with its KV streaming under the previous
+# kernel against the few-heads kernel: see that note (batch 1 had been the few-heads kernel's,
+# when Gluon took at most 64 splits and launched without PDL).
+GLUON_FEW_HEADS_FROM_BATCH = 1
 # By device name: (torch kernel, keys of the longest prefill sequence (meta.max_kv) from which it
 # beats the Triton prefill kernel), as profiling/bench_prefill.py part (a) measures and prints it.
 # A device not listed runs the Triton kernel under "auto". H200 (profiling/results/prefill.md):
