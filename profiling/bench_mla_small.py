@@ -89,16 +89,18 @@ def chain_us(calls, iters: int) -> float:
     return us
 
 
-def layer_inputs(batch: int, heads: int, ctx: int, layers: int, gen, tail_tokens: int = 0):
-    """Per layer: (q_latent, q_rope, kv pool, block table, lens), pages shuffled per layer."""
+def layer_inputs(batch: int, heads: int, ctx: int, layers: int, gen, table_tokens: int = 0):
+    """Per layer: (q_latent, q_rope, kv pool, block table, lens), pages shuffled per layer. The
+    block table holds max(ctx, table_tokens) tokens (an engine's tables hold its max context,
+    and kernels size their splits from the width), of which ctx are live."""
     out = []
-    width = -(-ctx // PAGE)
+    width = -(-max(ctx, table_tokens) // PAGE)
     for _ in range(layers):
         pages = batch * width
         kv = torch.randn(pages, PAGE, DL + DR, generator=gen, device="cuda",
                          dtype=torch.bfloat16)
         bt = torch.randperm(pages, generator=gen, device="cuda").int().view(batch, width)
-        lens = torch.full((batch,), ctx - tail_tokens, dtype=torch.int32, device="cuda")
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         ql = torch.randn(batch, heads, DL, generator=gen, device="cuda", dtype=torch.bfloat16)
         qr = torch.randn(batch, heads, DR, generator=gen, device="cuda", dtype=torch.bfloat16)
         out.append((ql, qr, kv, bt, lens))
@@ -119,10 +121,10 @@ def flagged(fn, **flags):
     return run
 
 
-def small_variants(batch: int, ctx: int, sms: int, full: bool):
+def small_variants(batch: int, ctx: int, sms: int, full: bool, table: int = 0):
     """(name, fn(layer inputs) -> None) of every variant timed at one shape (full: with the
     few-heads kernel's split / tile variants, all three stream depths)."""
-    auto = fill_num_splits(batch, 1, ctx, sms, min_tokens=128, max_splits=128)
+    auto = fill_num_splits(batch, 1, max(ctx, table), sms, min_tokens=128, max_splits=128)
     v = []
 
     def few(cfg=None, splits=None):
@@ -157,8 +159,12 @@ def small_variants(batch: int, ctx: int, sms: int, full: bool):
                                          PDL=False)))
         v.append(("gluon-kv-late", flagged(lambda x: gluon_mla.mla_decode_gluon(*x, SCALE),
                                            KV_EARLY=False)))
+        v.append(("gluon-noskip", flagged(lambda x: gluon_mla.mla_decode_gluon(*x, SCALE),
+                                          SKIP_EMPTY=False)))
         v.append(("gluon-7a34bf8", flagged(lambda x: gluon_mla.mla_decode_gluon(*x, SCALE),
-                                           PDL=False, MAX_SPLITS=64)))
+                                           PDL=False, MAX_SPLITS=64, SKIP_EMPTY=False)))
+    if table > ctx:              # the ceilings of the live bytes need a pool of those alone
+        return v, auto
     outs = {}
     for stages in ((2, 3, 4) if full else (2,)):
         def st(x, stages=stages):
@@ -181,9 +187,10 @@ def bench_small(args, copy_bw: float) -> list[dict]:
     for batch in args.batches:
         for ctx in args.contexts:
             layers = args.layers
-            xs = layer_inputs(batch, HEADS, ctx, layers, gen)
-            nbytes = batch * ctx * (DL + DR) * 2
-            variants, auto = small_variants(batch, ctx, sms, args.all_variants)
+            xs = layer_inputs(batch, HEADS, ctx, layers, gen, args.table_tokens)
+            nbytes = batch * ctx * (DL + DR) * 2         # the live tokens' KV
+            variants, auto = small_variants(batch, ctx, sms, args.all_variants,
+                                            args.table_tokens)
             ref = triton_mla_few.mla_decode_few(*xs[0], SCALE)[0].float()
             for name, fn in variants:
                 try:
@@ -248,6 +255,8 @@ def main(argv=None):
     p.add_argument("--contexts", default="1024,8192,32768,131072")
     p.add_argument("--layers", type=int, default=27)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--table-tokens", type=int, default=0,
+                   help="block-table width in tokens (an engine's max context; 0: the context)")
     p.add_argument("--all-variants", action="store_true",
                    help="the few-heads kernel's split / tile variants and every stream depth")
     p.add_argument("--pair-shapes", default="8x524288,32x524288,64x262144,64x524288",

@@ -288,7 +288,8 @@ def set_kernels(mode: str) -> None:
     the Gluon kernel launched without PDL (gluon_mla.PDL off); 'after-gluon-kv-late': with PDL
     but every KV tile loaded after the wait (gluon_mla.KV_EARLY off); 'after-few-batch1': the
     few-heads kernel at batch 1 (triton_backend.GLUON_FEW_HEADS_FROM_BATCH = 2);
-    'after-attn-7a34bf8': all three, and Gluon's 64-split cap: the MLA decode of 7a34bf8."""
+    'after-attn-7a34bf8': all three, Gluon's 64-split cap and its empty splits written and
+    merged (gluon_mla.SKIP_EMPTY off): the MLA decode of 7a34bf8."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -310,6 +311,7 @@ def set_kernels(mode: str) -> None:
     gluon_mla.PDL = mode not in ("after-gluon-nopdl",) and not start
     gluon_mla.KV_EARLY = mode != "after-gluon-kv-late"
     gluon_mla.MAX_SPLITS = 64 if start else _GLUON_MAX_SPLITS
+    gluon_mla.SKIP_EMPTY = not start
     triton_backend.GLUON_FEW_HEADS_FROM_BATCH = (2 if start or mode == "after-few-batch1"
                                                  else _FEW_FROM_BATCH)
     if mode == "after-nogluon":

@@ -83,6 +83,10 @@ def test_plan_forced_splits_variant_and_boxes():
     assert gluon_mla.plan(2, 128, 4096, 132, page_size=256).box_rows == 64
     meta = gluon_mla.plan(2, 128, 4096, 132, variant="simple").meta(64)
     assert meta["SEESAW"] is False and meta["num_warps"] == 8
+    # empty splits write nothing only where a merge follows that skips them (seesaw, > 1 split)
+    assert meta["SKIP_EMPTY"] is False
+    assert gluon_mla.plan(2, 128, 4096, 132, num_splits=4).meta(64)["SKIP_EMPTY"] is True
+    assert gluon_mla.plan(2, 128, 4096, 132, num_splits=1).meta(64)["SKIP_EMPTY"] is False
     with pytest.raises(ValueError, match="variant"):
         gluon_mla.plan(2, 128, 4096, 132, variant="fast")
 
@@ -159,8 +163,9 @@ def _record(monkeypatch, B, H, splits, ctx=256, page=64):
     def launch(kernel, grid, *args, **meta):
         calls["launch"] = (kernel, grid, args, meta)
 
-    def reduce(o_ws, lse_ws, o, lse):
+    def reduce(o_ws, lse_ws, o, lse, kv_lens=None, block_n=0):
         calls["reduce"] = (o_ws.shape, lse_ws.shape, o.shape, lse.shape)
+        calls["reduce_live"] = (kv_lens, block_n)
 
     monkeypatch.setattr(gluon_mla, "launch", launch)
     monkeypatch.setattr(gluon_mla, "reduce_splits", reduce)
@@ -195,6 +200,8 @@ def test_launch_arguments_match_the_kernel_signature(monkeypatch, splits):
         assert named["stride_os"] == 512 and named["stride_oh"] == splits * 512
         assert calls["reduce"] == ((3, 128, splits, 512), (3, 128, splits), (3, 128, 512),
                                    (3, 128))
+        kv_lens, block_n = calls["reduce_live"]    # empty splits' programs write nothing
+        assert kv_lens is named["lens_ptr"] and block_n == gluon_mla.BLOCK_N
 
 
 def test_empty_batch_launches_nothing(monkeypatch):

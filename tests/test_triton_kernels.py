@@ -375,6 +375,40 @@ def test_mla_tunables_validated_and_planned():
         assert pdt == torch.bfloat16 and s1 == expect
 
 
+@pytest.mark.parametrize("lens", [[0, 1, 64, 65, 300, 1000], [128] * 3], ids=str)
+def test_reduce_splits_skips_the_splits_a_kernel_left_empty(lens):
+    """reduce_splits with kv_lens and block_n reads only the splits split_range gives tokens
+    (the Gluon MLA kernel writes nothing for the others): partials of empty splits poisoned
+    with NaN change nothing, and it equals the merge of the live splits alone."""
+    S, H, D, block_n = 8, 3, 40, 64
+    gen = torch.Generator().manual_seed(11)
+    B = len(lens)
+    kl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    o_ws = torch.randn(B, H, S, D, generator=gen).to(DEV)
+    lse_ws = torch.randn(B, H, S, generator=gen).to(DEV)
+    live = torch.zeros(B, S, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        chunk = -(-(-(-n // S)) // block_n) * block_n
+        live[b] = torch.arange(S) * chunk < n
+    dead = (~live)[:, None, :].expand(B, H, S).to(DEV)
+    o_ws[dead] = float("nan")
+    lse_ws[dead] = float("nan")
+    o = torch.empty(B, H, D, device=DEV)
+    lse = torch.empty(B, H, device=DEV)
+    triton_splits.reduce_splits(o_ws, lse_ws, o, lse, kl, block_n)
+    ref_l = torch.where(live[:, None, :].to(DEV), lse_ws, float("-inf"))
+    want_lse = torch.logsumexp(ref_l, dim=-1)
+    w = torch.nan_to_num(torch.exp(ref_l - want_lse[..., None]), nan=0.0)
+    want_o = (w[..., None] * torch.nan_to_num(o_ws, nan=0.0)).sum(2)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(o, want_o, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    fin = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[fin], want_lse[fin], atol=1e-5, rtol=1e-5)
+    empty = torch.tensor([n == 0 for n in lens], device=DEV)
+    assert (o[empty] == 0).all()
+
+
 def test_split_policies():
     s, fill = triton_splits.choose_num_splits, triton_splits.fill_num_splits
     for batch in (1, 2, 4, 8, 16, 64):      # two head blocks, one program per SM: one wave

@@ -59,6 +59,9 @@ MAX_SPLITS = 128
 PDL = True
 KV_EARLY = True
 PDL_KV_LATE = 8              # a bit of the kernel's PDL value: every tile waits (KV_EARLY off)
+# A program of a split past its sequence's tokens (an engine's block tables hold its max context,
+# so short sequences leave most splits empty) exits at once, and reduce_splits skips the split
+SKIP_EMPTY = True
 # Registers per thread (warp_specialize's worker budgets; the default partition gets the rest of
 # maxnreg x all warps). seesaw: 4 (WG 0) + 4 (WG 1) + 4 (the producer, the default partition)
 # warps: 168 x 384 threads = 64512 <= 65536, 240 for each consumer warpgroup, 24 left for the
@@ -83,7 +86,13 @@ class GluonMLAPlan:
     def meta(self, page_size: int) -> dict:
         """The kernel's constexprs and launch options."""
         return dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size, BOX_ROWS=self.box_rows,
-                    STAGES=STAGES, SEESAW=self.variant == "seesaw", **REGS[self.variant])
+                    STAGES=STAGES, SEESAW=self.variant == "seesaw", SKIP_EMPTY=self.skip_empty,
+                    **REGS[self.variant])
+
+    @property
+    def skip_empty(self) -> bool:
+        """Empty splits write nothing (the seesaw's programs exit; the merge skips them)."""
+        return SKIP_EMPTY and self.variant == "seesaw" and self.num_splits > 1
 
 
 def unsupported_reason(heads: int, d_latent: int, d_rope: int, page_size: int,
@@ -200,7 +209,7 @@ def mla_decode_gluon(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: tor
            q_rope.stride(0), q_rope.stride(1), block_tables.stride(0), *so, *sl, H, p.num_splits,
            **p.meta(page_size))
     if p.num_splits > 1:
-        reduce_splits(o_ws, lse_ws, o, lse)
+        reduce_splits(o_ws, lse_ws, o, lse, *((kv_lens, BLOCK_N) if p.skip_empty else ()))
     return o, lse
 
 

@@ -445,15 +445,17 @@ def _seesaw_consumer(args, WG: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.
 
 
 @gluon.jit
-def _seesaw_wg0(args, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                BOX_ROWS: gl.constexpr, PDL: gl.constexpr):
-    _seesaw_consumer(args, 0, BLOCK_H, BLOCK_N, PDL)
+def _seesaw_wg0(args, live, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                PAGE_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, PDL: gl.constexpr):
+    if live:
+        _seesaw_consumer(args, 0, BLOCK_H, BLOCK_N, PDL)
 
 
 @gluon.jit
-def _seesaw_wg1(args, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                BOX_ROWS: gl.constexpr, PDL: gl.constexpr):
-    _seesaw_consumer(args, 1, BLOCK_H, BLOCK_N, PDL)
+def _seesaw_wg1(args, live, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                PAGE_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, PDL: gl.constexpr):
+    if live:
+        _seesaw_consumer(args, 1, BLOCK_H, BLOCK_N, PDL)
 
 
 # ----------------------------------------------------------------------------------- SIMPLE
@@ -549,7 +551,7 @@ def mla_decode_kernel(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
     BOX_ROWS: gl.constexpr, STAGES: gl.constexpr, SEESAW: gl.constexpr,
     WG_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    PDL: gl.constexpr = 0,
+    SKIP_EMPTY: gl.constexpr = False, PDL: gl.constexpr = 0,
 ):
     hb = gl.program_id(0)
     split = gl.program_id(1)
@@ -590,10 +592,18 @@ def mla_decode_kernel(
         # The producer is the default partition (num_warps = 4, the registers left over) and
         # the consumers are workers: values a worker uses arrive through shared memory, where
         # the default partition would keep the parent's values live in registers
+        # SKIP_EMPTY: a program of an empty split writes nothing (reduce_splits skips the
+        # split; the host sets it only with more than one split): it leaves its SM at once
+        if SKIP_EMPTY:
+            live = n_tiles > 0
+        else:
+            live = n_tiles >= 0
         gl.warp_specialize([(_seesaw_producer, (args, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS,
                                                  PDL)),
-                            (_seesaw_wg0, (args, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS, PDL)),
-                            (_seesaw_wg1, (args, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS, PDL))],
+                            (_seesaw_wg0, (args, live, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS,
+                                           PDL)),
+                            (_seesaw_wg1, (args, live, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS,
+                                           PDL))],
                            [4, 4], [WG_REGS, WG_REGS])
     else:
         q_lat = gl.allocate_shared_memory(dtype, [BLOCK_H, D_LATENT], lat_layout)

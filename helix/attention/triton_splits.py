@@ -124,10 +124,11 @@ def page_rows(page, t0, end, stride_page, stride_tok,
 def _reduce_splits_kernel(
     ows_ptr, lws_ptr,          # o_ws [R, S, D] fp32, lse_ws [R, S] fp32 (R = B * H rows)
     o_ptr, lse_ptr,            # o [B, H, D] (any float dtype), lse [B, H] fp32
+    lens_ptr,                  # kv_lens [B] int32 (read only with LIVE_BLOCK_N > 0)
     stride_ob, stride_oh,      # o strides (last dim contiguous)
     HEADS, D,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = False,
+    LIVE_BLOCK_N: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     pdl_sync(PDL)
     # one program: one (b, h) row, BLOCK_D columns, all splits loaded at once (no serial loop)
@@ -136,6 +137,12 @@ def _reduce_splits_kernel(
     h = row % HEADS
     sidx = tl.arange(0, BLOCK_S)
     smask = sidx < NUM_SPLITS
+    if LIVE_BLOCK_N > 0:
+        # splits past the sequence's tokens (split_range with BLOCK_N = LIVE_BLOCK_N) hold no
+        # partials (their programs wrote nothing): neither read nor counted
+        kv_len = tl.load(lens_ptr + b)
+        chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), LIVE_BLOCK_N) * LIVE_BLOCK_N
+        smask = smask & (sidx * chunk < kv_len)
     lse = tl.load(lws_ptr + row * NUM_SPLITS + sidx, mask=smask,
                   other=float("-inf"))                            # [S], -inf = empty split
     m = tl.max(lse, axis=0)
@@ -170,13 +177,18 @@ def split_workspace(o: torch.Tensor, lse: torch.Tensor, num_splits: int,
 
 
 def reduce_splits(o_ws: torch.Tensor, lse_ws: torch.Tensor, o: torch.Tensor,
-                  lse: torch.Tensor) -> None:
-    """o_ws [B, H, S, D] fp32, lse_ws [B, H, S] fp32 -> o [B, H, D] (its dtype), lse [B, H]."""
+                  lse: torch.Tensor, kv_lens: torch.Tensor | None = None,
+                  block_n: int = 0) -> None:
+    """o_ws [B, H, S, D] fp32, lse_ws [B, H, S] fp32 -> o [B, H, D] (its dtype), lse [B, H].
+    With kv_lens [B] and block_n, the splits split_range leaves empty for a sequence (its
+    kernel wrote nothing there) are skipped; without, every split's partials are read."""
     B, H, S, D = o_ws.shape
     if B * H == 0:
         return
     block_s = triton.next_power_of_2(S)
     block_d = min(triton.next_power_of_2(D), max(16, 4096 // block_s))   # <= 4K fp32 a tile
+    live = kv_lens is not None and block_n > 0
     run_kernel(_reduce_splits_kernel, (B * H, triton.cdiv(D, block_d)), o_ws, lse_ws, o, lse,
-               o.stride(0), o.stride(1), H, D, NUM_SPLITS=S, BLOCK_S=block_s, BLOCK_D=block_d,
+               kv_lens if live else lse_ws, o.stride(0), o.stride(1), H, D, NUM_SPLITS=S,
+               BLOCK_S=block_s, BLOCK_D=block_d, LIVE_BLOCK_N=block_n if live else 0,
                num_warps=4)
