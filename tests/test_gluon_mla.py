@@ -163,9 +163,9 @@ def _record(monkeypatch, B, H, splits, ctx=256, page=64):
     def launch(kernel, grid, *args, **meta):
         calls["launch"] = (kernel, grid, args, meta)
 
-    def reduce(o_ws, lse_ws, o, lse, kv_lens=None, block_n=0):
+    def reduce(o_ws, lse_ws, o, lse, kv_lens=None, block_n=0, min_chunk=0):
         calls["reduce"] = (o_ws.shape, lse_ws.shape, o.shape, lse.shape)
-        calls["reduce_live"] = (kv_lens, block_n)
+        calls["reduce_live"] = (kv_lens, block_n, min_chunk)
 
     monkeypatch.setattr(gluon_mla, "launch", launch)
     monkeypatch.setattr(gluon_mla, "reduce_splits", reduce)
@@ -200,8 +200,9 @@ def test_launch_arguments_match_the_kernel_signature(monkeypatch, splits):
         assert named["stride_os"] == 512 and named["stride_oh"] == splits * 512
         assert calls["reduce"] == ((3, 128, splits, 512), (3, 128, splits), (3, 128, 512),
                                    (3, 128))
-        kv_lens, block_n = calls["reduce_live"]    # empty splits' programs write nothing
+        kv_lens, block_n, min_chunk = calls["reduce_live"]   # empty splits write nothing
         assert kv_lens is named["lens_ptr"] and block_n == gluon_mla.BLOCK_N
+        assert min_chunk == meta["MIN_CHUNK"] == 2 * gluon_mla.BLOCK_N     # the kernel's chunks
 
 
 def test_empty_batch_launches_nothing(monkeypatch):

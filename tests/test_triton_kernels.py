@@ -375,11 +375,13 @@ def test_mla_tunables_validated_and_planned():
         assert pdt == torch.bfloat16 and s1 == expect
 
 
+@pytest.mark.parametrize("min_chunk", [0, 128])
 @pytest.mark.parametrize("lens", [[0, 1, 64, 65, 300, 1000], [128] * 3], ids=str)
-def test_reduce_splits_skips_the_splits_a_kernel_left_empty(lens):
-    """reduce_splits with kv_lens and block_n reads only the splits split_range gives tokens
-    (the Gluon MLA kernel writes nothing for the others): partials of empty splits poisoned
-    with NaN change nothing, and it equals the merge of the live splits alone."""
+def test_reduce_splits_skips_the_splits_a_kernel_left_empty(lens, min_chunk):
+    """reduce_splits with kv_lens and block_n reads only the splits split_range's chunks (of at
+    least min_chunk tokens) give tokens (the Gluon MLA kernel writes nothing for the others):
+    partials of empty splits poisoned with NaN change nothing, and it equals the merge of the
+    live splits alone."""
     S, H, D, block_n = 8, 3, 40, 64
     gen = torch.Generator().manual_seed(11)
     B = len(lens)
@@ -388,14 +390,14 @@ def test_reduce_splits_skips_the_splits_a_kernel_left_empty(lens):
     lse_ws = torch.randn(B, H, S, generator=gen).to(DEV)
     live = torch.zeros(B, S, dtype=torch.bool)
     for b, n in enumerate(lens):
-        chunk = -(-(-(-n // S)) // block_n) * block_n
+        chunk = max(-(-(-(-n // S)) // block_n) * block_n, min_chunk)
         live[b] = torch.arange(S) * chunk < n
     dead = (~live)[:, None, :].expand(B, H, S).to(DEV)
     o_ws[dead] = float("nan")
     lse_ws[dead] = float("nan")
     o = torch.empty(B, H, D, device=DEV)
     lse = torch.empty(B, H, device=DEV)
-    triton_splits.reduce_splits(o_ws, lse_ws, o, lse, kl, block_n)
+    triton_splits.reduce_splits(o_ws, lse_ws, o, lse, kl, block_n, min_chunk)
     ref_l = torch.where(live[:, None, :].to(DEV), lse_ws, float("-inf"))
     want_lse = torch.logsumexp(ref_l, dim=-1)
     w = torch.nan_to_num(torch.exp(ref_l - want_lse[..., None]), nan=0.0)

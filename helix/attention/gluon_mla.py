@@ -43,9 +43,11 @@ BLOCK_H = 64                 # query heads per program: the wgmma M (heads < 64 
 BLOCK_N = 64                 # tokens per KV tile
 D_LATENT, D_ROPE = 512, 64
 STAGES = 2                   # KV ring depth: what shared memory allows next to Q (see smem_bytes)
-# Tokens a split keeps at least (the "fill" policy of triton_mla: short contexts spread): one
-# tile for "simple"; a pair of tiles for "seesaw", whose warpgroups take one tile each (a
-# one-tile split leaves one idle; H200, 1 x 4K: 32 splits 19.1 us, 64 splits 24.2 us)
+# Tokens a split keeps at least, in the split count (the "fill" policy of triton_mla: short
+# contexts spread) and in the kernel's chunks (a sequence far shorter than the block table,
+# whose width sets the split count, fills the first splits): one tile for "simple"; a pair
+# of tiles for "seesaw", whose warpgroups take one tile each (a one-tile split leaves one idle;
+# H200, 1 x 4K: 32 splits 19.1 us, 64 splits 24.2 us)
 MIN_SPLIT_TOKENS = {"seesaw": 2 * BLOCK_N, "simple": BLOCK_N}
 SM90_SMEM_LIMIT = 232448     # bytes of shared memory one block may use on H100 / H200
 VARIANTS = ("seesaw", "simple")
@@ -87,7 +89,7 @@ class GluonMLAPlan:
         """The kernel's constexprs and launch options."""
         return dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size, BOX_ROWS=self.box_rows,
                     STAGES=STAGES, SEESAW=self.variant == "seesaw", SKIP_EMPTY=self.skip_empty,
-                    **REGS[self.variant])
+                    MIN_CHUNK=MIN_SPLIT_TOKENS[self.variant], **REGS[self.variant])
 
     @property
     def skip_empty(self) -> bool:
@@ -209,7 +211,8 @@ def mla_decode_gluon(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: tor
            q_rope.stride(0), q_rope.stride(1), block_tables.stride(0), *so, *sl, H, p.num_splits,
            **p.meta(page_size))
     if p.num_splits > 1:
-        reduce_splits(o_ws, lse_ws, o, lse, *((kv_lens, BLOCK_N) if p.skip_empty else ()))
+        reduce_splits(o_ws, lse_ws, o, lse, *((kv_lens, BLOCK_N, MIN_SPLIT_TOKENS[variant])
+                                              if p.skip_empty else ()))
     return o, lse
 
 

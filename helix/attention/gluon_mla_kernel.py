@@ -91,11 +91,15 @@ def _kv_wait(t0, kv_len, PDL: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _split_tiles(lens_ptr, b, split, num_splits, BLOCK_N: gl.constexpr):
-    """(start, end, n_tiles, kv_len) of this program's split: the same BLOCK_N-aligned chunks as
-    triton_splits.split_range, so one split's tiles never straddle a page of >= BLOCK_N."""
+def _split_tiles(lens_ptr, b, split, num_splits, BLOCK_N: gl.constexpr,
+                 MIN_CHUNK: gl.constexpr):
+    """(start, end, n_tiles, kv_len) of this program's split: triton_splits.split_range's
+    BLOCK_N-aligned chunks, of at least MIN_CHUNK tokens (a pair of tiles for the seesaw: a
+    sequence far shorter than the block table, whose width sets num_splits, fills the first
+    splits in pairs and leaves the rest empty), so one split's tiles never straddle a page of
+    >= BLOCK_N."""
     kv_len = gl.load(lens_ptr + b)
-    chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    chunk = gl.maximum(gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
     start = split * chunk
     end = gl.minimum(start + chunk, kv_len)
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
@@ -551,7 +555,7 @@ def mla_decode_kernel(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
     BOX_ROWS: gl.constexpr, STAGES: gl.constexpr, SEESAW: gl.constexpr,
     WG_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    SKIP_EMPTY: gl.constexpr = False, PDL: gl.constexpr = 0,
+    MIN_CHUNK: gl.constexpr = 0, SKIP_EMPTY: gl.constexpr = False, PDL: gl.constexpr = 0,
 ):
     hb = gl.program_id(0)
     split = gl.program_id(1)
@@ -560,7 +564,8 @@ def mla_decode_kernel(
     lat_layout: gl.constexpr = desc_lat.layout
     rope_layout: gl.constexpr = desc_rope.layout
     mbar: gl.constexpr = mbarrier.MBarrierLayout()
-    start, end, n_tiles, kv_len = _split_tiles(lens_ptr, b, split, num_splits, BLOCK_N)
+    start, end, n_tiles, kv_len = _split_tiles(lens_ptr, b, split, num_splits, BLOCK_N,
+                                               MIN_CHUNK)
 
     kv_lat = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_LATENT], lat_layout)
     kv_rope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], rope_layout)

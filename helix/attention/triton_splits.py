@@ -128,7 +128,8 @@ def _reduce_splits_kernel(
     stride_ob, stride_oh,      # o strides (last dim contiguous)
     HEADS, D,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    LIVE_BLOCK_N: tl.constexpr = 0, PDL: tl.constexpr = False,
+    LIVE_BLOCK_N: tl.constexpr = 0, LIVE_MIN_CHUNK: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     pdl_sync(PDL)
     # one program: one (b, h) row, BLOCK_D columns, all splits loaded at once (no serial loop)
@@ -138,10 +139,12 @@ def _reduce_splits_kernel(
     sidx = tl.arange(0, BLOCK_S)
     smask = sidx < NUM_SPLITS
     if LIVE_BLOCK_N > 0:
-        # splits past the sequence's tokens (split_range with BLOCK_N = LIVE_BLOCK_N) hold no
-        # partials (their programs wrote nothing): neither read nor counted
+        # splits past the sequence's tokens (split_range's chunks with BLOCK_N = LIVE_BLOCK_N,
+        # of at least LIVE_MIN_CHUNK tokens) hold no partials (their programs wrote nothing):
+        # neither read nor counted
         kv_len = tl.load(lens_ptr + b)
-        chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), LIVE_BLOCK_N) * LIVE_BLOCK_N
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), LIVE_BLOCK_N) * LIVE_BLOCK_N,
+                           LIVE_MIN_CHUNK)
         smask = smask & (sidx * chunk < kv_len)
     lse = tl.load(lws_ptr + row * NUM_SPLITS + sidx, mask=smask,
                   other=float("-inf"))                            # [S], -inf = empty split
@@ -178,10 +181,11 @@ def split_workspace(o: torch.Tensor, lse: torch.Tensor, num_splits: int,
 
 def reduce_splits(o_ws: torch.Tensor, lse_ws: torch.Tensor, o: torch.Tensor,
                   lse: torch.Tensor, kv_lens: torch.Tensor | None = None,
-                  block_n: int = 0) -> None:
+                  block_n: int = 0, min_chunk: int = 0) -> None:
     """o_ws [B, H, S, D] fp32, lse_ws [B, H, S] fp32 -> o [B, H, D] (its dtype), lse [B, H].
-    With kv_lens [B] and block_n, the splits split_range leaves empty for a sequence (its
-    kernel wrote nothing there) are skipped; without, every split's partials are read."""
+    With kv_lens [B] and block_n, the splits that split_range's chunks (of at least min_chunk
+    tokens) leave empty for a sequence (its kernel wrote nothing there) are skipped; without,
+    every split's partials are read."""
     B, H, S, D = o_ws.shape
     if B * H == 0:
         return
@@ -191,4 +195,4 @@ def reduce_splits(o_ws: torch.Tensor, lse_ws: torch.Tensor, o: torch.Tensor,
     run_kernel(_reduce_splits_kernel, (B * H, triton.cdiv(D, block_d)), o_ws, lse_ws, o, lse,
                kv_lens if live else lse_ws, o.stride(0), o.stride(1), H, D, NUM_SPLITS=S,
                BLOCK_S=block_s, BLOCK_D=block_d, LIVE_BLOCK_N=block_n if live else 0,
-               num_warps=4)
+               LIVE_MIN_CHUNK=min_chunk if live else 0, num_warps=4)
