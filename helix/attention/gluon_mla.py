@@ -25,6 +25,11 @@ each own half of O [64, 512], compute QK^T of alternate tiles (WG 0 buffer 0, WG
 pass P and the running max through shared memory, each softmax running under the other
 warpgroup's wgmmas (Q 64 KB + 2 x 72 KB + 2 P x 8 KB = 225 KB of the 227 KB a block may use).
 "simple" (the fallback): one 8-warp consumer partition over a 2-stage ring of whole tiles.
+Launched with programmatic dependent launch (triton_util.run_kernel): the KV tiles before each
+sequence's last row stream before the wait for the previous kernel (KV_EARLY). Splits: up to
+MAX_SPLITS, counted from the block table's width; a split's chunk keeps a pair of tiles, and the
+programs of splits past a sequence's tokens exit without writing (SKIP_EMPTY; the merge skips
+them).
 """
 
 from __future__ import annotations
@@ -61,6 +66,11 @@ MAX_SPLITS = 128
 PDL = True
 KV_EARLY = True
 PDL_KV_LATE = 8              # a bit of the kernel's PDL value: every tile waits (KV_EARLY off)
+# Long splits read by two head-block programs (128 heads) pace the pair through progress slots
+# (helix.triton_util.progress_slots), so the second read of each KV tile comes from L2: splits
+# of at least PAIR_SYNC_TOKENS (static: the block table's width over the split count)
+PAIR_SYNC = True
+PAIR_SYNC_TOKENS = 32768
 # A program of a split past its sequence's tokens (an engine's block tables hold its max context,
 # so short sequences leave most splits empty) exits at once, and reduce_splits skips the split
 SKIP_EMPTY = True
@@ -80,6 +90,7 @@ class GluonMLAPlan:
     batch: int
     box_rows: int            # rows per TMA box: min(page, BLOCK_N)
     variant: str
+    split_tokens: int = 0    # tokens of the block table's width per split
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -89,7 +100,14 @@ class GluonMLAPlan:
         """The kernel's constexprs and launch options."""
         return dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size, BOX_ROWS=self.box_rows,
                     STAGES=STAGES, SEESAW=self.variant == "seesaw", SKIP_EMPTY=self.skip_empty,
-                    MIN_CHUNK=MIN_SPLIT_TOKENS[self.variant], **REGS[self.variant])
+                    MIN_CHUNK=MIN_SPLIT_TOKENS[self.variant], PAIR_SYNC=self.pair_sync,
+                    **REGS[self.variant])
+
+    @property
+    def pair_sync(self) -> bool:
+        """The two head blocks of a split pace each other (long splits only; seesaw)."""
+        return (PAIR_SYNC and self.variant == "seesaw" and self.head_blocks == 2
+                and self.split_tokens >= PAIR_SYNC_TOKENS)
 
     @property
     def skip_empty(self) -> bool:
@@ -129,8 +147,10 @@ def plan(batch: int, heads: int, max_context: int, sm_count: int, page_size: int
     if num_splits is None:
         num_splits = fill_num_splits(batch, head_blocks, max_context, sm_count,
                                      min_tokens=MIN_SPLIT_TOKENS[variant], max_splits=MAX_SPLITS)
-    return GluonMLAPlan(head_blocks=head_blocks, num_splits=max(1, int(num_splits)), batch=batch,
-                        box_rows=box_rows(page_size), variant=variant)
+    num_splits = max(1, int(num_splits))
+    return GluonMLAPlan(head_blocks=head_blocks, num_splits=num_splits, batch=batch,
+                        box_rows=box_rows(page_size), variant=variant,
+                        split_tokens=max_context // num_splits)
 
 
 def smem_bytes(variant: str, elt: int = 2) -> int:
@@ -206,8 +226,11 @@ def mla_decode_gluon(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: tor
              num_splits, variant)
     o_ws, lse_ws, so, sl = split_workspace(o, lse, p.num_splits, partial_dtype)
     desc_lat, desc_rope = make_descriptors(kv_cache, p)
+    # PAIR_SYNC: a progress slot per (sequence, split, head block); else any int32 pointer
+    slots = (triton_util.progress_slots(q_latent.device, 2 * B * p.num_splits) if p.pair_sync
+             else kv_lens)
     launch(mla_decode_kernel, p.grid, q_latent, q_rope, desc_lat, desc_rope, block_tables,
-           kv_lens, o_ws, lse_ws, scale * LOG2E, q_latent.stride(0), q_latent.stride(1),
+           kv_lens, o_ws, lse_ws, slots, scale * LOG2E, q_latent.stride(0), q_latent.stride(1),
            q_rope.stride(0), q_rope.stride(1), block_tables.stride(0), *so, *sl, H, p.num_splits,
            **p.meta(page_size))
     if p.num_splits > 1:
