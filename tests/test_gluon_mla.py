@@ -49,18 +49,24 @@ def test_plan_one_head_block_fills_the_gpu_at_batch_1(ctx, splits):
     (8, 128, 524288, "seesaw", True), (8, 128, 131072, "seesaw", False),
     (1, 128, 65536, "seesaw", False), (64, 64, 524288, "seesaw", False),
     (64, 16, 524288, "seesaw", False), (32, 128, 524288, "simple", False)])
-def test_plan_paces_head_block_pairs_on_long_splits(batch, heads, ctx, variant, want):
-    """Two head blocks (128 heads) reading splits of >= PAIR_SYNC_TOKENS pace each other (the
-    seesaw's producer); one head block has no partner; short splits do not drift apart."""
+def test_plan_paces_head_block_pairs_on_long_splits(batch, heads, ctx, variant, want,
+                                                    monkeypatch):
+    """With PAIR_SYNC, two head blocks (128 heads) reading splits of >= PAIR_SYNC_TOKENS pace
+    each other (the seesaw's producer); one head block has no partner; short splits do not
+    drift apart; without it nothing paces."""
+    monkeypatch.setattr(gluon_mla, "PAIR_SYNC", True)
     p = gluon_mla.plan(batch, heads, ctx, 132, variant=variant)
     assert p.split_tokens == ctx // p.num_splits
     assert p.pair_sync is want and p.meta(64)["PAIR_SYNC"] is want
+    monkeypatch.setattr(gluon_mla, "PAIR_SYNC", False)
+    assert p.pair_sync is False
 
 
 def test_paced_launch_passes_progress_slots(monkeypatch):
     """A paced launch gets the persistent progress slots (2 per split and sequence), an unpaced
     one any int32 pointer (the lengths)."""
     from helix import triton_util
+    monkeypatch.setattr(gluon_mla, "PAIR_SYNC", True)
     monkeypatch.setattr(gluon_mla, "PAIR_SYNC_TOKENS", 0)
     calls, _, _ = _record(monkeypatch, 3, 128, 4)
     kernel, grid, args, meta = calls["launch"]

@@ -45,6 +45,7 @@ def test_gluon_mla_paced_pairs_match_reference(case, monkeypatch):
     (PAIR_SYNC on whatever the split length): the same results, no hang, twice in a row (the
     progress slots keep the first launch's values)."""
     from profiling.bench_mla_gluon import CHECKS, SCALE, compare, ragged_case
+    monkeypatch.setattr(gluon_mla, "PAIR_SYNC", True)
     monkeypatch.setattr(gluon_mla, "PAIR_SYNC_TOKENS", 0)
     B, heads, lens, ctx, page, splits = CHECKS[case]
     assert heads == 128

@@ -68,8 +68,9 @@ KV_EARLY = True
 PDL_KV_LATE = 8              # a bit of the kernel's PDL value: every tile waits (KV_EARLY off)
 # Long splits read by two head-block programs (128 heads) pace the pair through progress slots
 # (helix.triton_util.progress_slots), so the second read of each KV tile comes from L2: splits
-# of at least PAIR_SYNC_TOKENS (static: the block table's width over the split count)
-PAIR_SYNC = True
+# of at least PAIR_SYNC_TOKENS (static: the block table's width over the split count). Off by
+# default until measured faster (profiling/results/mla_small.md, part pairs)
+PAIR_SYNC = False
 PAIR_SYNC_TOKENS = 32768
 # A program of a split past its sequence's tokens (an engine's block tables hold its max context,
 # so short sequences leave most splits empty) exits at once, and reduce_splits skips the split
