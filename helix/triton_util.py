@@ -144,7 +144,6 @@ def pow2(n: int) -> int:
 # -- arrival counters of one-launch kernels -------------------------------------------------
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-_PROGRESS: dict[torch.device, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []      # outgrown buffers, kept alive (see arrival_counters)
 MIN_COUNTERS = 4096
 
@@ -170,40 +169,25 @@ def arrival_counters(device: torch.device | str, n: int) -> torch.Tensor:
       every kernel that uses it on the compute stream (HOP-B's side stream runs only the
       exchange), so launches are ordered.
     """
-    return _persistent(_COUNTERS, device, n, "the split kernels' arrival-counter buffer")
-
-
-def progress_slots(device: torch.device | str, n: int) -> torch.Tensor:
-    """A persistent int32 buffer of >= n progress slots on `device`, for kernels whose programs
-    publish how far they are for other programs of the same launch to pace themselves (the
-    Gluon MLA kernel's head-block pairs). Unlike arrival_counters, any values may be left
-    between launches: a program sets its own slot before using it, and a reader only paces on
-    it, boundedly. The same allocation rules (grown eagerly, never under capture, never freed)."""
-    return _persistent(_PROGRESS, device, n, "the progress-slot buffer")
-
-
-def _persistent(store: dict, device: torch.device | str, n: int, what: str) -> torch.Tensor:
-    """store[device], grown to >= n zeroed int32 entries outside any capture (see
-    arrival_counters)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    buf = store.get(device)
+    buf = _COUNTERS.get(device)
     if buf is not None and buf.numel() >= n:
         return buf
     if _capturing(device):
         have = 0 if buf is None else buf.numel()
         raise RuntimeError(
-            f"{what} on {device} holds {have} entries and this launch needs {n}; it cannot be "
-            "allocated during CUDA graph capture: run one eager call of this (or a larger) "
-            "shape before capturing")
+            f"the split kernels' arrival-counter buffer on {device} holds {have} counters and "
+            f"this launch needs {n}; it cannot be allocated during CUDA graph capture: run one "
+            "eager call of this (or a larger) shape before capturing")
     size = max(MIN_COUNTERS, triton.next_power_of_2(max(1, n)))
     new = torch.zeros(size, dtype=torch.int32, device=device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     if buf is not None:
         _RETIRED.append(buf)
-    store[device] = new
+    _COUNTERS[device] = new
     return new
 
 

@@ -15,7 +15,6 @@ default splits (issue 16: do the two head-block programs of a split drift apart?
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -216,11 +215,9 @@ def bench_small(args, copy_bw: float) -> list[dict]:
 
 
 def bench_pairs(args) -> list[dict]:
-    """The Gluon kernel on the largest working sets, 128 heads (two head-block programs read
-    each split's KV): the pair paced through progress slots (gluon_mla.PAIR_SYNC, on for
-    splits of >= PAIR_SYNC_TOKENS) against unpaced, block tables in shuffled page order (the
-    benches'); with --pair-study also 64 heads (one program: no pair to drift apart), pool
-    order and doubled splits."""
+    """The Gluon kernel on the largest working sets: 128 heads (two head-block programs read
+    each split's KV) and 64 heads (one program: no pair to drift apart), block tables in
+    shuffled page order (the benches') and in pool order, default and doubled splits."""
     recs = []
     if not gluon_mla.gluon_available(torch.device("cuda")):
         print("  gluon not available: part pairs skipped", flush=True)
@@ -231,23 +228,20 @@ def bench_pairs(args) -> list[dict]:
         x = layer_inputs(batch, 128, ctx, 1, gen)[0]
         bt = x[3]
         in_order = torch.arange(bt.numel(), device="cuda", dtype=torch.int32).view_as(bt)
-        runs = [(128, "shuffled", bt, 1, sync) for sync in (True, False)]
-        if args.pair_study:
-            runs += [(128, "shuffled", bt, 2, False), (128, "in-order", in_order, 1, False),
-                     (64, "shuffled", bt, 1, False), (64, "in-order", in_order, 1, False)]
-        for heads, order, table, mult, sync in runs:
-            p = gluon_mla.plan(batch, heads, ctx, sms)
-            n = p.num_splits * mult
-            fn = flagged(lambda x, h=heads, n=n, t=table: gluon_mla.mla_decode_gluon(  # noqa
-                x[0][:, :h], x[1][:, :h], x[2], t, x[4], SCALE, num_splits=n), PAIR_SYNC=sync)
-            us = chain_us([lambda fn=fn: fn(x)], args.iters)
-            flop = 2 * batch * heads * ctx * (DL + DR + DL)
-            recs.append(dict(part="pairs", batch=batch, context=ctx, heads=heads,
-                             pages=order, splits=n, auto_splits=p.num_splits,
-                             pair_sync=sync and dataclasses.replace(p, num_splits=n).pair_sync,
-                             us=us, kv_gb=x[2].numel() * 2 / 1e9, tflops=flop / us / 1e6,
-                             matmul_frac=flop / us / 1e-6 / args.matmul))
-            print(json.dumps(recs[-1]), flush=True)
+        for heads in (128, 64):
+            auto = gluon_mla.plan(batch, heads, ctx, sms).num_splits
+            for order, table in (("shuffled", bt), ("in-order", in_order)):
+                for mult in ((1, 2) if heads == 128 else (1,)):
+                    n = auto * mult
+                    fn = lambda h=heads, n=n, t=table, x=x: gluon_mla.mla_decode_gluon(  # noqa
+                        x[0][:, :h], x[1][:, :h], x[2], t, x[4], SCALE, num_splits=n)
+                    us = chain_us([fn], args.iters)
+                    flop = 2 * batch * heads * ctx * (DL + DR + DL)
+                    recs.append(dict(part="pairs", batch=batch, context=ctx, heads=heads,
+                                     pages=order, splits=n, auto_splits=auto, us=us,
+                                     kv_gb=x[2].numel() * 2 / 1e9, tflops=flop / us / 1e6,
+                                     matmul_frac=flop / us / 1e-6 / args.matmul))
+                    print(json.dumps(recs[-1]), flush=True)
         x = bt = in_order = None
         torch.cuda.empty_cache()
     return recs
@@ -267,8 +261,6 @@ def main(argv=None):
                    help="the few-heads kernel's split / tile variants and every stream depth")
     p.add_argument("--pair-shapes", default="8x524288,32x524288,64x262144,64x524288",
                    help="batch x context of part pairs")
-    p.add_argument("--pair-study", action="store_true",
-                   help="part pairs: also 64 heads, pool page order and doubled splits")
     args = p.parse_args(argv)
     args.pair_shapes = [tuple(int(v) for v in x.split("x")) for x in args.pair_shapes.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
@@ -302,7 +294,7 @@ def main(argv=None):
     for r in recs:
         if r["part"] == "pairs":
             print(f"pairs {r['batch']}x{r['context'] // 1024}K {r['heads']} heads "
-                  f"{r['pages']} splits {r['splits']} sync {r['pair_sync']}: {r['us']:.0f} us "
+                  f"{r['pages']} splits {r['splits']}: {r['us']:.0f} us "
                   f"{r['tflops']:.0f} TFLOP/s ({r['matmul_frac']:.1%})")
 
 

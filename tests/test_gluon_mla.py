@@ -44,44 +44,6 @@ def test_plan_one_head_block_fills_the_gpu_at_batch_1(ctx, splits):
     assert gluon_mla.plan(1, 16, ctx, 132).num_splits == splits
 
 
-@pytest.mark.parametrize("batch,heads,ctx,variant,want", [
-    (32, 128, 524288, "seesaw", True), (64, 128, 262144, "seesaw", True),
-    (8, 128, 524288, "seesaw", True), (8, 128, 131072, "seesaw", False),
-    (1, 128, 65536, "seesaw", False), (64, 64, 524288, "seesaw", False),
-    (64, 16, 524288, "seesaw", False), (32, 128, 524288, "simple", False)])
-def test_plan_paces_head_block_pairs_on_long_splits(batch, heads, ctx, variant, want,
-                                                    monkeypatch):
-    """With PAIR_SYNC, two head blocks (128 heads) reading splits of >= PAIR_SYNC_TOKENS pace
-    each other (the seesaw's producer); one head block has no partner; short splits do not
-    drift apart; without it nothing paces."""
-    monkeypatch.setattr(gluon_mla, "PAIR_SYNC", True)
-    p = gluon_mla.plan(batch, heads, ctx, 132, variant=variant)
-    assert p.split_tokens == ctx // p.num_splits
-    assert p.pair_sync is want and p.meta(64)["PAIR_SYNC"] is want
-    monkeypatch.setattr(gluon_mla, "PAIR_SYNC", False)
-    assert p.pair_sync is False
-
-
-def test_paced_launch_passes_progress_slots(monkeypatch):
-    """A paced launch gets the persistent progress slots (2 per split and sequence), an unpaced
-    one any int32 pointer (the lengths)."""
-    from helix import triton_util
-    monkeypatch.setattr(gluon_mla, "PAIR_SYNC", True)
-    monkeypatch.setattr(gluon_mla, "PAIR_SYNC_TOKENS", 0)
-    calls, _, _ = _record(monkeypatch, 3, 128, 4)
-    kernel, grid, args, meta = calls["launch"]
-    runtime = [n for i, n in enumerate(kernel.arg_names) if not kernel.params[i].is_constexpr]
-    named = dict(zip(runtime, args))
-    assert meta["PAIR_SYNC"] is True
-    assert named["sync_ptr"] is triton_util.progress_slots("cpu", 2 * 3 * 4)
-    assert named["sync_ptr"].numel() >= 2 * 3 * 4 and named["sync_ptr"].dtype == torch.int32
-    monkeypatch.setattr(gluon_mla, "PAIR_SYNC", False)
-    calls, _, _ = _record(monkeypatch, 3, 128, 4)
-    kernel, grid, args, meta = calls["launch"]
-    assert meta["PAIR_SYNC"] is False and dict(zip(runtime, args))["sync_ptr"] is \
-        dict(zip(runtime, args))["lens_ptr"]
-
-
 def _recorded_meta(monkeypatch, pdl_on: bool) -> dict:
     """The meta gluon_mla.launch hands run_kernel, and what run_kernel adds on a device
     where PDL is (or is not) enabled."""

@@ -39,24 +39,6 @@ def test_gluon_mla_matches_reference(variant, case):
 
 
 @needs_sm90
-@pytest.mark.parametrize("case", [0, 3, 4, 5, 6])
-def test_gluon_mla_paced_pairs_match_reference(case, monkeypatch):
-    """The 128-head cases with every split's two head-block programs pacing each other
-    (PAIR_SYNC on whatever the split length): the same results, no hang, twice in a row (the
-    progress slots keep the first launch's values)."""
-    from profiling.bench_mla_gluon import CHECKS, SCALE, compare, ragged_case
-    monkeypatch.setattr(gluon_mla, "PAIR_SYNC", True)
-    monkeypatch.setattr(gluon_mla, "PAIR_SYNC_TOKENS", 0)
-    B, heads, lens, ctx, page, splits = CHECKS[case]
-    assert heads == 128
-    args = ragged_case(B, heads, lens, ctx, page, seed=2000 + case)
-    for _ in range(2):
-        o, lse = gluon_mla.mla_decode_gluon(*args, SCALE, num_splits=splits)
-        rec = compare(o, lse, *gluon_mla.reference(*args, SCALE))
-        assert rec["ok"], rec
-
-
-@needs_sm90
 @pytest.mark.parametrize("variant", gluon_mla.VARIANTS)
 def test_gluon_mla_under_cuda_graph(variant):
     from profiling.bench_mla_gluon import graph_check

@@ -66,12 +66,6 @@ MAX_SPLITS = 128
 PDL = True
 KV_EARLY = True
 PDL_KV_LATE = 8              # a bit of the kernel's PDL value: every tile waits (KV_EARLY off)
-# Long splits read by two head-block programs (128 heads) pace the pair through progress slots
-# (helix.triton_util.progress_slots), so the second read of each KV tile comes from L2: splits
-# of at least PAIR_SYNC_TOKENS (static: the block table's width over the split count). Off by
-# default until measured faster (profiling/results/mla_small.md, part pairs)
-PAIR_SYNC = False
-PAIR_SYNC_TOKENS = 32768
 # A program of a split past its sequence's tokens (an engine's block tables hold its max context,
 # so short sequences leave most splits empty) exits at once, and reduce_splits skips the split
 SKIP_EMPTY = True
@@ -91,7 +85,6 @@ class GluonMLAPlan:
     batch: int
     box_rows: int            # rows per TMA box: min(page, BLOCK_N)
     variant: str
-    split_tokens: int = 0    # tokens of the block table's width per split
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -101,14 +94,7 @@ class GluonMLAPlan:
         """The kernel's constexprs and launch options."""
         return dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size, BOX_ROWS=self.box_rows,
                     STAGES=STAGES, SEESAW=self.variant == "seesaw", SKIP_EMPTY=self.skip_empty,
-                    MIN_CHUNK=MIN_SPLIT_TOKENS[self.variant], PAIR_SYNC=self.pair_sync,
-                    **REGS[self.variant])
-
-    @property
-    def pair_sync(self) -> bool:
-        """The two head blocks of a split pace each other (long splits only; seesaw)."""
-        return (PAIR_SYNC and self.variant == "seesaw" and self.head_blocks == 2
-                and self.split_tokens >= PAIR_SYNC_TOKENS)
+                    MIN_CHUNK=MIN_SPLIT_TOKENS[self.variant], **REGS[self.variant])
 
     @property
     def skip_empty(self) -> bool:
@@ -148,10 +134,8 @@ def plan(batch: int, heads: int, max_context: int, sm_count: int, page_size: int
     if num_splits is None:
         num_splits = fill_num_splits(batch, head_blocks, max_context, sm_count,
                                      min_tokens=MIN_SPLIT_TOKENS[variant], max_splits=MAX_SPLITS)
-    num_splits = max(1, int(num_splits))
-    return GluonMLAPlan(head_blocks=head_blocks, num_splits=num_splits, batch=batch,
-                        box_rows=box_rows(page_size), variant=variant,
-                        split_tokens=max_context // num_splits)
+    return GluonMLAPlan(head_blocks=head_blocks, num_splits=max(1, int(num_splits)), batch=batch,
+                        box_rows=box_rows(page_size), variant=variant)
 
 
 def smem_bytes(variant: str, elt: int = 2) -> int:
@@ -227,11 +211,8 @@ def mla_decode_gluon(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: tor
              num_splits, variant)
     o_ws, lse_ws, so, sl = split_workspace(o, lse, p.num_splits, partial_dtype)
     desc_lat, desc_rope = make_descriptors(kv_cache, p)
-    # PAIR_SYNC: a progress slot per (sequence, split, head block); else any int32 pointer
-    slots = (triton_util.progress_slots(q_latent.device, 2 * B * p.num_splits) if p.pair_sync
-             else kv_lens)
     launch(mla_decode_kernel, p.grid, q_latent, q_rope, desc_lat, desc_rope, block_tables,
-           kv_lens, o_ws, lse_ws, slots, scale * LOG2E, q_latent.stride(0), q_latent.stride(1),
+           kv_lens, o_ws, lse_ws, scale * LOG2E, q_latent.stride(0), q_latent.stride(1),
            q_rope.stride(0), q_rope.stride(1), block_tables.stride(0), *so, *sl, H, p.num_splits,
            **p.meta(page_size))
     if p.num_splits > 1:

@@ -90,30 +90,6 @@ def _kv_wait(t0, kv_len, PDL: gl.constexpr, BLOCK_N: gl.constexpr):
             _gdc("griddepcontrol.wait;")
 
 
-PACE_WINDOW = gl.constexpr(2)     # pairs a program may lead its partner by (PAIR_SYNC)
-PACE_SPINS = gl.constexpr(256)    # reads of the partner's slot one wait takes at most
-PACE_DONE = gl.constexpr(1 << 30)  # a finished program's slot: never waited for
-
-
-@gluon.jit
-def _pace(slot, partner, i, synced):
-    """PAIR_SYNC: publish that this program issues its pair i, then, while its partner (the
-    other head block of the same split, which reads the same KV tiles) is more than PACE_WINDOW
-    pairs behind, read its slot again: the two stay close enough for L2 to serve the second
-    read of every tile. Bounded: a wait that outlasts PACE_SPINS reads (a partner not resident
-    yet, or slower) ends the pacing for this program (synced -> False), so nothing waits on a
-    program that cannot run."""
-    gl.atomic_xchg(slot, i, sem="relaxed")
-    if synced:
-        other = gl.atomic_add(partner, 0, sem="relaxed")
-        n = 0
-        while (other + PACE_WINDOW < i) & (n < PACE_SPINS):
-            other = gl.atomic_add(partner, 0, sem="relaxed")
-            n += 1
-        synced = n < PACE_SPINS
-    return synced
-
-
 @gluon.jit
 def _split_tiles(lens_ptr, b, split, num_splits, BLOCK_N: gl.constexpr,
                  MIN_CHUNK: gl.constexpr):
@@ -243,31 +219,22 @@ def _load_part(desc_lat, desc_rope, k_lat, k_rope, ready, empty, phase, row, t0,
 
 
 @gluon.jit
-def _seesaw_producer(args, slot, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                     PAGE_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, PDL: gl.constexpr,
-                     PAIR_SYNC: gl.constexpr):
+def _seesaw_producer(args, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                     PAGE_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, PDL: gl.constexpr):
     """Per pair i: K0 lo, K0 hi (tile 2i), K1 hi, K1 lo (tile 2i + 1): the order the consumers
     release them in. With PDL the tiles before the sequence's last row are loaded without
-    waiting for the previous kernel (_kv_wait); with PAIR_SYNC each pair waits (boundedly)
-    for the partner program to come within PACE_WINDOW pairs (_pace; `slot`: this program's
-    progress slot, its partner's next to it)."""
+    waiting for the previous kernel (_kv_wait)."""
     (kv_lat, kv_rope, q_lat, p_smem, m_smem, l_smem, ready, empty, bar_ab, l_bar, desc_lat,
      desc_rope, ql_ptr, qr_ptr, stride_qlb, stride_qlh, stride_qrb, stride_qrh, bt_ptr, o_ptr,
      lse_ptr, b, hb, split, start, end, n_tiles, kv_len, HEADS, scale_log2, stride_btb, stride_ob,
      stride_oh, stride_os, stride_lb, stride_lh) = args
     bt_row = bt_ptr + b * stride_btb
-    synced = n_tiles >= 0
-    if PAIR_SYNC:
-        partner = slot + 1 - 2 * hb
-        gl.atomic_xchg(slot, 0, sem="relaxed")
     for i in range(gl.cdiv(n_tiles, 2)):
         phase = (i & 1) ^ 1                                    # fresh barriers pass
         t0 = start + 2 * i * BLOCK_N
         t1 = t0 + BLOCK_N
         row0 = _tile_row(bt_row, t0, end, PAGE_SIZE)
         row1 = _tile_row(bt_row, t1, end, PAGE_SIZE)
-        if PAIR_SYNC:
-            synced = _pace(slot, partner, i, synced)
         _kv_wait(t1, kv_len, PDL, BLOCK_N)          # (t1's tile covers t0's: one test a pair)
         k0 = kv_lat.index(0)
         k1 = kv_lat.index(1)
@@ -279,8 +246,6 @@ def _seesaw_producer(args, slot, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                    phase, row1, t1, end, bt_row, HALF, True, BLOCK_N, PAGE_SIZE, BOX_ROWS)
         _load_part(desc_lat, desc_rope, k1, kv_rope.index(1), ready.index(2), empty.index(2),
                    phase, row1, t1, end, bt_row, 0, False, BLOCK_N, PAGE_SIZE, BOX_ROWS)
-    if PAIR_SYNC:
-        gl.atomic_xchg(slot, PACE_DONE, sem="relaxed")
 
 
 @gluon.jit
@@ -581,9 +546,7 @@ def _simple_consumer(args, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
 
 @gluon.jit
 def mla_decode_kernel(
-    ql_ptr, qr_ptr, desc_lat, desc_rope, bt_ptr, lens_ptr, o_ptr, lse_ptr,
-    sync_ptr,                                            # int32 progress slots (PAIR_SYNC)
-    scale_log2,
+    ql_ptr, qr_ptr, desc_lat, desc_rope, bt_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2,
     stride_qlb, stride_qlh, stride_qrb, stride_qrh,      # q_latent [B, H, 512], q_rope [B, H, 64]
     stride_btb,                                          # block_tables [B, W] int32
     stride_ob, stride_oh, stride_os,                     # o [B, H, S, 512] (or [B, H, 512])
@@ -592,8 +555,7 @@ def mla_decode_kernel(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
     BOX_ROWS: gl.constexpr, STAGES: gl.constexpr, SEESAW: gl.constexpr,
     WG_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    MIN_CHUNK: gl.constexpr = 0, SKIP_EMPTY: gl.constexpr = False,
-    PAIR_SYNC: gl.constexpr = False, PDL: gl.constexpr = 0,
+    MIN_CHUNK: gl.constexpr = 0, SKIP_EMPTY: gl.constexpr = False, PDL: gl.constexpr = 0,
 ):
     hb = gl.program_id(0)
     split = gl.program_id(1)
@@ -641,9 +603,8 @@ def mla_decode_kernel(
             live = n_tiles > 0
         else:
             live = n_tiles >= 0
-        slot = sync_ptr + ((b * num_splits + split) * 2 + hb)   # PAIR_SYNC: 2 slots a split
-        gl.warp_specialize([(_seesaw_producer, (args, slot, BLOCK_H, BLOCK_N, PAGE_SIZE,
-                                                 BOX_ROWS, PDL, PAIR_SYNC)),
+        gl.warp_specialize([(_seesaw_producer, (args, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS,
+                                                 PDL)),
                             (_seesaw_wg0, (args, live, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS,
                                            PDL)),
                             (_seesaw_wg1, (args, live, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS,
