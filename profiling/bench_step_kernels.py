@@ -308,7 +308,7 @@ def set_kernels(mode: str) -> None:
     tr.ONE_TILE = mode not in ("before", "after-router-chunked", "after-noonetile")
     skinny_gemm.NORM_IN_GEMV = mode not in ("before", "after-nonormgemv")
     start = mode == "after-attn-7a34bf8"
-    gluon_mla.PDL = mode not in ("after-gluon-nopdl",) and not start
+    gluon_mla.PDL = mode != "after-gluon-nopdl" and not start
     gluon_mla.KV_EARLY = mode != "after-gluon-kv-late"
     gluon_mla.MAX_SPLITS = 64 if start else _GLUON_MAX_SPLITS
     gluon_mla.SKIP_EMPTY = not start

@@ -75,11 +75,15 @@ def sm_count_of(device: torch.device) -> int:
 
 
 @triton.jit
-def split_range(kv_len, split, num_splits, BLOCK_N: tl.constexpr):
+def split_range(kv_len, split, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr = 0):
     """Tokens [start, end) of split `split` of a sequence of kv_len local tokens. Chunks are
-    BLOCK_N-aligned so a block never straddles a page when PAGE_SIZE % BLOCK_N == 0.
-    num_splits: a constexpr (GQA) or a runtime int (MLA: one binary for every split count)."""
+    BLOCK_N-aligned so a block never straddles a page when PAGE_SIZE % BLOCK_N == 0, and hold
+    at least MIN_CHUNK tokens (the Gluon MLA kernel's pair of tiles: its _split_tiles is this
+    rule in Gluon). num_splits: a constexpr (GQA) or a runtime int (MLA: one binary for every
+    split count); `split` may be a block of split indices."""
     chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    if MIN_CHUNK > 0:
+        chunk = tl.maximum(chunk, MIN_CHUNK)
     start = split * chunk
     end = tl.minimum(start + chunk, kv_len)
     return start, end
@@ -143,9 +147,8 @@ def _reduce_splits_kernel(
         # of at least LIVE_MIN_CHUNK tokens) hold no partials (their programs wrote nothing):
         # neither read nor counted
         kv_len = tl.load(lens_ptr + b)
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), LIVE_BLOCK_N) * LIVE_BLOCK_N,
-                           LIVE_MIN_CHUNK)
-        smask = smask & (sidx * chunk < kv_len)
+        start, _ = split_range(kv_len, sidx, NUM_SPLITS, LIVE_BLOCK_N, LIVE_MIN_CHUNK)
+        smask = smask & (start < kv_len)
     lse = tl.load(lws_ptr + row * NUM_SPLITS + sidx, mask=smask,
                   other=float("-inf"))                            # [S], -inf = empty split
     m = tl.max(lse, axis=0)
