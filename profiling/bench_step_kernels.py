@@ -17,6 +17,8 @@ DeepSeek-V2-Lite steps, old kernels against new, with the copy rate measured in 
       weight + KV read floor; "before" (previous router, MoE v1, triton_mla), "after" (the
       new kernels' defaults) and optionally "after-nofew" (no few-heads kernel: Gluon on
       sm_90, else triton_mla) and "after-v1moe" (fused_moe v1 for the experts).
+  (e) the greedy token: torch.argmax against sampling_ops' chunked kernel, [B, V] fp32 logits
+      of DeepSeek-V2-Lite's and Llama-3's vocabularies.
 
 Times are CUDA-graph replays with L2 flushed (a)-(c), or the engine's step (d).
 
@@ -47,6 +49,7 @@ from helix.layers import moe_decode as md  # noqa: E402
 from helix.layers import router as rt  # noqa: E402
 from helix.layers import skinny_gemm  # noqa: E402
 from helix.layers import triton_router as tr  # noqa: E402
+from helix.runtime import sampling_ops  # noqa: E402
 from profiling.roofline import L2Flush, copy_bandwidth, graph_time_us  # noqa: E402
 
 DEVICE = "cuda"
@@ -78,6 +81,12 @@ MOE_VARIANTS = [  # (name, fused_moe variant, moe_decode config)
     ("fma-tile-n2-w8", "decode", dict(mode="fma", BLOCK_M=1, up_BLOCK_N=2, up_BLOCK_K=2048,
                                       down_BLOCK_N=4, down_BLOCK_K=1024, K_SPLITS=2,
                                       num_warps=8)),
+    # "gemv": one whole-K weight tile a program, loaded in one go (moe_decode's GEMV mode)
+    ("gemv", "decode", dict(mode="gemv")),
+    ("gemv-up1-down2", "decode", dict(mode="gemv", up_BLOCK_N=1, down_BLOCK_N=2)),
+    ("gemv-up4-down8", "decode", dict(mode="gemv", up_BLOCK_N=4, down_BLOCK_N=8)),
+    ("gemv-ks2", "decode", dict(mode="gemv", K_SPLITS=2)),
+    ("gemv-w8", "decode", dict(mode="gemv", num_warps=8)),
 ]
 MLA_VARIANTS = [  # (name, kernel, config)
     ("triton_mla", "mla", None),
@@ -153,6 +162,8 @@ def _routing(T, E, k, gen):
 def bench_moe(args, flush, copy_bw) -> list[dict]:
     recs = []
     variants = MOE_VARIANTS[:4] if args.quick else MOE_VARIANTS
+    if args.moe_variants:
+        variants = [v for v in MOE_VARIANTS if v[0] in args.moe_variants]
     for name, (E, I, D, k) in EXPERTS.items():
         g = torch.Generator(device=DEVICE).manual_seed(1)
         gate = (torch.randn(E, I, D, generator=g, device=DEVICE, dtype=torch.bfloat16) / D ** .5)
@@ -177,6 +188,32 @@ def bench_moe(args, flush, copy_bw) -> list[dict]:
         gate = up = down = None       # free the weights (not del: the closures above use them)
         torch.cuda.empty_cache()
     return recs
+
+
+VOCABS = {"deepseek-v2-lite": 102400, "llama-3.1-8b": 128256}
+
+
+def bench_greedy(args, copy_bw) -> list[dict]:
+    """(e) the greedy token: torch.argmax against the chunked kernel on [B, V] fp32 logits."""
+    recs = []
+    for name, V in VOCABS.items():
+        for B in args.greedy_batches:
+            x = torch.randn(B, V, device=DEVICE)
+            x[:, V // 2] = 1e4                                  # a known answer
+            for path, fn in (("torch", lambda: torch.argmax(x, -1)),
+                             ("kernel", lambda: _greedy(x))):
+                ok = bool((fn() == V // 2).all())
+                us = graph_time_us(fn, args.iters, None)
+                recs.append(dict(part="greedy", vocab=name, batch=B, path=path, time_us=us,
+                                 correct=ok, copy_rate_frac=x.numel() * 4 / (us * 1e-6) / copy_bw))
+                print(json.dumps(recs[-1]), flush=True)
+    return recs
+
+
+def _greedy(x):
+    out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    sampling_ops.greedy_argmax_triton(x, out)
+    return out
 
 
 MLA_SHAPE = (16, 512, 64, 64)            # heads, latent, rope, page: DeepSeek-V2-Lite's rank
@@ -262,7 +299,8 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-pdl-wait", "after-pdl-early", "after-pdl-prefetch", "after-noabsorbrow",
               "after-nogemv", "after-gemv-late", "after-router-chunked", "after-nonormgemv",
               "after-noonetile", "after-nogluon", "after-gluon-nopdl", "after-gluon-kv-late",
-              "after-few-batch1", "after-attn-7a34bf8")
+              "after-few-batch1", "after-attn-7a34bf8", "after-moe-dot", "after-torch-argmax",
+              "after-ffd0c4b")
 
 
 def set_kernels(mode: str) -> None:
@@ -289,7 +327,10 @@ def set_kernels(mode: str) -> None:
     but every KV tile loaded after the wait (gluon_mla.KV_EARLY off); 'after-few-batch1': the
     few-heads kernel at batch 1 (triton_backend.GLUON_FEW_HEADS_FROM_BATCH = 2);
     'after-attn-7a34bf8': all three, Gluon's 64-split cap and its empty splits written and
-    merged (gluon_mla.SKIP_EMPTY off): the MLA decode of 7a34bf8."""
+    merged (gluon_mla.SKIP_EMPTY off): the MLA decode of 7a34bf8; 'after-moe-dot': the MoE
+    experts of 1-2 rows on tensor cores, not the one-tile GEMVs (moe_decode.GEMV_MAX_ROWS 0);
+    'after-torch-argmax': greedy tokens by torch.argmax (sampling_ops.GREEDY_KERNEL off);
+    'after-ffd0c4b': both (the step of ffd0c4b)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -314,6 +355,8 @@ def set_kernels(mode: str) -> None:
     gluon_mla.SKIP_EMPTY = not start
     triton_backend.GLUON_FEW_HEADS_FROM_BATCH = (2 if start or mode == "after-few-batch1"
                                                  else _FEW_FROM_BATCH)
+    md.GEMV_MAX_ROWS = 0 if mode in ("after-moe-dot", "after-ffd0c4b") else _GEMV_ROWS
+    sampling_ops.GREEDY_KERNEL = mode not in ("after-torch-argmax", "after-ffd0c4b")
     if mode == "after-nogluon":
         os.environ["HELIX_MLA_GLUON"] = "0"
     elif _MLA_GLUON is None:
@@ -331,6 +374,7 @@ _GEMV = skinny_gemm.GEMV
 _MLA_GLUON = os.environ.get("HELIX_MLA_GLUON")
 _GLUON_MAX_SPLITS = gluon_mla.MAX_SPLITS
 _FEW_FROM_BATCH = triton_backend.GLUON_FEW_HEADS_FROM_BATCH
+_GEMV_ROWS = md.GEMV_MAX_ROWS
 
 
 def _legacy_forward(self, x):
@@ -444,15 +488,22 @@ def summary(records: list[dict]) -> str:
             lines.append(f"  {label:>6} {r['batch']:>2} {r['context']:>7} | "
                          f"{r['step_ms']:7.3f} {r['floor_ms']:7.3f} {r['vs_floor']:5.2f}x "
                          f"{r['kernels_per_step']:7.0f}")
+    for r in (r for r in records if r["part"] == "greedy"):
+        lines.append(f"(e) greedy {r['vocab']} batch {r['batch']} {r['path']}: "
+                     f"{r['time_us']:.1f} us{'' if r['correct'] else ' WRONG'}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file for the records")
-    ap.add_argument("--parts", default="a,b,c,d", help="comma list of a, b, c, d")
+    ap.add_argument("--parts", default="a,b,c,d", help="comma list of a, b, c, d, e")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="fewer variants")
+    ap.add_argument("--moe-variants", type=lambda s: s.split(","), default=None,
+                    help="part (b): only these MOE_VARIANTS (comma list of names)")
+    ap.add_argument("--greedy-batches", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[1, 8], help="part (e) batches")
     ap.add_argument("--moe-batches", type=lambda s: [int(x) for x in s.split(",")],
                     default=[1, 2, 4, 8])
     ap.add_argument("--mla-batches", type=lambda s: [int(x) for x in s.split(",")],
@@ -481,7 +532,8 @@ def main(argv: list[str] | None = None) -> None:
     for part, fn in (("a", lambda: bench_router(args, flush)),
                      ("b", lambda: bench_moe(args, flush, copy_bw)),
                      ("c", lambda: bench_mla(args, flush, copy_bw)),
-                     ("d", lambda: bench_steps(args, copy_bw))):
+                     ("d", lambda: bench_steps(args, copy_bw)),
+                     ("e", lambda: bench_greedy(args, copy_bw))):
         if part in parts:
             t = time.perf_counter()
             records += fn()

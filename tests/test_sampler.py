@@ -50,6 +50,26 @@ def test_gumbel_kernel_matches_the_torch_noise(V):
     assert torch.equal(got, want) and got[2] < 5
 
 
+@pytest.mark.parametrize("V,block", [(7, 4), (3000, 512), (5000, 4096)])
+def test_greedy_argmax_kernel_matches_torch(V, block):
+    """The chunked greedy argmax (one launch, the last program of a row picks among chunks):
+    torch.argmax's index, ties to the lowest index (within a chunk and across chunks), a NaN
+    the largest value, -inf rows, rows past the logits untouched."""
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(6, V, generator=g)
+    x[1, :] = 2.0                                           # all tied: index 0
+    x[2, [V - 1, V // 2, 3]] = 9.0                          # ties in different chunks
+    x[3, :] = float("-inf")
+    x[4, V // 3] = float("nan")
+    out = torch.full((8,), -7, dtype=torch.long)
+    for rep in range(2):                                    # the arrival counters reset
+        got = out.clone().to(DEV)
+        sampler.greedy_argmax_triton(x.to(DEV), got, block)
+        got = got.cpu()
+        assert torch.equal(got[:6], torch.argmax(x, -1)), (rep, got, torch.argmax(x, -1))
+        assert got[6:].tolist() == [-7, -7]
+
+
 def test_sample_rows_draws_each_row_from_its_own_distribution():
     n, V = 3000, 6
     probs = torch.tensor([[0.5, 0.3, 0.2, 0, 0, 0], [0, 0, 0, 0.1, 0.1, 0.8]])

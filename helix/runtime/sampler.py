@@ -18,7 +18,7 @@ import torch
 
 from helix.layers.fused_ops import select_tokens
 from helix.runtime.sampling import SamplingParams, row_params
-from helix.runtime.sampling_ops import sample_rows
+from helix.runtime.sampling_ops import greedy_argmax, sample_rows
 
 
 class Sampler:
@@ -33,7 +33,7 @@ class Sampler:
 
     def greedy(self, logits: torch.Tensor) -> None:
         """logits [S, V] -> tokens[:S] = argmax per row (no host sync)."""
-        torch.argmax(logits, -1, out=self.tokens[:logits.shape[0]])
+        greedy_argmax(logits, self.tokens)
 
     def sample_rows(self, logits: torch.Tensor, rows: dict[str, torch.Tensor]) -> None:
         """Rows with temperature > 0 draw from their filtered distribution; the others keep the

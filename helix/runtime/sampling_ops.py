@@ -10,6 +10,15 @@ sample of softmax(x), and a filtered entry (x_v = -inf) is never chosen.
 
     sample_rows(logits [B, V], temperature [B], top_k [B], top_p [B], seeds [B],
                 counters [B], out [B])   # rows with temperature > 0 overwrite out; others keep it
+    greedy_argmax(logits [B, V], out [B])  # out[b] = the first index of row b's largest entry
+
+Greedy decoding's argmax runs on CUDA as one launch over (row, vocabulary chunk) programs: a
+single row's argmax in torch is one reduction over the whole vocabulary in few blocks (~23 us
+for DeepSeek-V2-Lite's 102,400 fp32 logits on an H200, a step's 1 %). Each program takes its
+chunk's largest entry (the lowest index among equals) and the last program of the row to
+arrive (an arrival counter) picks among the chunks in chunk order, so ties go to the lowest
+index, as in torch.argmax. NaN counts as the largest value, as there (a NaN row gives an index
+of a NaN; with +inf too, whichever comes first).
 
 Filtering (`filter_rows`), row by row: logits / temperature, keep
 the top_k largest (0: all), then the smallest set of most likely tokens whose mass reaches
@@ -22,7 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from helix.triton_util import HAS_TRITON, tl, triton
+from helix.triton_util import (HAS_TRITON, arrival_counters, pdl_sync, run_kernel, tl,
+                               triton)
 
 M32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
@@ -88,6 +98,31 @@ if HAS_TRITON:
             best_val = tl.where(take, blk_val, best_val)
         tl.store(out_ptr + b, best_idx.to(tl.int64))
 
+    @triton.jit
+    def _greedy_argmax_kernel(x_ptr, out_ptr, best_ptr, idx_ptr, cnt_ptr, V, stride_x,
+                              CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+                              BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+        b = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        v = c * BLOCK + tl.arange(0, BLOCK)
+        pdl_sync(PDL)
+        x = tl.load(x_ptr + b * stride_x + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("inf"), x)                     # NaN: the largest, as torch
+        tl.store(best_ptr + b * CHUNKS + c, tl.max(x, axis=0))
+        tl.store(idx_ptr + b * CHUNKS + c, tl.argmax(x, axis=0, tie_break_left=True) + c * BLOCK)
+        # the last program of row b to arrive picks among the chunks (ordering: CTA barrier,
+        # one acq_rel GPU-scope atomic, the chunks' results read through L2, counter reset)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
+        if arrived == CHUNKS - 1:
+            k = tl.arange(0, BLOCK_C)
+            vals = tl.load(best_ptr + b * CHUNKS + k, mask=k < CHUNKS, other=float("-inf"),
+                           cache_modifier=".cg")
+            first = tl.argmax(vals, axis=0, tie_break_left=True)
+            tl.store(out_ptr + b, tl.load(idx_ptr + b * CHUNKS + first, cache_modifier=".cg")
+                     .to(tl.int64))
+            tl.store(cnt_ptr + b, 0)
+
 
 def gumbel_argmax_triton(x: torch.Tensor, seeds: torch.Tensor,
                          counters: torch.Tensor) -> torch.Tensor:
@@ -106,6 +141,33 @@ def gumbel_argmax(x: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) 
     if HAS_TRITON and x.is_cuda:
         return gumbel_argmax_triton(x, seeds, counters)
     return gumbel_argmax_torch(x, seeds, counters)
+
+
+GREEDY_BLOCK = 4096           # vocabulary entries a greedy-argmax program takes
+GREEDY_KERNEL = True          # module flag, read per call (benches switch it)
+
+
+def greedy_argmax(logits: torch.Tensor, out: torch.Tensor) -> None:
+    """out[b] = argmax of logits[b] (the first index among equal maxima; NaN the largest), for
+    logits [B, V] with unit stride along V, out int64 [>= B]. One Triton launch on CUDA
+    (capturable, no host sync), torch.argmax elsewhere."""
+    if GREEDY_KERNEL and HAS_TRITON and logits.is_cuda and logits.stride(-1) == 1:
+        greedy_argmax_triton(logits, out)
+    else:
+        torch.argmax(logits, -1, out=out[:logits.shape[0]])
+
+
+def greedy_argmax_triton(logits: torch.Tensor, out: torch.Tensor,
+                         block: int = GREEDY_BLOCK) -> None:
+    B, V = logits.shape
+    if B == 0:
+        return
+    chunks = triton.cdiv(V, block)
+    best = torch.empty((B, chunks), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((B, chunks), dtype=torch.int32, device=logits.device)
+    run_kernel(_greedy_argmax_kernel, (B, chunks), logits, out, best, idx,
+               arrival_counters(logits.device, B), V, logits.stride(0), CHUNKS=chunks,
+               BLOCK=block, BLOCK_C=triton.next_power_of_2(chunks), num_warps=8)
 
 
 def filter_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
