@@ -300,7 +300,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-nogemv", "after-gemv-late", "after-router-chunked", "after-nonormgemv",
               "after-noonetile", "after-nogluon", "after-gluon-nopdl", "after-gluon-kv-late",
               "after-few-batch1", "after-attn-7a34bf8", "after-moe-dot", "after-torch-argmax",
-              "after-ffd0c4b")
+              "after-gemv-nosplit", "after-ffd0c4b")
 
 
 def set_kernels(mode: str) -> None:
@@ -330,7 +330,8 @@ def set_kernels(mode: str) -> None:
     merged (gluon_mla.SKIP_EMPTY off): the MLA decode of 7a34bf8; 'after-moe-dot': the MoE
     experts of 1-2 rows on tensor cores, not the one-tile GEMVs (moe_decode.GEMV_MAX_ROWS 0);
     'after-torch-argmax': greedy tokens by torch.argmax (sampling_ops.GREEDY_KERNEL off);
-    'after-ffd0c4b': both (the step of ffd0c4b)."""
+    'after-gemv-nosplit': projections with K past one GEMV tile on the skinny kernel
+    (skinny_gemm.GEMV_SPLIT off); 'after-ffd0c4b': all three (the step of ffd0c4b)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -357,6 +358,7 @@ def set_kernels(mode: str) -> None:
                                                  else _FEW_FROM_BATCH)
     md.GEMV_MAX_ROWS = 0 if mode in ("after-moe-dot", "after-ffd0c4b") else _GEMV_ROWS
     sampling_ops.GREEDY_KERNEL = mode not in ("after-torch-argmax", "after-ffd0c4b")
+    skinny_gemm.GEMV_SPLIT = mode not in ("after-gemv-nosplit", "after-ffd0c4b")
     if mode == "after-nogluon":
         os.environ["HELIX_MLA_GLUON"] = "0"
     elif _MLA_GLUON is None:

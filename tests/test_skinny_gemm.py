@@ -96,8 +96,35 @@ def test_gemv_matches_the_torch_formulas(T, G, N, K, bias, early, dtype):
         grid, args, meta = sg.gemv_launch(x.to(DEV), w.to(DEV), None if b is None else b.to(DEV),
                                           y, dict(BLOCK_N=8))
         sg._run((grid, args, meta), sg._gemv_kernel)
-    assert grid == (-(-N // 8), G) and meta["ROWS"] == sg.pow2(T) and meta["EARLY"] == early
+    assert grid == (-(-N // 8), G, 1) and meta["ROWS"] == sg.pow2(T) and meta["EARLY"] == early
     _close(y, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,G,N,K,max_k,bias", [(1, 1, 40, 200, 64, False),
+                                                (2, 2, 24, 300, 128, True),
+                                                (2, 1, 33, 129, 64, True)])
+def test_gemv_splits_k_past_one_tile(T, G, N, K, max_k, bias, dtype):
+    """K past GEMV_MAX_K: equal K ranges a program each (the last one short, one of a single
+    element), fp32 partials summed in split order by the last program to arrive, the bias
+    added once; twice, so the arrival counters are reset."""
+    g = torch.Generator().manual_seed(K + T)
+    x = torch.randn(T, G, K, generator=g).to(dtype)
+    w = (torch.randn(G, N, K, generator=g) / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    ref = torch.einsum("tgk,gnk->tgn", x.float(), w.float()) + (b.float() if bias else 0)
+    with mock.patch.object(sg, "GEMV_MAX_K", max_k):
+        assert sg.gemv_fits(x, w)
+        for _ in range(2):
+            y = torch.full((T, G, N), float("nan"), dtype=dtype, device=DEV)
+            grid, args, meta = sg.gemv_launch(x.to(DEV), w.to(DEV),
+                                              None if b is None else b.to(DEV), y, dict(BLOCK_N=8))
+            sg._run((grid, args, meta), sg._gemv_kernel)
+            split = -(-K // max_k)
+            assert grid == (-(-N // 8), G, split) and meta["SPLIT_K"] == split > 1
+            _close(y, ref, dtype)
+        with mock.patch.object(sg, "GEMV_SPLIT", False):
+            assert not sg.gemv_fits(x, w)
 
 
 def test_gemv_takes_decode_rows_of_linear_and_absorb_v():
@@ -125,9 +152,9 @@ def test_gemv_takes_decode_rows_of_linear_and_absorb_v():
         with mock.patch.object(sg, "GEMV", False):
             sg.linear_triton(x.to(DEV), w.to(DEV))
     assert kernels == ["_gemv_kernel", "_gemv_kernel"] + ["_skinny_kernel"] * 3
-    long_k = torch.empty(1, 1, sg.GEMV_MAX_K + 1)
-    assert not sg.gemv_fits(long_k, torch.empty(1, 8, sg.GEMV_MAX_K + 1))
-    assert sg.gemv_fits(long_k[..., 1:], torch.empty(1, 8, sg.GEMV_MAX_K))
+    long_k = torch.empty(1, 1, sg.GEMV_SPLIT_MAX_K + 1)
+    assert not sg.gemv_fits(long_k, torch.empty(1, 8, sg.GEMV_SPLIT_MAX_K + 1))
+    assert sg.gemv_fits(long_k[..., 1:], torch.empty(1, 8, sg.GEMV_SPLIT_MAX_K))
     assert not sg.gemv_fits(torch.empty(1, 1, 16), torch.empty(1, 16, 8).transpose(1, 2))
 
 
@@ -142,6 +169,9 @@ def test_gemv_rule_from_shapes():
     assert rule(2048, 2048) == (4, 2048)        # o_proj: 512
     assert rule(128, 512, 16) == (8, 512)       # W_UV: 16 blocks x 16 heads
     assert rule(10, 4096) == (1, 4096)          # never below one row
+    assert rule(2048, 10944) == (2, 4096)       # the dense down: 3 K ranges of 3648
+    assert sg.gemv_config(1, 2048, 10944, 1, 132)["SPLIT_K"] == 3
+    assert rule(4096, 14336) == (2, 4096)       # Llama-3.1-8B's down: 4 ranges of 3584
     with pytest.raises(ValueError, match="unknown GEMV tunables"):
         sg.gemv_config(1, 8, 8, 1, 132, {"SPLIT_K": 2})
 
@@ -251,7 +281,7 @@ def test_launch_grids_from_shapes():
         out = sg.absorb_v_triton(torch.empty(1, 16, 512, dtype=bf, **m),
                                  torch.empty(16, 128, 512, dtype=bf, **m))
         assert out.shape == (1, 2048)
-    assert grids == [(96, 4, 1), (4, 4, 16), (1536, 1), (16, 16)]
+    assert grids == [(96, 4, 1), (4, 4, 16), (1536, 1, 1), (16, 16, 1)]
 
 
 
@@ -274,6 +304,7 @@ with mock.patch.object(sg, "run_kernel", lambda k, g, *a, **kw: launches.append(
     with mock.patch.object(sg, "GEMV_EARLY", False):
         sg.linear_triton(e(1, 2048), e(2048, 2048))
     sg.add_norm_linear_triton(e(1, 2048), e(1, 2048), e(2048), 1e-6, e(3648, 2048))
+    sg.linear_triton(e(1, 10944), e(2048, 10944))                   # the dense down: split K
 out = []
 for k, a, kw in launches:
     rec = compile_sm90(k, a, dict(kw, PDL=1))
@@ -291,8 +322,9 @@ print(json.dumps(out))
 @pytest.mark.sm90
 def test_gemv_compiles_for_sm90_and_loads_its_weights_before_the_wait(tmp_path):
     """DeepSeek-V2-Lite's decode GEMVs (the x projection at 1 and 2 rows, W_UV, the x
-    projection with the input norm) compile for sm_90 without spills; with GEMV_EARLY the
-    weight loads come before griddepcontrol.wait, without it every load comes after."""
+    projection with the input norm, the dense down split in K) compile for sm_90 without
+    spills; with GEMV_EARLY the weight loads come before griddepcontrol.wait, without it every
+    load comes after."""
     import json
     import os
     import subprocess
@@ -309,7 +341,8 @@ def test_gemv_compiles_for_sm90_and_loads_its_weights_before_the_wait(tmp_path):
                          timeout=600, env=env, cwd=root)
     assert res.returncode == 0, res.stderr[-3000:]
     recs = json.loads(res.stdout.strip().splitlines()[-1])
-    assert [r["kernel"] for r in recs] == ["_gemv_kernel"] * 5
+    assert [r["kernel"] for r in recs] == ["_gemv_kernel"] * 6
+    assert recs[5]["constexprs"]["SPLIT_K"] == 3
     assert all(r["local_loads"] == 0 and r["stack_bytes"] == 0 for r in recs), recs
     assert recs[4]["constexprs"]["ADD_NORM"]
     for r in recs[:3] + recs[4:]:

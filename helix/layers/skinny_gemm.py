@@ -60,7 +60,9 @@ TUNABLES = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 GEMV = os.environ.get("HELIX_GEMV", "1") != "0"
 GEMV_EARLY = True              # its weight tile loaded before the PDL wait
 GEMV_MAX_ROWS = 2              # measured: slower than the skinny kernel at 4 rows
-GEMV_MAX_K = 4096
+GEMV_MAX_K = 4096             # one tile's K; past it, K in equal ranges (GEMV_SPLIT)
+GEMV_SPLIT = True              # module flag (benches switch it): split K past GEMV_MAX_K
+GEMV_SPLIT_MAX_K = 16 * 4096   # ... up to this K (Llama-3.1-8B's down: 14336)
 GEMV_TUNABLES = ("TILE", "BLOCK_N", "num_warps")
 NORM_IN_GEMV = True            # add_norm_linear: the input norm in the GEMV's launch
 NORM_MIN_ROWS = 4              # ... where a program's weight tile has at least this many rows
@@ -149,27 +151,32 @@ if HAS_TRITON:
 
 
     @triton.jit(do_not_specialize=["T"])
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, h_ptr, T, N, K, inv_k, eps,
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, h_ptr, part_ptr, cnt_ptr,
+                     T, N, K, k_chunk, inv_k, eps,
                      sxt, sxg,                      # x [T, G, K] (unit stride along K)
                      swg, swn,                      # W [G, N, K] (unit stride along K)
                      syt, syg,                      # y [T, G, N] (unit stride along N)
                      srt,                           # ADD_NORM: residual [T, K], h [T, K]
                      HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY: tl.constexpr,
-                     PDL: tl.constexpr = False):
-        """y[t, g, n] = sum_k x[t, g, k] W[g, n, k] (+ bias[n]) for t < T <= ROWS and
-        K <= BLOCK_K: program (nb, g) loads its whole [BLOCK_N, K] weight tile in one go
-        (EARLY: before the PDL wait; weights are no kernel's output), then takes the products
-        row by row in fp32 registers (no shared memory, no split, no second pass).
-        ADD_NORM (G = 1): x is the decoder's input norm of h = residual + x, which every
-        program forms from the whole row it holds anyway (fused_ops' add + RMS norm rule);
-        program 0 stores h (contiguous rows) for the next layer."""
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                     EARLY: tl.constexpr, PDL: tl.constexpr = False):
+        """y[t, g, n] = sum_k x[t, g, k] W[g, n, k] (+ bias[n]) for t < T <= ROWS: program
+        (nb, g, ks) loads its whole [BLOCK_N, k_chunk] weight tile (k_chunk <= BLOCK_K, the
+        K range ks * k_chunk ...) in one go (EARLY: before the PDL wait; weights are no
+        kernel's output), then takes the products row by row in fp32 registers (no shared
+        memory, no second pass over the weights). SPLIT_K > 1 (K past one tile): fp32
+        partials [SPLIT_K, G, ROWS, N], summed in split order by the last program of (g, nb)
+        to arrive (the skinny kernel's ordering).
+        ADD_NORM (G = 1, SPLIT_K = 1): x is the decoder's input norm of h = residual + x, which
+        every program forms from the whole row it holds anyway (fused_ops' add + RMS norm
+        rule); program 0 stores h (contiguous rows) for the next layer."""
         nb = tl.program_id(0)
         g = tl.program_id(1).to(tl.int64)
+        ks = tl.program_id(2)
         n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = tl.arange(0, BLOCK_K)
+        k = ks * k_chunk + tl.arange(0, BLOCK_K)
         nmask = n < N
-        kmask = k < K
+        kmask = (k < K) & (k < ks * k_chunk + k_chunk)
         tile = w_ptr + g * swg + n.to(tl.int64)[:, None] * swn + k[None, :]
         if EARLY:
             w = tl.load(tile, mask=nmask[:, None] & kmask[None, :], other=0.0)
@@ -195,16 +202,37 @@ if HAS_TRITON:
                 x = tl.load(x_ptr + r * sxt + g * sxg + k, mask=kmask & live,
                             other=0.0)[None, :]
             y = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
-            if HAS_BIAS:
-                y += b
-            tl.store(y_ptr + r * syt + g * syg + n, y.to(y_ptr.dtype.element_ty),
-                     mask=nmask & (tl.full([BLOCK_N], r, tl.int32) < T))
+            ymask = nmask & (tl.full([BLOCK_N], r, tl.int32) < T)
+            if SPLIT_K == 1:
+                if HAS_BIAS:
+                    y += b
+                tl.store(y_ptr + r * syt + g * syg + n, y.to(y_ptr.dtype.element_ty),
+                         mask=ymask)
+            else:
+                tl.store(part_ptr + ((ks * tl.num_programs(1) + g) * ROWS + r) * N + n, y,
+                         mask=ymask)
+        if SPLIT_K > 1:
+            tl.debug_barrier()
+            cnt = cnt_ptr + g * tl.num_programs(0) + nb
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                for r in tl.static_range(ROWS):
+                    ymask = nmask & (tl.full([BLOCK_N], r, tl.int32) < T)
+                    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+                    for s in tl.static_range(SPLIT_K):
+                        total += tl.load(part_ptr + ((s * tl.num_programs(1) + g) * ROWS + r)
+                                         * N + n, mask=ymask, other=0.0, cache_modifier=".cg")
+                    if HAS_BIAS:
+                        total += b
+                    tl.store(y_ptr + r * syt + g * syg + n,
+                             total.to(y_ptr.dtype.element_ty), mask=ymask)
+                tl.store(cnt, 0)
 
 
 def gemv_config(T: int, N: int, K: int, groups: int, sm_count: int,
                 config: dict | None = None) -> dict:
     """The one-tile GEMV's tiles from shapes only: a weight tile of the whole K (rounded up to
-    a power of two) and TILE = 8192 / rows elements (measured on the H200 in a chain of
+    a power of two; past GEMV_MAX_K, K in SPLIT_K = cdiv(K, GEMV_MAX_K) equal ranges, each a
+    tile) and TILE = 8192 / rows elements (measured on the H200 in a chain of
     DeepSeek-V2-Lite's projections: the best of 4K-32K tiles and 4 or 8 warps at 1 and at 2
     rows, profiling/results/gemv.md), its feature rows halved (down to 1) until the launch has
     a program per SM. DeepSeek-V2-Lite at one row, 132 SMs: the x projection 3648 x 2048 ->
@@ -215,21 +243,26 @@ def gemv_config(T: int, N: int, K: int, groups: int, sm_count: int,
     if unknown:
         raise ValueError(f"unknown GEMV tunables {sorted(unknown)}; known: {GEMV_TUNABLES}")
     cfg.update(config or {})
-    block_k = pow2(K)
+    split = -(-K // GEMV_MAX_K)
+    block_k = pow2(-(-K // split))
     if cfg["BLOCK_N"] is None:
         bn = max(1, cfg["TILE"] // block_k)
-        while bn > 1 and -(-N // bn) * groups < sm_count:
+        while bn > 1 and -(-N // bn) * groups * split < sm_count:
             bn //= 2
         cfg["BLOCK_N"] = bn
     cfg["BLOCK_K"] = block_k
+    cfg["SPLIT_K"] = split
     del cfg["TILE"]
     return cfg
 
 
 def gemv_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether _launch takes the one-tile GEMV for views x [T, G, K], w [G, N, K]: GEMV on,
-    T <= GEMV_MAX_ROWS, K <= GEMV_MAX_K, the weight's unit stride along K."""
-    return GEMV and x.shape[0] <= GEMV_MAX_ROWS and x.shape[2] <= GEMV_MAX_K and w.stride(2) == 1
+    T <= GEMV_MAX_ROWS, K <= GEMV_MAX_K (or split in K: GEMV_SPLIT, K <= GEMV_SPLIT_MAX_K),
+    the weight's unit stride along K."""
+    K = x.shape[2]
+    return (GEMV and x.shape[0] <= GEMV_MAX_ROWS and w.stride(2) == 1
+            and (K <= GEMV_MAX_K or (GEMV_SPLIT and K <= GEMV_SPLIT_MAX_K)))
 
 
 def gemv_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
@@ -242,18 +275,25 @@ def gemv_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     N = w.shape[1]
     assert w.shape == (G, N, K) and y.shape == (T, G, N) and T <= GEMV_MAX_ROWS, (
         x.shape, w.shape, y.shape)
-    assert x.stride(2) == 1 and y.stride(2) == 1 and w.stride(2) == 1 and K <= GEMV_MAX_K
+    assert x.stride(2) == 1 and y.stride(2) == 1 and w.stride(2) == 1
     if y.numel() == 0:
         return None
     cfg = gemv_config(T, N, K, G, sm_count_of(x.device), config)
+    split, rows, blocks = cfg["SPLIT_K"], pow2(T), -(-N // cfg["BLOCK_N"])
     res, nw, eps, h = add_norm if add_norm is not None else (x, x, 0.0, x)
-    assert add_norm is None or (G == 1 and res.stride(-1) == 1 and h.is_contiguous())
-    args = (x, w, bias if bias is not None else w, y, res, nw, h, T, N, K, 1.0 / K, float(eps),
-            x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-            res.stride(0))
-    meta = dict(HAS_BIAS=bias is not None, ADD_NORM=add_norm is not None, ROWS=pow2(T),
+    assert add_norm is None or (G == 1 and split == 1 and res.stride(-1) == 1
+                                and h.is_contiguous())
+    if split > 1:
+        part = torch.empty((split, G, rows, N), dtype=torch.float32, device=x.device)
+        cnt = arrival_counters(x.device, G * blocks)
+    else:
+        part = cnt = y
+    args = (x, w, bias if bias is not None else w, y, res, nw, h, part, cnt, T, N, K,
+            -(-K // split), 1.0 / K, float(eps), x.stride(0), x.stride(1), w.stride(0),
+            w.stride(1), y.stride(0), y.stride(1), res.stride(0))
+    meta = dict(HAS_BIAS=bias is not None, ADD_NORM=add_norm is not None, ROWS=rows,
                 EARLY=GEMV_EARLY, **cfg)
-    return (-(-N // cfg["BLOCK_N"]), G), args, meta
+    return (blocks, G, split), args, meta
 
 
 def skinny_config(T: int, N: int, K: int, groups: int, sm_count: int,
@@ -401,7 +441,8 @@ def add_norm_linear(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tenso
     projection (4 rows of 2048 a program: 1 x 32K 2.552 -> 2.531 ms) and lost with Llama-3.1-8B's
     qkv (2 rows of 4096: 5.484 -> 5.641 ms; profiling/results/gemv.md)."""
     if (NORM_IN_GEMV and a.dim() == 2 and _fits(a, w, a.shape[0]) and w.stride(1) == 1
-            and gemv_fits(a[:, None], w[None]) and residual.shape == a.shape
+            and gemv_fits(a[:, None], w[None]) and a.shape[1] <= GEMV_MAX_K   # one K range
+            and residual.shape == a.shape
             and residual.stride(1) == 1 and residual.dtype == norm_w.dtype == a.dtype
             and norm_w.stride(0) == 1 and (bias is None or bias.dtype == a.dtype)
             and _gemv_rows(a, w) >= NORM_MIN_ROWS):
