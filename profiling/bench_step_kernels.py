@@ -81,12 +81,6 @@ MOE_VARIANTS = [  # (name, fused_moe variant, moe_decode config)
     ("fma-tile-n2-w8", "decode", dict(mode="fma", BLOCK_M=1, up_BLOCK_N=2, up_BLOCK_K=2048,
                                       down_BLOCK_N=4, down_BLOCK_K=1024, K_SPLITS=2,
                                       num_warps=8)),
-    # "gemv": one whole-K weight tile a program, loaded in one go (moe_decode's GEMV mode)
-    ("gemv", "decode", dict(mode="gemv")),
-    ("gemv-up1-down2", "decode", dict(mode="gemv", up_BLOCK_N=1, down_BLOCK_N=2)),
-    ("gemv-up4-down8", "decode", dict(mode="gemv", up_BLOCK_N=4, down_BLOCK_N=8)),
-    ("gemv-ks2", "decode", dict(mode="gemv", K_SPLITS=2)),
-    ("gemv-w8", "decode", dict(mode="gemv", num_warps=8)),
 ]
 MLA_VARIANTS = [  # (name, kernel, config)
     ("triton_mla", "mla", None),
@@ -200,8 +194,9 @@ def bench_greedy(args, copy_bw) -> list[dict]:
         for B in args.greedy_batches:
             x = torch.randn(B, V, device=DEVICE)
             x[:, V // 2] = 1e4                                  # a known answer
-            for path, fn in (("torch", lambda: torch.argmax(x, -1)),
-                             ("kernel", lambda: _greedy(x))):
+            paths = [("torch", lambda: torch.argmax(x, -1))] + [
+                (f"kernel-{b}", lambda b=b: _greedy(x, b)) for b in (1024, 2048, 4096, 8192)]
+            for path, fn in paths:
                 ok = bool((fn() == V // 2).all())
                 us = graph_time_us(fn, args.iters, None)
                 recs.append(dict(part="greedy", vocab=name, batch=B, path=path, time_us=us,
@@ -210,9 +205,9 @@ def bench_greedy(args, copy_bw) -> list[dict]:
     return recs
 
 
-def _greedy(x):
+def _greedy(x, block):
     out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
-    sampling_ops.greedy_argmax_triton(x, out)
+    sampling_ops.greedy_argmax_triton(x, out, block)
     return out
 
 
@@ -299,7 +294,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-pdl-wait", "after-pdl-early", "after-pdl-prefetch", "after-noabsorbrow",
               "after-nogemv", "after-gemv-late", "after-router-chunked", "after-nonormgemv",
               "after-noonetile", "after-nogluon", "after-gluon-nopdl", "after-gluon-kv-late",
-              "after-few-batch1", "after-attn-7a34bf8", "after-moe-dot", "after-torch-argmax",
+              "after-few-batch1", "after-attn-7a34bf8", "after-torch-argmax",
               "after-gemv-nosplit", "after-ffd0c4b")
 
 
@@ -327,11 +322,10 @@ def set_kernels(mode: str) -> None:
     but every KV tile loaded after the wait (gluon_mla.KV_EARLY off); 'after-few-batch1': the
     few-heads kernel at batch 1 (triton_backend.GLUON_FEW_HEADS_FROM_BATCH = 2);
     'after-attn-7a34bf8': all three, Gluon's 64-split cap and its empty splits written and
-    merged (gluon_mla.SKIP_EMPTY off): the MLA decode of 7a34bf8; 'after-moe-dot': the MoE
-    experts of 1-2 rows on tensor cores, not the one-tile GEMVs (moe_decode.GEMV_MAX_ROWS 0);
+    merged (gluon_mla.SKIP_EMPTY off): the MLA decode of 7a34bf8;
     'after-torch-argmax': greedy tokens by torch.argmax (sampling_ops.GREEDY_KERNEL off);
     'after-gemv-nosplit': projections with K past one GEMV tile on the skinny kernel
-    (skinny_gemm.GEMV_SPLIT off); 'after-ffd0c4b': all three (the step of ffd0c4b)."""
+    (skinny_gemm.GEMV_SPLIT off); 'after-ffd0c4b': both (the step of ffd0c4b)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -356,7 +350,6 @@ def set_kernels(mode: str) -> None:
     gluon_mla.SKIP_EMPTY = not start
     triton_backend.GLUON_FEW_HEADS_FROM_BATCH = (2 if start or mode == "after-few-batch1"
                                                  else _FEW_FROM_BATCH)
-    md.GEMV_MAX_ROWS = 0 if mode in ("after-moe-dot", "after-ffd0c4b") else _GEMV_ROWS
     sampling_ops.GREEDY_KERNEL = mode not in ("after-torch-argmax", "after-ffd0c4b")
     skinny_gemm.GEMV_SPLIT = mode not in ("after-gemv-nosplit", "after-ffd0c4b")
     if mode == "after-nogluon":
@@ -376,7 +369,6 @@ _GEMV = skinny_gemm.GEMV
 _MLA_GLUON = os.environ.get("HELIX_MLA_GLUON")
 _GLUON_MAX_SPLITS = gluon_mla.MAX_SPLITS
 _FEW_FROM_BATCH = triton_backend.GLUON_FEW_HEADS_FROM_BATCH
-_GEMV_ROWS = md.GEMV_MAX_ROWS
 
 
 def _legacy_forward(self, x):

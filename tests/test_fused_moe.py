@@ -111,10 +111,7 @@ DECODE_CONFIGS = [  # every inner-product mode, row blocking, split-K, the unfus
     dict(mode="fma", **WIDE), dict(mode="fma", BLOCK_M=2, up_BLOCK_N=4, down_BLOCK_N=8),
     dict(mode="fma", BLOCK_M=4, K_SPLITS=2, up_BLOCK_K=16, **WIDE),
     dict(mode="dot", K_SPLITS=3, FUSED_COMBINE=False, **WIDE),
-    dict(mode="dot", down_BLOCK_N=16, up_BLOCK_K=16, num_stages=1),
-    # one weight tile a program: 1-2 rows at a time over an expert's 1-5 rows
-    dict(mode="gemv"), dict(mode="gemv", BLOCK_M=1, K_SPLITS=2, **WIDE),
-    dict(mode="gemv", K_SPLITS=3, FUSED_COMBINE=False, up_BLOCK_N=4, down_BLOCK_N=8)]
+    dict(mode="dot", down_BLOCK_N=16, up_BLOCK_K=16, num_stages=1)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -148,9 +145,8 @@ def _shared_reference(x, gs, us, ds):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("config", [dict(mode="dot", **WIDE),
                                     dict(mode="fma", BLOCK_M=2, K_SPLITS=2, **WIDE),
-                                    dict(mode="dot", K_SPLITS=3, FUSED_COMBINE=False, **WIDE),
-                                    dict(mode="gemv"), dict(mode="gemv", K_SPLITS=2, **WIDE)],
-                         ids=["dot", "fma-ks2", "dot-ks3-unfused", "gemv", "gemv-ks2"])
+                                    dict(mode="dot", K_SPLITS=3, FUSED_COMBINE=False, **WIDE)],
+                         ids=["dot", "fma-ks2", "dot-ks3-unfused"])
 @pytest.mark.parametrize("T,Is", [(1, 24), (3, 2 * 24 - 5), (5, 3 * 24)])
 def test_decode_kernels_add_shared_experts(T, Is, config, dtype):
     """moe_decode with the shared-expert shard: routed pairs (repeats, other ranks' experts)
@@ -225,17 +221,12 @@ def test_decode_config_validated():
         c = md.moe_decode_config(T, 6, 64, 1408, 2048, torch.bfloat16, 132,
                                  dict(mode="fma", BLOCK_M=4))
         assert all(4 * c[p]["BLOCK_N"] * c[p]["BLOCK_K"] <= 4096 for p in ("up", "down")), c
-    # 16-bit weights: one-tile GEMVs up to GEMV_MAX_ROWS tokens, tensor cores from there
-    for T in (1, 2, 3, 8):
-        c = md.moe_decode_config(T, 6, 64, 1408, 2048, torch.bfloat16, 132, shared=2)
-        assert c["MODE"] == md.MODES["gemv" if T <= md.GEMV_MAX_ROWS else "dot"], (T, c)
-    # tensor cores at one row (measured in whole steps): gate/up in 32-wide feature blocks,
-    # the down projection in 128-wide ones over 2 K splits; the same down tiles for two rows
-    dot = dict(mode="dot")
-    c = md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132, dot, shared=2)
+    # one row, 16-bit weights (measured in whole steps): gate/up in 32-wide feature blocks, the
+    # down projection in 128-wide ones over 2 K splits; the same down tiles for two rows
+    c = md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132, shared=2)
     assert c["up"]["BLOCK_N"] == 32 and c["down"]["BLOCK_N"] == 128 and c["K_SPLITS"] == 2
     assert c["MODE"] == md.MODES["dot"] and c["up"]["BLOCK_K"] == 64 and c["num_stages"] == 3
-    c = md.moe_decode_config(2, 6, 64, 1408, 2048, torch.bfloat16, 132, dot, shared=2)
+    c = md.moe_decode_config(2, 6, 64, 1408, 2048, torch.bfloat16, 132, shared=2)
     assert c["down"]["BLOCK_N"] == 128 and c["K_SPLITS"] == 2 and c["num_stages"] == 4
     # several rows: 128-element K tiles over 4 stages, feature blocks from the programs rule
     c = md.moe_decode_config(8, 6, 64, 1408, 2048, torch.bfloat16, 132)
@@ -245,19 +236,8 @@ def test_decode_config_validated():
     c = md.moe_decode_config(8, 6, 64, 1408, 2048, torch.float32, 132, dict(num_stages=2))
     assert c["up"]["BLOCK_K"] == 32 and c["num_stages"] == 2
     # one expert (EP), narrow D: split K to fill the GPU
-    c = md.moe_decode_config(1, 1, 8, 4096, 256, torch.bfloat16, 132, dot)
+    c = md.moe_decode_config(1, 1, 8, 4096, 256, torch.bfloat16, 132)
     assert c["K_SPLITS"] == 8
-    # "gemv": whole-K tiles of GEMV_UP_TILE (each of gate, up) / GEMV_DOWN_TILE elements
-    c = md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132, dict(mode="gemv"))
-    assert c["MODE"] == md.MODES["gemv"] and c["BLOCK_M"] == 1 and c["K_SPLITS"] == 1
-    assert (c["up"]["BLOCK_N"], c["up"]["BLOCK_K"]) == (md.GEMV_UP_TILE // 2048, 2048)
-    assert (c["down"]["BLOCK_N"], c["down"]["BLOCK_K"]) == (md.GEMV_DOWN_TILE // 2048, 2048)
-    c = md.moe_decode_config(2, 6, 64, 1408, 2048, torch.bfloat16, 132,
-                             dict(mode="gemv", K_SPLITS=2))
-    assert c["BLOCK_M"] == 2 and c["down"]["BLOCK_K"] == 1024
-    with pytest.raises(ValueError, match="whole-K"):
-        md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132,
-                             dict(mode="gemv", up_BLOCK_K=64))
 
 
 def test_edge_routing_zero_rows_and_empty_experts():
@@ -497,9 +477,8 @@ _COMPILE_SCRIPT = textwrap.dedent("""
             w = lambda *s: torch.empty(*s, dtype=dt, **m)
             fm.fused_moe(w(T, D), w(E, I, D), w(E, I, D), w(E, D, I), w(T, k),
                          torch.empty(T, k, dtype=torch.int64, **m), 0, variant="v1")
-        # decode kernels: DeepSeek-V2-Lite (64 experts), batch 1 on tensor cores, 8 by FMA,
-        # one-tile GEMVs at 1 and 2 rows
-        for T, mode in ((1, "dot"), (8, "fma"), (1, "gemv"), (2, "gemv")):
+        # decode kernels: DeepSeek-V2-Lite (64 experts), batch 1 on tensor cores, 8 by FMA
+        for T, mode in ((1, "dot"), (8, "fma")):
             w = lambda *s: torch.empty(*s, dtype=torch.bfloat16, **m)
             md.moe_decode(w(T, 2048), w(64, 1408, 2048), w(64, 1408, 2048), w(64, 2048, 1408),
                           w(T, 6), torch.empty(T, 6, dtype=torch.int64, **m), 0, dict(mode=mode))
@@ -522,7 +501,7 @@ def test_kernels_compile_for_sm90(tmp_path):
                          text=True, timeout=300, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     records = json.loads(out.read_text())
-    assert len(records) == 8 + 8
+    assert len(records) == 8 + 4
     for r in records:
         assert r["shared_bytes"] <= SM90_SMEM_LIMIT, r
         assert r["stack_bytes"] <= 64, r
@@ -530,14 +509,13 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert prefill and all(r["hgmma"] > 0 for r in prefill), prefill   # wgmma at 64 rows
     decode = records[8:]
     assert all(r["local_loads"] == 0 for r in decode), decode               # no spills
-    assert all((r["hmma"] > 0) == (r["constexprs"].get("MODE") == 2) for r in decode), decode
+    assert all((r["hmma"] > 0) == (r["constexprs"]["MODE"] == 2) for r in decode), decode
     # the down launch's fused k-sum (the interpreter runs programs one at a time, so its memory
     # ordering is checked in the PTX): a CTA barrier between the partial stores and the one
     # acq_rel GPU-scope atomic; the summing program reads the partials through L2 (.cg)
-    ptxs = [p.read_text() for name in ("_down_kernel.ptx", "_down_gemv_kernel.ptx")
-            for p in (tmp_path / "cache").rglob(name)]
+    ptxs = [p.read_text() for p in (tmp_path / "cache").rglob("_down_kernel.ptx")]
     fused = [p for p in ptxs if "atom." in p]
-    assert len(fused) == 4, len(fused)
+    assert len(fused) == 2, len(fused)
     for ptx in fused:
         lines = [ln.strip() for ln in ptx.splitlines()]
         atoms = [i for i, ln in enumerate(lines) if "atom." in ln]

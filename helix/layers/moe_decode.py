@@ -48,11 +48,7 @@ from helix.triton_util import (arrival_counters, pdl_sync, pow2, prefetch_l2, pr
                                run_kernel)
 
 MAX_PAIRS = 128              # T * k up to this runs here (decode buckets); more: fused_moe's v1
-MODES = {"fma": 0, "dot": 2, "gemv": 3}
-GEMV_UP_TILE = 4096          # "gemv": weight elements a gate/up program holds of each matrix
-GEMV_DOWN_TILE = 8192        # ... and a down program
-GEMV_EARLY = True            # "gemv": shared experts' tiles loaded before the PDL wait
-GEMV_MAX_ROWS = 2            # "gemv" by default up to this many tokens (16-bit weights)
+MODES = {"fma": 0, "dot": 2}
 
 
 @triton.jit
@@ -237,24 +233,6 @@ def _combine(y_ptr, ids_ptr, out_ptr, N, T, first, E, n, nmask,
                  acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
 
 
-@triton.jit
-def _arrive_combine(cnt, y_ptr, ids_ptr, out_ptr, N, T, first, E, n, nmask,
-                    stride_ys, stride_yp, stride_ot,
-                    TOPK: tl.constexpr, K_SPLITS: tl.constexpr, SHARED: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The down launch's fused k-sum: every program of a feature block counts itself at `cnt`
-    (leaders after their stores); the last to arrive sums the block for every token. Ordering
-    as in triton_decode's fused merge: CTA barrier, one acq_rel GPU-scope atomic, partials read
-    through L2 (.cg), the counter reset by the summing program. Which program sums does not
-    change the result: the order of the sum is fixed."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) * tl.num_programs(2) - 1:
-        _combine(y_ptr, ids_ptr, out_ptr, N, T, first, E, n, nmask, stride_ys, stride_yp,
-                 stride_ot, TOPK, K_SPLITS, SHARED, True, BLOCK_T, BLOCK_N)
-        tl.store(cnt, 0)
-
-
 @triton.jit(do_not_specialize=["N", "T", "first"])
 def _down_kernel(
     h_ptr, d_ptr, w_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr, ds_ptr,
@@ -310,141 +288,18 @@ def _down_kernel(
             tl.store(y_ptr + ks * stride_ys + pair.to(tl.int64)[:, None] * stride_yp
                      + n[None, :], y, mask=rvalid[:, None] & nmask[None, :])
     if FUSED_COMBINE:
-        _arrive_combine(cnt_ptr + nb, y_ptr, ids_ptr, out_ptr, N, T, first, E, n, nmask,
-                        stride_ys, stride_yp, stride_ot, TOPK, K_SPLITS, SHARED, BLOCK_T,
-                        BLOCK_N)
-
-
-@triton.jit
-def _row_at(v, r: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Element r of a [BLOCK_M] vector, as a scalar."""
-    return tl.sum(tl.where(tl.arange(0, BLOCK_M) == r, v, 0), axis=0)
-
-
-@triton.jit
-def _one_tile(routed_rows, k, routed, kmask, shared, before):
-    """A program's whole weight tile [BN, BK] in one load: where shared, `before` (a shared
-    virtual expert's rows, loaded before the PDL wait, zeros in other programs), else its
-    routed expert's rows (routed_rows [BN, 1]; routed [BN]: the rows that exist, false in a
-    shared program), loaded now. The shared rows are not loaded twice."""
-    late = tl.load(routed_rows + k[None, :], mask=routed[:, None] & kmask[None, :], other=0.0)
-    return tl.where(shared, before, late)
-
-
-@triton.jit(do_not_specialize=["N", "T", "first"])
-def _gate_up_gemv_kernel(
-    x_ptr, g_ptr, u_ptr, ids_ptr, h_ptr, gs_ptr, us_ptr,
-    N, T, first, E, D, I, IS,
-    stride_xt, stride_ge, stride_gi, stride_ue, stride_ui, stride_gsi, stride_usi, stride_hp,
-    TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """_gate_up_kernel's contract with one weight tile a program (MODE "gemv", 1-2 rows):
-    the program's [BLOCK_N, D] slices of gate and up (BLOCK_K = D rounded up) are loaded in one
-    go each, then the products of every row are taken in fp32 registers (no K loop, no shared
-    memory). A shared virtual expert's slices are no kernel's output: with EARLY they are
-    loaded BEFORE the PDL wait, so they stream while the router runs."""
-    p = tl.program_id(0)
-    shared = p >= N
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    kmask = k < D
-    fr = ((p - N) * I + n).to(tl.int64)              # its shard rows (< 0: a routed program)
-    s_mask = (n < I) & (fr < IS) & (fr >= 0)
-    sm = s_mask[:, None] & kmask[None, :]
-    gs_rows = gs_ptr + fr[:, None] * stride_gsi
-    us_rows = us_ptr + fr[:, None] * stride_usi
-    if EARLY:
-        wg_s = tl.load(gs_rows + k[None, :], mask=sm, other=0.0)
-        wu_s = tl.load(us_rows + k[None, :], mask=sm, other=0.0)
-    pdl_sync(PDL)
-    if not EARLY:
-        wg_s = tl.load(gs_rows + k[None, :], mask=sm, other=0.0)
-        wu_s = tl.load(us_rows + k[None, :], mask=sm, other=0.0)
-    lead, e, same, rank, count = _pair_group(ids_ptr, tl.minimum(p, N - 1), N, first, E,
-                                             BLOCK_P)
-    if not (lead | shared):                # not this expert's first pair, or not local
-        return
-    routed = (n < I) & (fr < 0)
-    nmask = s_mask | routed
-    e64 = e.to(tl.int64)
-    n64 = n.to(tl.int64)[:, None]
-    wg = _one_tile(g_ptr + e64 * stride_ge + n64 * stride_gi, k, routed, kmask, shared,
-                   wg_s).to(tl.float32)
-    wu = _one_tile(u_ptr + e64 * stride_ue + n64 * stride_ui, k, routed, kmask, shared,
-                   wu_s).to(tl.float32)
-    count = tl.where(shared, T, count)
-    for c0 in range(0, count, BLOCK_M):
-        pair, tok, rvalid = _rows_of(same, rank, c0, count, shared, N, T, TOPK, BLOCK_M,
-                                     BLOCK_P)
-        for r in tl.static_range(BLOCK_M):
-            ok = _row_at(rvalid.to(tl.int32), r, BLOCK_M)             # as vector masks below
-            t = _row_at(tok, r, BLOCK_M).to(tl.int64)
-            x = tl.load(x_ptr + t * stride_xt + k, mask=kmask & (k * 0 + ok > 0),
-                        other=0.0).to(tl.float32)
-            g = tl.sum(wg * x[None, :], axis=1)
-            h = g * tl.sigmoid(g) * tl.sum(wu * x[None, :], axis=1)        # silu(g) * u, fp32
-            pr = _row_at(pair, r, BLOCK_M).to(tl.int64)
-            tl.store(h_ptr + pr * stride_hp + n, h.to(h_ptr.dtype.element_ty),
-                     mask=nmask & (n * 0 + ok > 0))
-
-
-@triton.jit(do_not_specialize=["N", "T", "first"])
-def _down_gemv_kernel(
-    h_ptr, d_ptr, w_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr, ds_ptr,
-    N, T, first, E, D, I, IS, k_chunk,
-    stride_hp, stride_de, stride_dd, stride_dsd, stride_ys, stride_yp, stride_ot,
-    TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, K_SPLITS: tl.constexpr, SHARED: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr, BLOCK_T: tl.constexpr, EARLY: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """_down_kernel's contract with one weight tile a program (MODE "gemv"): the [BLOCK_N,
-    k_chunk] slice of down (BLOCK_K >= k_chunk) in one load (a shared virtual expert's before
-    the PDL wait with EARLY), the products of every row in fp32 registers."""
-    p = tl.program_id(0)
-    shared = p >= N
-    nb = tl.program_id(1)
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < D
-    ks = tl.program_id(2)
-    k_lo = ks * k_chunk
-    kk = k_lo + tl.arange(0, BLOCK_K)
-    c_lo = (p - N) * I                     # shared virtual expert s: shard columns [s*I, +I)
-    s_hi = tl.minimum(tl.minimum(k_lo + k_chunk, I), IS - c_lo)
-    ds_rows = ds_ptr + n.to(tl.int64)[:, None] * stride_dsd + c_lo                # [BN, 1]
-    s_rows = nmask & (c_lo + n * 0 >= 0)              # c_lo < 0: a routed program
-    sm = s_rows[:, None] & (kk < s_hi)[None, :]
-    if EARLY:
-        wd_s = tl.load(ds_rows + kk[None, :], mask=sm, other=0.0)
-    pdl_sync(PDL)
-    if not EARLY:
-        wd_s = tl.load(ds_rows + kk[None, :], mask=sm, other=0.0)
-    lead, e, same, rank, count = _pair_group(ids_ptr, tl.minimum(p, N - 1), N, first, E,
-                                             BLOCK_P)
-    if lead | shared:
-        k_hi = tl.where(shared, s_hi, tl.minimum(k_lo + k_chunk, I))
-        kmask = kk < k_hi
-        d_rows = d_ptr + e.to(tl.int64) * stride_de + n.to(tl.int64)[:, None] * stride_dd
-        wd = _one_tile(d_rows, kk, nmask & ~s_rows, kmask, shared, wd_s).to(tl.float32)
-        count = tl.where(shared, T, count)
-        for c0 in range(0, count, BLOCK_M):
-            pair, tok, rvalid = _rows_of(same, rank, c0, count, shared, N, T, TOPK, BLOCK_M,
-                                         BLOCK_P)
-            for r in tl.static_range(BLOCK_M):
-                ok = _row_at(rvalid.to(tl.int32), r, BLOCK_M)         # as vector masks below
-                pr = _row_at(pair, r, BLOCK_M).to(tl.int64)
-                hr = tl.load(h_ptr + pr * stride_hp + kk, mask=kmask & (kk * 0 + ok > 0),
-                             other=0.0).to(tl.float32)
-                live = n * 0 + ok > 0
-                wgt = tl.load(w_ptr + pr + n * 0, mask=live & (n * 0 + pr < N),
-                              other=1.0).to(tl.float32)                 # shared pairs: weight 1
-                y = tl.sum(wd * hr[None, :], axis=1) * wgt
-                tl.store(y_ptr + ks * stride_ys + pr * stride_yp + n, y, mask=nmask & live)
-    if FUSED_COMBINE:
-        _arrive_combine(cnt_ptr + nb, y_ptr, ids_ptr, out_ptr, N, T, first, E, n, nmask,
-                        stride_ys, stride_yp, stride_ot, TOPK, K_SPLITS, SHARED, BLOCK_T,
-                        BLOCK_N)
+        # Every program of this feature block counts itself (leaders after their stores); the
+        # last to arrive sums the block for every token. Ordering as in triton_decode's fused
+        # merge: CTA barrier, one acq_rel GPU-scope atomic, partials read through L2 (.cg),
+        # the counter reset by the summing program. Which program sums does not change the
+        # result: the order of the sum is fixed.
+        tl.debug_barrier()
+        cnt = cnt_ptr + nb
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) * tl.num_programs(2) - 1:
+            _combine(y_ptr, ids_ptr, out_ptr, N, T, first, E, n, nmask, stride_ys, stride_yp,
+                     stride_ot, TOPK, K_SPLITS, SHARED, True, BLOCK_T, BLOCK_N)
+            tl.store(cnt, 0)
 
 
 @triton.jit(do_not_specialize=["N", "T", "first"])
@@ -487,11 +342,9 @@ def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype:
     unknown = set(cfg) - set(MOE_TUNABLES)
     if unknown:
         raise ValueError(f"unknown MoE decode tunables {sorted(unknown)}; known: {MOE_TUNABLES}")
-    mode = cfg.pop("mode", "gemv" if dtype.itemsize == 2 and T <= GEMV_MAX_ROWS else "dot")
+    mode = cfg.pop("mode", "dot")
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} not in {tuple(MODES)}")
-    if mode == "gemv":
-        return _gemv_config(T, inter, dim, cfg)
     hit = max(1, min(T * k, n_local)) + shared   # experts that can have rows
     target = 4 * sm_count
     block_m = cfg.pop("BLOCK_M", 1 if mode == "fma" else 16)
@@ -527,25 +380,6 @@ def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype:
                 num_warps=cfg.pop("num_warps", 4),
                 num_stages=cfg.pop("num_stages", 4 if deep else
                                    2 if dtype == torch.float32 else 3))
-
-
-def _gemv_config(T: int, inter: int, dim: int, cfg: dict) -> dict:
-    """MODE "gemv": one weight tile a program, the whole reduction (D for gate / up, a K split
-    of I for down) rounded up to a power of two; feature rows so a tile holds GEMV_UP_TILE
-    (each of gate and up) or GEMV_DOWN_TILE elements; every row of an expert in registers."""
-    splits = cfg.pop("K_SPLITS", 1)
-    up_bk, down_bk = pow2(dim), pow2(-(-inter // splits))
-    out = dict(MODE=MODES["gemv"], BLOCK_M=cfg.pop("BLOCK_M", min(2, pow2(T))),
-               up=dict(BLOCK_N=cfg.pop("up_BLOCK_N", max(1, GEMV_UP_TILE // up_bk)),
-                       BLOCK_K=up_bk),
-               down=dict(BLOCK_N=cfg.pop("down_BLOCK_N", max(1, GEMV_DOWN_TILE // down_bk)),
-                         BLOCK_K=down_bk),
-               K_SPLITS=splits, FUSED_COMBINE=cfg.pop("FUSED_COMBINE", True),
-               num_warps=cfg.pop("num_warps", 4), num_stages=1)
-    for key in ("up_BLOCK_K", "down_BLOCK_K", "num_stages"):
-        if cfg.pop(key, None) is not None:
-            raise ValueError(f"MoE decode mode 'gemv' takes whole-K tiles: no {key}")
-    return out
 
 
 def shared_pieces(shared, inter: int) -> int:
@@ -589,24 +423,18 @@ def moe_decode(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
     rows = N + S * T                                      # pairs, then shared (s, t) pairs
     h = torch.empty((rows, I), dtype=x.dtype, device=x.device)
     c1 = cfg["up"]
-    gemv = mode == MODES["gemv"]
-    if gemv:                               # no MODE / DOT_PRECISION / stages: no tl.dot loop
-        common = dict(TOPK=k, BLOCK_P=common["BLOCK_P"], BLOCK_M=bm, EARLY=GEMV_EARLY,
-                      num_warps=cfg["num_warps"])
-    run_kernel(_gate_up_gemv_kernel if gemv else _gate_up_kernel,
-               (N + S, triton.cdiv(I, c1["BLOCK_N"])),
+    run_kernel(_gate_up_kernel, (N + S, triton.cdiv(I, c1["BLOCK_N"])),
                x, gate, up, ids_flat, h, gs, us, N, T, first, E, D, I, IS, x.stride(0),
                gate.stride(0), gate.stride(1), up.stride(0), up.stride(1),
                gs.stride(0), us.stride(0), h.stride(0), **common, **c1)
     splits, c2 = cfg["K_SPLITS"], cfg["down"]
     y = torch.empty((splits, rows, D), dtype=torch.float32, device=x.device)
-    k_chunk = triton.cdiv(I, splits) if gemv else \
-        triton.cdiv(triton.cdiv(I, splits), c2["BLOCK_K"]) * c2["BLOCK_K"]
+    k_chunk = triton.cdiv(triton.cdiv(I, splits), c2["BLOCK_K"]) * c2["BLOCK_K"]
     blocks = triton.cdiv(D, c2["BLOCK_N"])
     fused = cfg["FUSED_COMBINE"]
     counters = arrival_counters(x.device, blocks) if fused else y
     block_t = min(16, pow2(T))
-    run_kernel(_down_gemv_kernel if gemv else _down_kernel, (N + S, blocks, splits),
+    run_kernel(_down_kernel, (N + S, blocks, splits),
                h, down, w_flat, ids_flat, y, out, counters, ds, N, T, first, E, D, I, IS,
                k_chunk, h.stride(0), down.stride(0), down.stride(1), ds.stride(0),
                y.stride(0), y.stride(1), out.stride(0),

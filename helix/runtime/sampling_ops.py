@@ -167,7 +167,8 @@ def greedy_argmax_triton(logits: torch.Tensor, out: torch.Tensor,
     idx = torch.empty((B, chunks), dtype=torch.int32, device=logits.device)
     run_kernel(_greedy_argmax_kernel, (B, chunks), logits, out, best, idx,
                arrival_counters(logits.device, B), V, logits.stride(0), CHUNKS=chunks,
-               BLOCK=block, BLOCK_C=triton.next_power_of_2(chunks), num_warps=8)
+               BLOCK=block, BLOCK_C=triton.next_power_of_2(chunks),
+               num_warps=8 if block >= 4096 else 4)
 
 
 def filter_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
