@@ -62,7 +62,7 @@ GEMV_EARLY = True              # its weight tile loaded before the PDL wait
 GEMV_MAX_ROWS = 2              # measured: slower than the skinny kernel at 4 rows
 GEMV_MAX_K = 4096             # one tile's K; past it, K in equal ranges (GEMV_SPLIT)
 GEMV_SPLIT = True              # module flag (benches switch it): split K past GEMV_MAX_K
-GEMV_SPLIT_MAX_K = 16 * 4096   # ... up to this K (Llama-3.1-8B's down: 14336)
+GEMV_SPLIT_MAX_ELEMENTS = 32 << 20   # ... for weights up to this size (measured, gemv.md)
 GEMV_TUNABLES = ("TILE", "BLOCK_N", "num_warps")
 NORM_IN_GEMV = True            # add_norm_linear: the input norm in the GEMV's launch
 NORM_MIN_ROWS = 4              # ... where a program's weight tile has at least this many rows
@@ -258,11 +258,15 @@ def gemv_config(T: int, N: int, K: int, groups: int, sm_count: int,
 
 def gemv_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether _launch takes the one-tile GEMV for views x [T, G, K], w [G, N, K]: GEMV on,
-    T <= GEMV_MAX_ROWS, K <= GEMV_MAX_K (or split in K: GEMV_SPLIT, K <= GEMV_SPLIT_MAX_K),
-    the weight's unit stride along K."""
+    T <= GEMV_MAX_ROWS, K <= GEMV_MAX_K (or split in K: GEMV_SPLIT, a weight of at most
+    GEMV_SPLIT_MAX_ELEMENTS), the weight's unit stride along K. The split's bound, measured
+    on the H200 in whole steps: DeepSeek-V2-Lite's dense down (2048 x 10944, 22.4M) gained
+    (the skinny kernel took 38.7 us, the GEMV is part of a 31-52 us faster step), Llama-3.1-8B's
+    down (4096 x 14336, 58.7M, which the skinny kernel streams at ~0.87 of the copy rate) lost
+    ~6 us a layer (profiling/results/step_small.md)."""
     K = x.shape[2]
     return (GEMV and x.shape[0] <= GEMV_MAX_ROWS and w.stride(2) == 1
-            and (K <= GEMV_MAX_K or (GEMV_SPLIT and K <= GEMV_SPLIT_MAX_K)))
+            and (K <= GEMV_MAX_K or (GEMV_SPLIT and w.numel() <= GEMV_SPLIT_MAX_ELEMENTS)))
 
 
 def gemv_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
