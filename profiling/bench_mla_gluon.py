@@ -49,6 +49,31 @@ CHECKS = [
 ]
 
 
+def split_spec(spec: str) -> tuple[str, int]:
+    """A kernel spec "seesaw" or "seesaw@4" (pair pacing, gluon_mla.PACE_LEAD = 4) ->
+    (variant, lead)."""
+    variant, _, lead = spec.partition("@")
+    return variant, int(lead or 0)
+
+
+class paced:
+    """gluon_mla's pacing flags for a block (lead 0: unpaced; min_tiles None: the default)."""
+
+    def __init__(self, lead: int, min_tiles: int | None = None):
+        self.flags = dict(PACE_LEAD=lead)
+        if min_tiles is not None:
+            self.flags["PACE_MIN_TILES"] = min_tiles
+
+    def __enter__(self):
+        self.saved = {k: getattr(gluon_mla, k) for k in self.flags}
+        for k, v in self.flags.items():
+            setattr(gluon_mla, k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            setattr(gluon_mla, k, v)
+
+
 def ragged_case(batch, heads, lens, ctx, page, seed, device="cuda", poison=True):
     """Random q, a shuffled paged pool, block tables and lengths; slots past each length (and
     unused pages) hold NaN when poison is set: they must never reach O."""
@@ -79,9 +104,16 @@ def compare(o, lse, ref_o, ref_lse) -> dict:
     return dict(ok=bool(ok), max_err_o=err_o, max_err_lse=err_l, empty_ok=empty_ok)
 
 
-def run_checks(variant: str) -> list[dict]:
+def run_checks(spec: str) -> list[dict]:
     """Every CHECKS case eagerly, then one case captured in a CUDA graph and replayed on new
-    inputs copied into the captured buffers."""
+    inputs copied into the captured buffers. A paced spec ("seesaw@4") paces every split of
+    two tiles or more."""
+    variant, lead = split_spec(spec)
+    with paced(lead, min_tiles=2 if lead else None):
+        return _run_checks(variant)
+
+
+def _run_checks(variant: str) -> list[dict]:
     recs = []
     for i, (B, heads, lens, ctx, page, splits) in enumerate(CHECKS):
         case = ragged_case(B, heads, lens, ctx, page, seed=i)
@@ -127,21 +159,25 @@ def phase_check(args):
     except Exception:  # noqa: BLE001 - report the failure in full
         recs = [dict(case="exception", ok=False, error=traceback.format_exc())]
         print(recs[0]["error"], flush=True)
-    with open(os.path.join(args.out, f"check_{args.variant}.json"), "w") as f:
+    with open(os.path.join(args.out, f"check_{args.variant.replace('@', '-pace')}.json"),
+              "w") as f:
         json.dump(recs, f, indent=1)
 
 
 def phase_time(args):
     from helix.attention.triton_mla import mla_decode
     from profiling.bench_attention import random_pool, reference
-    from profiling.roofline import L2Flush, graph_time_us, matmul_rate
+    from profiling.roofline import L2Flush, matmul_rate
     variants = [v for v in args.variants.split(",") if v]
     mm = matmul_rate()
     print(f"bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
     free = torch.cuda.mem_get_info()[0]
     cap_tokens = int(min(args.mem_cap_gb * 1e9, 0.8 * free) // ((DL + DR) * 2))
-    shapes = [(B, c) for B, c in TIMED if B * c <= cap_tokens]
+    timed = ([tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+             if args.shapes else TIMED)
+    shapes = [(B, c) for B, c in timed if B * c <= cap_tokens]
     pool = random_pool((max(B * c for B, c in shapes) // 64, 64, DL + DR))
+    H = args.heads
     flush, recs = L2Flush(), []
     path = os.path.join(args.out, "timings.json")
     for B, ctx in shapes:
@@ -154,30 +190,39 @@ def phase_time(args):
         refs = {b: reference(torch.cat((ql[b], qr[b]), -1)[None], seq[b], seq[b, :, :, :DL],
                              SCALE) for b in rows}
         flops = 2 * B * H * ctx * (DL + DR + DL)
-        kernels = [("triton", lambda: mla_decode(ql, qr, pool, bt, lens, SCALE))]
+        kernels = [] if args.no_triton else [
+            ("triton", lambda: mla_decode(ql, qr, pool, bt, lens, SCALE))]
         kernels += [(f"gluon-{v}", lambda v=v: gluon_mla.mla_decode_gluon(
-            ql, qr, pool, bt, lens, SCALE, variant=v)) for v in variants]
+            ql, qr, pool, bt, lens, SCALE, variant=split_spec(v)[0])) for v in variants]
         for name, fn in kernels:
-            rec = dict(kernel=name, batch=B, context=ctx, flops=flops, matmul_TFLOPs=mm / 1e12)
-            try:
-                o, lse = fn()
-                errs = [compare(o[b:b + 1], lse[b:b + 1], refs[b][0][None], refs[b][1][None])
-                        for b in rows]
-                rec.update(ok=all(e["ok"] for e in errs),
-                           max_err_o=max(e["max_err_o"] for e in errs))
-                us = graph_time_us(fn, args.iters, flush)
-                rec.update(time_us=us, TFLOPs=flops / us / 1e6,
-                           matmul_fraction=flops / us / 1e6 / (mm / 1e12))
-            except Exception:  # noqa: BLE001 - keep timing the others
-                rec.update(ok=False, error=traceback.format_exc())
-            recs.append(rec)
-            print(f"  {name:13} B{B:<3} ctx {ctx:>6}: " + (
-                f"{rec['time_us']:9.1f} us {rec['TFLOPs']:6.1f} TFLOP/s "
-                f"{100 * rec['matmul_fraction']:5.1f} % of matmul  "
-                f"{'ok' if rec['ok'] else 'WRONG'}" if "time_us" in rec else
-                "ERROR " + rec.get("error", "")[-400:]), flush=True)
+            with paced(split_spec(name)[1], args.pace_min_tiles):
+                recs.append(time_one(name, fn, B, ctx, H, flops, mm, rows, refs, flush, args))
             with open(path, "w") as f:
                 json.dump(recs, f, indent=1)
+
+
+def time_one(name, fn, B, ctx, H, flops, mm, rows, refs, flush, args) -> dict:
+    """Check one kernel against the reference rows, then its CUDA-graph time."""
+    from profiling.roofline import graph_time_us
+    rec = dict(kernel=name, batch=B, context=ctx, heads=H, flops=flops,
+               matmul_TFLOPs=mm / 1e12)
+    try:
+        o, lse = fn()
+        errs = [compare(o[b:b + 1], lse[b:b + 1], refs[b][0][None], refs[b][1][None])
+                for b in rows]
+        rec.update(ok=all(e["ok"] for e in errs),
+                   max_err_o=max(e["max_err_o"] for e in errs))
+        us = graph_time_us(fn, args.iters, flush)
+        rec.update(time_us=us, TFLOPs=flops / us / 1e6,
+                   matmul_fraction=flops / us / 1e6 / (mm / 1e12))
+    except Exception:  # noqa: BLE001 - keep timing the others
+        rec.update(ok=False, error=traceback.format_exc())
+    print(f"  {name:13} B{B:<3} ctx {ctx:>6}: " + (
+        f"{rec['time_us']:9.1f} us {rec['TFLOPs']:6.1f} TFLOP/s "
+        f"{100 * rec['matmul_fraction']:5.1f} % of matmul  "
+        f"{'ok' if rec['ok'] else 'WRONG'}" if "time_us" in rec else
+        "ERROR " + rec.get("error", "")[-400:]), flush=True)
+    return rec
 
 
 def compile_report(out: str) -> list[dict]:
@@ -203,7 +248,7 @@ def sub(phase: str, out: str, timeout: float, **kw) -> str:
     """Run one phase in a child process (a hung kernel is killed with it)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--phase", phase, "--out", out]
     for k, v in kw.items():
-        cmd += [f"--{k.replace('_', '-')}", str(v)]
+        cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     try:
         res = subprocess.run(cmd, timeout=timeout)
         return "done" if res.returncode == 0 else f"exit {res.returncode}"
@@ -221,6 +266,13 @@ def main():
     p.add_argument("--mem-cap-gb", type=float, default=60.0, help="largest KV pool timed")
     p.add_argument("--check-timeout", type=float, default=100.0)
     p.add_argument("--time-timeout", type=float, default=180.0)
+    p.add_argument("--shapes", default="", help="BxCTX,... timed instead of the default list")
+    p.add_argument("--heads", type=int, default=H, help="query heads of the timed shapes")
+    p.add_argument("--no-triton", action="store_true", help="time the Gluon kernels only")
+    p.add_argument("--pace-min-tiles", type=int, default=None,
+                   help="gluon_mla.PACE_MIN_TILES for the paced specs (default: the module's)")
+    p.add_argument("--skip-checks", action="store_true",
+                   help="time without the correctness subprocesses (the timing checks rows)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.phase == "check":
@@ -234,15 +286,23 @@ def main():
     print(f"triton {triton.__version__}", flush=True)
     compiled = {r["variant"] for r in compile_report(args.out) if r["ok"]}
     status, passed = {}, []
-    for v in [v for v in args.variants.split(",") if v in compiled]:
+    for v in [v for v in args.variants.split(",") if split_spec(v)[0] in compiled]:
+        if args.skip_checks:
+            status[v] = "checks skipped"
+            passed.append(v)
+            continue
         status[v] = sub("check", args.out, args.check_timeout, variant=v)
-        path = os.path.join(args.out, f"check_{v}.json")
+        path = os.path.join(args.out, f"check_{v.replace('@', '-pace')}.json")
         recs = json.load(open(path)) if os.path.exists(path) else []
         ok = bool(recs) and all(r["ok"] for r in recs)
         status[v] += ", all PASS" if ok else ", FAIL"
         if ok:
             passed.append(v)
-    status["timing"] = sub("time", args.out, args.time_timeout, variants=",".join(passed))
+    extra = dict(shapes=args.shapes, heads=args.heads, iters=args.iters)
+    if args.pace_min_tiles is not None:
+        extra["pace_min_tiles"] = args.pace_min_tiles
+    status["timing"] = sub("time", args.out, args.time_timeout, variants=",".join(passed),
+                           **extra, **({"no_triton": True} if args.no_triton else {}))
     summarize(args.out, status, time.time() - t0)
 
 
