@@ -50,10 +50,16 @@ CHECKS = [
 
 
 def split_spec(spec: str) -> tuple[str, int]:
-    """A kernel spec "seesaw" or "seesaw@4" (pair pacing, gluon_mla.PACE_LEAD = 4) ->
-    (variant, lead)."""
-    variant, _, lead = spec.partition("@")
+    """A kernel spec "seesaw", "seesaw@4" (pair pacing, gluon_mla.PACE_LEAD = 4), maybe with
+    forced splits ("seesaw/8", "seesaw@4/8") -> (variant, lead)."""
+    variant, _, lead = spec.split("/")[0].partition("@")
     return variant, int(lead or 0)
+
+
+def spec_splits(spec: str) -> int | None:
+    """The forced split count of a spec ("seesaw@4/8" -> 8), None for the plan's."""
+    _, _, n = spec.partition("/")
+    return int(n) if n else None
 
 
 class paced:
@@ -193,7 +199,8 @@ def phase_time(args):
         kernels = [] if args.no_triton else [
             ("triton", lambda: mla_decode(ql, qr, pool, bt, lens, SCALE))]
         kernels += [(f"gluon-{v}", lambda v=v: gluon_mla.mla_decode_gluon(
-            ql, qr, pool, bt, lens, SCALE, variant=split_spec(v)[0])) for v in variants]
+            ql, qr, pool, bt, lens, SCALE, num_splits=spec_splits(v), variant=split_spec(v)[0]))
+            for v in variants]
         for name, fn in kernels:
             with paced(split_spec(name)[1], args.pace_min_tiles):
                 recs.append(time_one(name, fn, B, ctx, H, flops, mm, rows, refs, flush, args))
