@@ -50,10 +50,17 @@ CHECKS = [
 
 
 def split_spec(spec: str) -> tuple[str, int]:
-    """A kernel spec "seesaw", "seesaw@4" (pair pacing, gluon_mla.PACE_LEAD = 4), maybe with
-    forced splits ("seesaw/8", "seesaw@4/8") -> (variant, lead)."""
+    """A kernel spec "seesaw", "seesaw@4" (pair pacing, gluon_mla.PACE_LEAD = 4), "seesaw@16:8"
+    (and PACE_EVERY = 8), maybe with forced splits ("seesaw/8", "seesaw@4/8") ->
+    (variant, lead)."""
     variant, _, lead = spec.split("/")[0].partition("@")
-    return variant, int(lead or 0)
+    return variant, int(lead.partition(":")[0] or 0)
+
+
+def spec_every(spec: str) -> int | None:
+    """The PACE_EVERY of a spec ("seesaw@16:8" -> 8), None for the module's."""
+    _, _, every = spec.split("/")[0].partition(":")
+    return int(every) if every else None
 
 
 def spec_splits(spec: str) -> int | None:
@@ -65,10 +72,12 @@ def spec_splits(spec: str) -> int | None:
 class paced:
     """gluon_mla's pacing flags for a block (lead 0: unpaced; min_tiles None: the default)."""
 
-    def __init__(self, lead: int, min_tiles: int | None = None):
+    def __init__(self, lead: int, min_tiles: int | None = None, every: int | None = None):
         self.flags = dict(PACE_LEAD=lead)
         if min_tiles is not None:
             self.flags["PACE_MIN_TILES"] = min_tiles
+        if every is not None:
+            self.flags["PACE_EVERY"] = every
 
     def __enter__(self):
         self.saved = {k: getattr(gluon_mla, k) for k in self.flags}
@@ -115,7 +124,7 @@ def run_checks(spec: str) -> list[dict]:
     inputs copied into the captured buffers. A paced spec ("seesaw@4") paces every split of
     two tiles or more."""
     variant, lead = split_spec(spec)
-    with paced(lead, min_tiles=2 if lead else None):
+    with paced(lead, min_tiles=2 if lead else None, every=1 if lead else None):
         return _run_checks(variant)
 
 
@@ -202,7 +211,7 @@ def phase_time(args):
             ql, qr, pool, bt, lens, SCALE, num_splits=spec_splits(v), variant=split_spec(v)[0]))
             for v in variants]
         for name, fn in kernels:
-            with paced(split_spec(name)[1], args.pace_min_tiles):
+            with paced(split_spec(name)[1], args.pace_min_tiles, spec_every(name)):
                 recs.append(time_one(name, fn, B, ctx, H, flops, mm, rows, refs, flush, args))
             with open(path, "w") as f:
                 json.dump(recs, f, indent=1)

@@ -190,7 +190,7 @@ def test_launch_arguments_match_the_kernel_signature(monkeypatch, splits):
     assert named["HEADS"] == 128 and named["num_splits"] == splits
     assert abs(named["scale_log2"] - 0.1 * 1.4426950408889634) < 1e-12
     consts = {n for i, n in enumerate(kernel.arg_names) if kernel.params[i].is_constexpr}
-    pace = {"PACE_LEAD", "PACE_SPINS", "PACE_MIN_TILES"}          # (unpaced by default)
+    pace = {"PACE_LEAD", "PACE_SPINS", "PACE_MIN_TILES", "PACE_EVERY"}   # (unpaced: default)
     assert consts - {"num_warps", "PDL"} - pace <= set(meta) and meta["PAGE_SIZE"] == 64
     assert not pace & set(meta) and named["pace_ptr"] is named["lse_ptr"]   # (never read)
     assert o.shape == (3, 128, 512) and o.dtype == torch.bfloat16 and lse.shape == (3, 128)
@@ -222,6 +222,7 @@ def test_pacing_takes_two_head_blocks_and_the_device_slots(monkeypatch, heads, l
     if paced:
         assert meta["PACE_LEAD"] == lead and meta["PACE_SPINS"] == gluon_mla.PACE_SPINS
         assert meta["PACE_MIN_TILES"] == gluon_mla.PACE_MIN_TILES
+        assert meta["PACE_EVERY"] == gluon_mla.PACE_EVERY
         assert slots.dtype == torch.int32 and slots.numel() >= 3 * 4 * 2
         assert not slots.any()
         again, _, _ = _record(monkeypatch, 3, heads, 4)

@@ -35,7 +35,7 @@ def test_gluon_mla_matches_reference(spec, case):
     poison = torch.full((64 << 20,), float("nan"), device="cuda")     # reused by the outputs
     del poison
     variant, lead = split_spec(spec)
-    with paced(lead, min_tiles=2):
+    with paced(lead, min_tiles=2, every=1):
         o, lse = gluon_mla.mla_decode_gluon(*args, SCALE, num_splits=splits, variant=variant)
     assert o.dtype == torch.bfloat16 and o.shape == (B, heads, 512) and lse.shape == (B, heads)
     rec = compare(o, lse, *gluon_mla.reference(*args, SCALE))
@@ -47,7 +47,7 @@ def test_gluon_mla_matches_reference(spec, case):
 def test_gluon_mla_under_cuda_graph(spec):
     from profiling.bench_mla_gluon import graph_check, paced, split_spec
     variant, lead = split_spec(spec)
-    with paced(lead, min_tiles=2):
+    with paced(lead, min_tiles=2, every=1):
         rec = graph_check(variant)
     assert rec["ok"], rec
 
@@ -61,7 +61,7 @@ def test_paced_launches_back_to_back_and_past_one_wave():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cases = [ragged_case(sms + 3, 128, [2048 - 7 * b for b in range(sms + 3)], 2048, 64,
                          seed=50 + i) for i in range(3)]
-    with paced(2, min_tiles=2):
+    with paced(2, min_tiles=2, every=1):
         outs = [gluon_mla.mla_decode_gluon(*c, SCALE, num_splits=2) for c in cases]
         torch.cuda.synchronize()
         for c, (o, lse) in zip(cases, outs):
@@ -94,6 +94,7 @@ def test_gluon_mla_sees_the_row_the_previous_kernel_appends(heads, pace, kv_earl
     monkeypatch.setattr(gluon_mla, "KV_EARLY", kv_early)
     monkeypatch.setattr(gluon_mla, "PACE_LEAD", pace)
     monkeypatch.setattr(gluon_mla, "PACE_MIN_TILES", 2)
+    monkeypatch.setattr(gluon_mla, "PACE_EVERY", 1)
     lens = [4097, 4096, 3000, 1]
     ql, qr, kv, bt, kl = ragged_case(4, heads, lens, 4096 + 64, 64, seed=7)
     page = kv.shape[1]

@@ -74,6 +74,7 @@ PDL_KV_LATE = 8              # a bit of the kernel's PDL value: every tile waits
 # them; a launch with more programs, or the first one on a device under graph capture, runs
 # unpaced). PACE_SPINS bounds one program's polls of the other's slot.
 PACE_LEAD = 0
+PACE_EVERY = 8               # pairs between two pace points (a point costs ~2 us; kernel doc)
 PACE_MIN_TILES = 256
 PACE_SPINS = 4096
 PACE_SLOTS = 1 << 20
@@ -103,8 +104,8 @@ class GluonMLAPlan:
 
     def meta(self, page_size: int, paced: bool = False) -> dict:
         """The kernel's constexprs and launch options (`paced`: the pace slots are there)."""
-        pace = (dict(PACE_LEAD=PACE_LEAD, PACE_SPINS=PACE_SPINS, PACE_MIN_TILES=PACE_MIN_TILES)
-                if paced and self.pace_slots else {})
+        pace = (dict(PACE_LEAD=PACE_LEAD, PACE_SPINS=PACE_SPINS, PACE_MIN_TILES=PACE_MIN_TILES,
+                     PACE_EVERY=PACE_EVERY) if paced and self.pace_slots else {})
         return dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size, BOX_ROWS=self.box_rows,
                     STAGES=STAGES, SEESAW=self.variant == "seesaw", SKIP_EMPTY=self.skip_empty,
                     MIN_CHUNK=MIN_SPLIT_TOKENS[self.variant], **pace, **REGS[self.variant])
