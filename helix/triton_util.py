@@ -116,6 +116,15 @@ if HAS_TRITON:
             gdc_launch_dependents()
 
     @triton.jit
+    def last_to_arrive(cnt_ptr, programs):
+        """Count this program in at `cnt_ptr` (one of arrival_counters) after its stores, and
+        return whether it is the last of `programs` to arrive. Ordering: a CTA barrier after
+        the stores, one acq_rel GPU-scope atomic; the last program reads the others' parts
+        through L2 (.cg loads) and resets the counter to 0 (tl.store(cnt_ptr, 0)) when done."""
+        tl.debug_barrier()
+        return tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == programs - 1
+
+    @triton.jit
     def prefetching(PDL: tl.constexpr):
         """Whether a kernel launched with this PDL value issues its prefetch_l2 calls."""
         return (PDL & 4) != 0              # PDL_PREFETCH

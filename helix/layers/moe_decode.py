@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 
 from helix.attention.triton_splits import sm_count_of
-from helix.triton_util import (arrival_counters, pdl_sync, pow2, prefetch_l2, prefetching,
-                               run_kernel)
+from helix.triton_util import (arrival_counters, last_to_arrive, pdl_sync, pow2, prefetch_l2,
+                               prefetching, run_kernel)
 
 MAX_PAIRS = 128              # T * k up to this runs here (decode buckets); more: fused_moe's v1
 MODES = {"fma": 0, "dot": 2}
@@ -289,14 +289,10 @@ def _down_kernel(
                      + n[None, :], y, mask=rvalid[:, None] & nmask[None, :])
     if FUSED_COMBINE:
         # Every program of this feature block counts itself (leaders after their stores); the
-        # last to arrive sums the block for every token. Ordering as in triton_decode's fused
-        # merge: CTA barrier, one acq_rel GPU-scope atomic, partials read through L2 (.cg),
-        # the counter reset by the summing program. Which program sums does not change the
-        # result: the order of the sum is fixed.
-        tl.debug_barrier()
+        # last to arrive sums the block for every token (partials read through L2, .cg).
+        # Which program sums does not change the result: the order of the sum is fixed.
         cnt = cnt_ptr + nb
-        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(0) * tl.num_programs(2) - 1:
+        if last_to_arrive(cnt, tl.num_programs(0) * tl.num_programs(2)):
             _combine(y_ptr, ids_ptr, out_ptr, N, T, first, E, n, nmask, stride_ys, stride_yp,
                      stride_ot, TOPK, K_SPLITS, SHARED, True, BLOCK_T, BLOCK_N)
             tl.store(cnt, 0)

@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from helix.layers.fused_ops import add_rms_norm, use_triton
-from helix.triton_util import (HAS_TRITON, arrival_counters, pdl_sync, pow2, prefetch_l2,
-                               prefetching, run_kernel, tl, triton)
+from helix.triton_util import (HAS_TRITON, arrival_counters, last_to_arrive, pdl_sync, pow2,
+                               prefetch_l2, prefetching, run_kernel, tl, triton)
 
 ENABLED = os.environ.get("HELIX_SKINNY_GEMM", "1") != "0"
 MAX_ROWS = 16
@@ -116,14 +116,11 @@ if HAS_TRITON:
             tl.store(y_rows, acc.to(y_ptr.dtype.element_ty), mask=ymask)
         else:
             # partials [SPLIT_K, G, BLOCK_T, N] fp32; the last program of (g, nb) to arrive sums
-            # them in split order (ordering: CTA barrier, acq_rel GPU-scope atomic, partials
-            # read through L2, counter reset by the summing program)
+            # them in split order
             part = part_ptr + ((g * BLOCK_T + t.to(tl.int64)[:, None]) * N + n[None, :])
             tl.store(part + ks * G * BLOCK_T * N, acc, mask=ymask)
-            tl.debug_barrier()
             cnt = cnt_ptr + g * n_blocks + nb
-            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
+            if last_to_arrive(cnt, SPLIT_K):
                 total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
                 for s in tl.static_range(SPLIT_K):
                     total += tl.load(part + s * G * BLOCK_T * N, mask=ymask, other=0.0,
@@ -212,9 +209,8 @@ if HAS_TRITON:
                 tl.store(part_ptr + ((ks * tl.num_programs(1) + g) * ROWS + r) * N + n, y,
                          mask=ymask)
         if SPLIT_K > 1:
-            tl.debug_barrier()
             cnt = cnt_ptr + g * tl.num_programs(0) + nb
-            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            if last_to_arrive(cnt, SPLIT_K):
                 for r in tl.static_range(ROWS):
                     ymask = nmask & (tl.full([BLOCK_N], r, tl.int32) < T)
                     total = tl.zeros([BLOCK_N], dtype=tl.float32)

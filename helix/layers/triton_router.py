@@ -41,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from helix.triton_util import arrival_counters
 from helix.layers.fused_ops import _added, _exp_f32, _normed, _rstd
-from helix.triton_util import pdl_sync, pow2, prefetch_l2, prefetching, run_kernel
+from helix.triton_util import (arrival_counters, last_to_arrive, pdl_sync, pow2, prefetch_l2,
+                               prefetching, run_kernel)
 
 BIG = tl.constexpr(1 << 30)   # "no expert": above every id
 
@@ -224,12 +224,9 @@ def _route_fused_kernel(x_ptr, wr_ptr, lg_ptr, cnt_ptr, bias_ptr, w_ptr, id_ptr,
         acc = acc.to(wdt).to(tl.float32)
     tl.store(lg_ptr + rows.to(tl.int64)[:, None] * stride_lt + e[None, :], acc,
              mask=rmask[:, None] & emask[None, :])
-    # Memory ordering as in triton_decode's fused merge: a CTA barrier after the stores, one
-    # acq_rel GPU-scope atomic, the last arriver reads the workspace through L2 (.cg) and
-    # resets the counter; the result does not depend on which program routes (deterministic).
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
+    # the last program to arrive routes, reading the workspace through L2 (.cg); the result
+    # does not depend on which program routes (deterministic)
+    if last_to_arrive(cnt_ptr, tl.num_programs(0)):
         _select_rows(lg_ptr, stride_lt, 0, T, bias_ptr, w_ptr, id_ptr, stride_wt, stride_it,
                      EG, G, scaling, K, SIGMOID, GROUP_RULE, TOPK_GROUP, NORM, HAS_BIAS,
                      True, BLOCK_T, BLOCK_G, BLOCK_EG, BLOCK_K)

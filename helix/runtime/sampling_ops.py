@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from helix.triton_util import (HAS_TRITON, arrival_counters, pdl_sync, run_kernel, tl,
-                               triton)
+from helix.triton_util import (HAS_TRITON, arrival_counters, last_to_arrive, pdl_sync, run_kernel,
+                               tl, triton)
 
 M32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
@@ -110,11 +110,8 @@ if HAS_TRITON:
         x = tl.where(x != x, float("inf"), x)                     # NaN: the largest, as torch
         tl.store(best_ptr + b * CHUNKS + c, tl.max(x, axis=0))
         tl.store(idx_ptr + b * CHUNKS + c, tl.argmax(x, axis=0, tie_break_left=True) + c * BLOCK)
-        # the last program of row b to arrive picks among the chunks (ordering: CTA barrier,
-        # one acq_rel GPU-scope atomic, the chunks' results read through L2, counter reset)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
-        if arrived == CHUNKS - 1:
+        # the last program of row b to arrive picks among the chunks (read through L2)
+        if last_to_arrive(cnt_ptr + b, CHUNKS):
             k = tl.arange(0, BLOCK_C)
             vals = tl.load(best_ptr + b * CHUNKS + k, mask=k < CHUNKS, other=float("-inf"),
                            cache_modifier=".cg")
