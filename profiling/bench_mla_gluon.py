@@ -197,10 +197,14 @@ def phase_time(args):
     path = os.path.join(args.out, "timings.json")
     for B, ctx in shapes:
         bt = torch.arange(B * ctx // 64, dtype=torch.int32, device="cuda").view(B, ctx // 64)
+        if args.shuffle_pages:           # the pages of the pool in a random order
+            bt = bt.flatten()[torch.randperm(bt.numel(), device="cuda")].view(B, ctx // 64)
+            seq = pool[bt.flatten().long()].view(B, ctx, 1, DL + DR)
         lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
         ql = torch.randn(B, H, DL, device="cuda", dtype=torch.bfloat16)
         qr = torch.randn(B, H, DR, device="cuda", dtype=torch.bfloat16)
-        seq = pool[:B * ctx // 64].view(B, ctx, 1, DL + DR)
+        if not args.shuffle_pages:
+            seq = pool[:B * ctx // 64].view(B, ctx, 1, DL + DR)
         rows = sorted({0, B - 1})
         refs = {b: reference(torch.cat((ql[b], qr[b]), -1)[None], seq[b], seq[b, :, :, :DL],
                              SCALE) for b in rows}
@@ -287,6 +291,8 @@ def main():
     p.add_argument("--no-triton", action="store_true", help="time the Gluon kernels only")
     p.add_argument("--pace-min-tiles", type=int, default=None,
                    help="gluon_mla.PACE_MIN_TILES for the paced specs (default: the module's)")
+    p.add_argument("--shuffle-pages", action="store_true",
+                   help="block tables in a random order of the pool's pages (default: in order)")
     p.add_argument("--skip-checks", action="store_true",
                    help="time without the correctness subprocesses (the timing checks rows)")
     args = p.parse_args()
