@@ -49,44 +49,11 @@ CHECKS = [
 ]
 
 
-def split_spec(spec: str) -> tuple[str, int]:
-    """A kernel spec "seesaw", "seesaw@4" (pair pacing, gluon_mla.PACE_LEAD = 4), "seesaw@16:8"
-    (and PACE_EVERY = 8), maybe with forced splits ("seesaw/8", "seesaw@4/8") ->
-    (variant, lead)."""
-    variant, _, lead = spec.split("/")[0].partition("@")
-    return variant, int(lead.partition(":")[0] or 0)
-
-
-def spec_every(spec: str) -> int | None:
-    """The PACE_EVERY of a spec ("seesaw@16:8" -> 8), None for the module's."""
-    _, _, every = spec.split("/")[0].partition(":")
-    return int(every) if every else None
-
-
-def spec_splits(spec: str) -> int | None:
-    """The forced split count of a spec ("seesaw@4/8" -> 8), None for the plan's."""
-    _, _, n = spec.partition("/")
-    return int(n) if n else None
-
-
-class paced:
-    """gluon_mla's pacing flags for a block (lead 0: unpaced; min_tiles None: the default)."""
-
-    def __init__(self, lead: int, min_tiles: int | None = None, every: int | None = None):
-        self.flags = dict(PACE_LEAD=lead)
-        if min_tiles is not None:
-            self.flags["PACE_MIN_TILES"] = min_tiles
-        if every is not None:
-            self.flags["PACE_EVERY"] = every
-
-    def __enter__(self):
-        self.saved = {k: getattr(gluon_mla, k) for k in self.flags}
-        for k, v in self.flags.items():
-            setattr(gluon_mla, k, v)
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            setattr(gluon_mla, k, v)
+def split_spec(spec: str) -> tuple[str, int | None]:
+    """A kernel spec: a variant ("seesaw"), maybe with forced splits ("seesaw/8") ->
+    (variant, splits or None for the plan's)."""
+    variant, _, n = spec.partition("/")
+    return variant, int(n) if n else None
 
 
 def ragged_case(batch, heads, lens, ctx, page, seed, device="cuda", poison=True):
@@ -119,16 +86,9 @@ def compare(o, lse, ref_o, ref_lse) -> dict:
     return dict(ok=bool(ok), max_err_o=err_o, max_err_lse=err_l, empty_ok=empty_ok)
 
 
-def run_checks(spec: str) -> list[dict]:
+def run_checks(variant: str) -> list[dict]:
     """Every CHECKS case eagerly, then one case captured in a CUDA graph and replayed on new
-    inputs copied into the captured buffers. A paced spec ("seesaw@4") paces every split of
-    two tiles or more."""
-    variant, lead = split_spec(spec)
-    with paced(lead, min_tiles=2 if lead else None, every=1 if lead else None):
-        return _run_checks(variant)
-
-
-def _run_checks(variant: str) -> list[dict]:
+    inputs copied into the captured buffers."""
     recs = []
     for i, (B, heads, lens, ctx, page, splits) in enumerate(CHECKS):
         case = ragged_case(B, heads, lens, ctx, page, seed=i)
@@ -174,8 +134,7 @@ def phase_check(args):
     except Exception:  # noqa: BLE001 - report the failure in full
         recs = [dict(case="exception", ok=False, error=traceback.format_exc())]
         print(recs[0]["error"], flush=True)
-    with open(os.path.join(args.out, f"check_{args.variant.replace('@', '-pace')}.json"),
-              "w") as f:
+    with open(os.path.join(args.out, f"check_{args.variant}.json"), "w") as f:
         json.dump(recs, f, indent=1)
 
 
@@ -212,11 +171,10 @@ def phase_time(args):
         kernels = [] if args.no_triton else [
             ("triton", lambda: mla_decode(ql, qr, pool, bt, lens, SCALE))]
         kernels += [(f"gluon-{v}", lambda v=v: gluon_mla.mla_decode_gluon(
-            ql, qr, pool, bt, lens, SCALE, num_splits=spec_splits(v), variant=split_spec(v)[0]))
-            for v in variants]
+            ql, qr, pool, bt, lens, SCALE, num_splits=split_spec(v)[1],
+            variant=split_spec(v)[0])) for v in variants]
         for name, fn in kernels:
-            with paced(split_spec(name)[1], args.pace_min_tiles, spec_every(name)):
-                recs.append(time_one(name, fn, B, ctx, H, flops, mm, rows, refs, flush, args))
+            recs.append(time_one(name, fn, B, ctx, H, flops, mm, rows, refs, flush, args))
             with open(path, "w") as f:
                 json.dump(recs, f, indent=1)
 
@@ -289,8 +247,6 @@ def main():
     p.add_argument("--shapes", default="", help="BxCTX,... timed instead of the default list")
     p.add_argument("--heads", type=int, default=H, help="query heads of the timed shapes")
     p.add_argument("--no-triton", action="store_true", help="time the Gluon kernels only")
-    p.add_argument("--pace-min-tiles", type=int, default=None,
-                   help="gluon_mla.PACE_MIN_TILES for the paced specs (default: the module's)")
     p.add_argument("--shuffle-pages", action="store_true",
                    help="block tables in a random order of the pool's pages (default: in order)")
     p.add_argument("--skip-checks", action="store_true",
@@ -307,24 +263,21 @@ def main():
     import triton
     print(f"triton {triton.__version__}", flush=True)
     compiled = {r["variant"] for r in compile_report(args.out) if r["ok"]}
-    status, passed = {}, []
-    for v in [v for v in args.variants.split(",") if split_spec(v)[0] in compiled]:
+    specs = [v for v in args.variants.split(",") if split_spec(v)[0] in compiled]
+    status = {}
+    for v in dict.fromkeys(split_spec(v)[0] for v in specs):      # each variant checked once
         if args.skip_checks:
             status[v] = "checks skipped"
-            passed.append(v)
             continue
         status[v] = sub("check", args.out, args.check_timeout, variant=v)
-        path = os.path.join(args.out, f"check_{v.replace('@', '-pace')}.json")
+        path = os.path.join(args.out, f"check_{v}.json")
         recs = json.load(open(path)) if os.path.exists(path) else []
-        ok = bool(recs) and all(r["ok"] for r in recs)
-        status[v] += ", all PASS" if ok else ", FAIL"
-        if ok:
-            passed.append(v)
+        status[v] += ", all PASS" if bool(recs) and all(r["ok"] for r in recs) else ", FAIL"
+    passed = [v for v in specs if not status[split_spec(v)[0]].endswith("FAIL")]
     extra = dict(shapes=args.shapes, heads=args.heads, iters=args.iters)
-    if args.pace_min_tiles is not None:
-        extra["pace_min_tiles"] = args.pace_min_tiles
     status["timing"] = sub("time", args.out, args.time_timeout, variants=",".join(passed),
-                           **extra, **({"no_triton": True} if args.no_triton else {}))
+                           **extra, **({"no_triton": True} if args.no_triton else {}),
+                           **({"shuffle_pages": True} if args.shuffle_pages else {}))
     summarize(args.out, status, time.time() - t0)
 
 

@@ -116,14 +116,12 @@ def resources(cc) -> dict:
                 num_warps=cc.metadata.num_warps)
 
 
-def check(variant: str, page: int, heads: int = 128, num_splits: int = 2, pdl: int = 0,
-          pace: int = 0) -> dict:
-    """One compile (`pdl`: the kernel's PDL value, as run_kernel passes it on an sm_90 device;
-    `pace`: gluon_mla.PACE_LEAD): its resources, or its full error text."""
-    rec = dict(variant=variant, page=page, heads=heads, num_splits=num_splits, pdl=pdl, pace=pace)
+def check(variant: str, page: int, heads: int = 128, num_splits: int = 2, pdl: int = 0) -> dict:
+    """One compile (`pdl`: the kernel's PDL value, as run_kernel passes it on an sm_90 device):
+    its resources, or its full error text."""
+    rec = dict(variant=variant, page=page, heads=heads, num_splits=num_splits, pdl=pdl)
     try:
-        with mock.patch.object(gluon_mla, "PACE_LEAD", pace):
-            kernel, args, meta = record_launch(heads, page, variant, num_splits)
+        kernel, args, meta = record_launch(heads, page, variant, num_splits)
         meta["PDL"] = pdl
         rec.update(ok=True, **compile_sm90(kernel, args, meta))
     except Exception:  # noqa: BLE001 - the point is to report any failure in full
@@ -138,17 +136,14 @@ def main():
     p.add_argument("--splits", default="2", help="1 writes bf16 O directly, >1 fp32 partials")
     p.add_argument("--pdl", default="0", help="comma list of PDL values (0 off, 1 on, 9 on "
                                                 "with every KV tile after the wait)")
-    p.add_argument("--pace", default="0", help="comma list of gluon_mla.PACE_LEAD values")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    recs = [check(v, int(pg), num_splits=int(s), pdl=int(d), pace=int(c))
-            for v in args.variants.split(",") for pg in args.pages.split(",")
-            for s in args.splits.split(",") for d in args.pdl.split(",")
-            for c in args.pace.split(",")]
+    recs = [check(v, int(pg), num_splits=int(s), pdl=int(d)) for v in args.variants.split(",")
+            for pg in args.pages.split(",") for s in args.splits.split(",")
+            for d in args.pdl.split(",")]
     for r in recs:
         if r["ok"]:
-            print(f"{r['variant']:7} page {r['page']:3} splits {r['num_splits']} pdl {r['pdl']} "
-                  f"pace {r['pace']}: "
+            print(f"{r['variant']:7} page {r['page']:3} splits {r['num_splits']} pdl {r['pdl']}: "
                   f"{r['gdc_waits']} / {r['gdc_launches']} gdc wait / launch, "
                   f"{r['registers']} regs, stack {r['stack_bytes']}, smem {r['shared_bytes']}, "
                   f"{r['hgmma']} HGMMA {r['hgmma_shapes']}, {r['tma_loads']} TMA, "

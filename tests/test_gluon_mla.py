@@ -190,9 +190,7 @@ def test_launch_arguments_match_the_kernel_signature(monkeypatch, splits):
     assert named["HEADS"] == 128 and named["num_splits"] == splits
     assert abs(named["scale_log2"] - 0.1 * 1.4426950408889634) < 1e-12
     consts = {n for i, n in enumerate(kernel.arg_names) if kernel.params[i].is_constexpr}
-    pace = {"PACE_LEAD", "PACE_SPINS", "PACE_MIN_TILES", "PACE_EVERY"}   # (unpaced: default)
-    assert consts - {"num_warps", "PDL"} - pace <= set(meta) and meta["PAGE_SIZE"] == 64
-    assert not pace & set(meta) and named["pace_ptr"] is named["lse_ptr"]   # (never read)
+    assert consts - {"num_warps", "PDL"} <= set(meta) and meta["PAGE_SIZE"] == 64   # PDL: below
     assert o.shape == (3, 128, 512) and o.dtype == torch.bfloat16 and lse.shape == (3, 128)
     if splits == 1:        # O and LSE written directly: no split stride, no merge
         assert named["o_ptr"] is o and named["stride_os"] == 0 and "reduce" not in calls
@@ -205,33 +203,6 @@ def test_launch_arguments_match_the_kernel_signature(monkeypatch, splits):
         kv_lens, block_n, min_chunk = calls["reduce_live"]   # empty splits write nothing
         assert kv_lens is named["lens_ptr"] and block_n == gluon_mla.BLOCK_N
         assert min_chunk == meta["MIN_CHUNK"] == 2 * gluon_mla.BLOCK_N     # the kernel's chunks
-
-
-@pytest.mark.parametrize("heads,lead,paced", [(128, 4, True), (128, 0, False), (64, 4, False),
-                                               (192, 4, False)])
-def test_pacing_takes_two_head_blocks_and_the_device_slots(monkeypatch, heads, lead, paced):
-    """Pair pacing runs where a split has exactly two head-block programs (DeepSeek-V3's 128
-    heads) and PACE_LEAD is on: the kernel gets the flags and the device's zeroed slots, one
-    per program, which stay the same tensor from launch to launch."""
-    monkeypatch.setattr(gluon_mla, "PACE_LEAD", lead)
-    monkeypatch.setattr(gluon_mla, "_PACE_SLOTS", {})
-    calls, _, _ = _record(monkeypatch, 3, heads, 4)
-    kernel, grid, args, meta = calls["launch"]
-    runtime = [n for i, n in enumerate(kernel.arg_names) if not kernel.params[i].is_constexpr]
-    slots = dict(zip(runtime, args))["pace_ptr"]
-    if paced:
-        assert meta["PACE_LEAD"] == lead and meta["PACE_SPINS"] == gluon_mla.PACE_SPINS
-        assert meta["PACE_MIN_TILES"] == gluon_mla.PACE_MIN_TILES
-        assert meta["PACE_EVERY"] == gluon_mla.PACE_EVERY
-        assert slots.dtype == torch.int32 and slots.numel() >= 3 * 4 * 2
-        assert not slots.any()
-        again, _, _ = _record(monkeypatch, 3, heads, 4)
-        assert dict(zip(runtime, again["launch"][2]))["pace_ptr"] is slots
-    else:
-        assert "PACE_LEAD" not in meta and slots.dtype == torch.float32    # lse: never read
-    monkeypatch.setattr(gluon_mla, "PACE_SLOTS", 3 * 4 * 2 - 1)          # too many programs
-    calls, _, _ = _record(monkeypatch, 3, heads, 4)
-    assert "PACE_LEAD" not in calls["launch"][3]
 
 
 def test_empty_batch_launches_nothing(monkeypatch):

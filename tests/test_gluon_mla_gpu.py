@@ -2,8 +2,7 @@
 float32 torch computation: ragged lengths, partial pages, empty sequences (kv_len 0: O = 0,
 LSE = -inf), 16 / 64 / 128 heads, page 64 and 16, automatic and forced splits, stale slots and
 freshly allocated outputs poisoned with NaN, and one call captured in a CUDA graph replayed on
-new inputs; the seesaw also paced ("seesaw@2": pair pacing on every split of two tiles or
-more). The cases are profiling/bench_mla_gluon.py's (the GPU script runs them too)."""
+new inputs. The cases are profiling/bench_mla_gluon.py's (the GPU script runs them too)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ pytestmark = pytest.mark.gpu
 needs_sm90 = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
     reason="needs an sm_90 GPU")
-SPECS = gluon_mla.VARIANTS + ("seesaw@2",)
 
 
 @needs_sm90
@@ -26,62 +24,32 @@ def test_gluon_available(variant):
 
 
 @needs_sm90
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("variant", gluon_mla.VARIANTS)
 @pytest.mark.parametrize("case", range(7))
-def test_gluon_mla_matches_reference(spec, case):
-    from profiling.bench_mla_gluon import CHECKS, SCALE, compare, paced, ragged_case, split_spec
+def test_gluon_mla_matches_reference(variant, case):
+    from profiling.bench_mla_gluon import CHECKS, SCALE, compare, ragged_case
     B, heads, lens, ctx, page, splits = CHECKS[case]
     args = ragged_case(B, heads, lens, ctx, page, seed=1000 + case)
     poison = torch.full((64 << 20,), float("nan"), device="cuda")     # reused by the outputs
     del poison
-    variant, lead = split_spec(spec)
-    with paced(lead, min_tiles=2, every=1):
-        o, lse = gluon_mla.mla_decode_gluon(*args, SCALE, num_splits=splits, variant=variant)
+    o, lse = gluon_mla.mla_decode_gluon(*args, SCALE, num_splits=splits, variant=variant)
     assert o.dtype == torch.bfloat16 and o.shape == (B, heads, 512) and lse.shape == (B, heads)
     rec = compare(o, lse, *gluon_mla.reference(*args, SCALE))
     assert rec["ok"], rec
 
 
 @needs_sm90
-@pytest.mark.parametrize("spec", SPECS)
-def test_gluon_mla_under_cuda_graph(spec):
-    from profiling.bench_mla_gluon import graph_check, paced, split_spec
-    variant, lead = split_spec(spec)
-    with paced(lead, min_tiles=2, every=1):
-        rec = graph_check(variant)
+@pytest.mark.parametrize("variant", gluon_mla.VARIANTS)
+def test_gluon_mla_under_cuda_graph(variant):
+    from profiling.bench_mla_gluon import graph_check
+    rec = graph_check(variant)
     assert rec["ok"], rec
 
 
 @needs_sm90
-def test_paced_launches_back_to_back_and_past_one_wave():
-    """Paced launches one after the other (PDL lets each start under the previous: the pace
-    slots are shared), eagerly and in one CUDA graph, with more programs than SMs (a program's
-    partner may not be resident yet): all finish and match the reference."""
-    from profiling.bench_mla_gluon import SCALE, compare, paced, ragged_case
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cases = [ragged_case(sms + 3, 128, [2048 - 7 * b for b in range(sms + 3)], 2048, 64,
-                         seed=50 + i) for i in range(3)]
-    with paced(2, min_tiles=2, every=1):
-        outs = [gluon_mla.mla_decode_gluon(*c, SCALE, num_splits=2) for c in cases]
-        torch.cuda.synchronize()
-        for c, (o, lse) in zip(cases, outs):
-            assert compare(o, lse, *gluon_mla.reference(*c, SCALE))["ok"]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = [gluon_mla.mla_decode_gluon(*c, SCALE, num_splits=2) for c in cases]
-    for _ in range(3):
-        for o, _lse in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for c, (o, lse) in zip(cases, outs):
-            assert compare(o, lse, *gluon_mla.reference(*c, SCALE))["ok"]
-
-
-@needs_sm90
-@pytest.mark.parametrize("heads,pace", [(16, 0), (128, 0), (128, 2)])
+@pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("kv_early", [True, False])
-def test_gluon_mla_sees_the_row_the_previous_kernel_appends(heads, pace, kv_early, monkeypatch):
+def test_gluon_mla_sees_the_row_the_previous_kernel_appends(heads, kv_early, monkeypatch):
     """The decode step's order under PDL: a kernel appends each sequence's new row (its last,
     kv_len - 1), then the Gluon kernel attends. With KV_EARLY its producer loads the earlier
     tiles before waiting for the append: the new rows (stale NaN until the append) must be
@@ -92,9 +60,6 @@ def test_gluon_mla_sees_the_row_the_previous_kernel_appends(heads, pace, kv_earl
     from profiling.bench_mla_gluon import SCALE, compare, ragged_case
     assert triton_util.pdl_enabled(torch.device("cuda"))    # else nothing here overlaps
     monkeypatch.setattr(gluon_mla, "KV_EARLY", kv_early)
-    monkeypatch.setattr(gluon_mla, "PACE_LEAD", pace)
-    monkeypatch.setattr(gluon_mla, "PACE_MIN_TILES", 2)
-    monkeypatch.setattr(gluon_mla, "PACE_EVERY", 1)
     lens = [4097, 4096, 3000, 1]
     ql, qr, kv, bt, kl = ragged_case(4, heads, lens, 4096 + 64, 64, seed=7)
     page = kv.shape[1]

@@ -66,18 +66,6 @@ MAX_SPLITS = 128
 PDL = True
 KV_EARLY = True
 PDL_KV_LATE = 8              # a bit of the kernel's PDL value: every tile waits (KV_EARLY off)
-# Pair pacing (the seesaw, two head blocks: DeepSeek-V3's 128 heads): the two programs of a
-# split read the same KV tiles, and over thousands of tiles they drift apart until the second
-# no longer finds them in L2. With PACE_LEAD > 0 a program's producer waits while the other is
-# more than PACE_LEAD pairs of tiles behind (the kernel's _pace), on splits of at least
-# PACE_MIN_TILES tiles, through int32 slots in one zeroed buffer per device (PACE_SLOTS of
-# them; a launch with more programs, or the first one on a device under graph capture, runs
-# unpaced). PACE_SPINS bounds one program's polls of the other's slot.
-PACE_LEAD = 0
-PACE_EVERY = 8               # pairs between two pace points (a point costs ~2 us; kernel doc)
-PACE_MIN_TILES = 256
-PACE_SPINS = 4096
-PACE_SLOTS = 1 << 20
 # A program of a split past its sequence's tokens (an engine's block tables hold its max context,
 # so short sequences leave most splits empty) exits at once, and reduce_splits skips the split
 SKIP_EMPTY = True
@@ -102,20 +90,11 @@ class GluonMLAPlan:
     def grid(self) -> tuple[int, int, int]:
         return (self.head_blocks, self.num_splits, self.batch)
 
-    def meta(self, page_size: int, paced: bool = False) -> dict:
-        """The kernel's constexprs and launch options (`paced`: the pace slots are there)."""
-        pace = (dict(PACE_LEAD=PACE_LEAD, PACE_SPINS=PACE_SPINS, PACE_MIN_TILES=PACE_MIN_TILES,
-                     PACE_EVERY=PACE_EVERY) if paced and self.pace_slots else {})
+    def meta(self, page_size: int) -> dict:
+        """The kernel's constexprs and launch options."""
         return dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size, BOX_ROWS=self.box_rows,
                     STAGES=STAGES, SEESAW=self.variant == "seesaw", SKIP_EMPTY=self.skip_empty,
-                    MIN_CHUNK=MIN_SPLIT_TOKENS[self.variant], **pace, **REGS[self.variant])
-
-    @property
-    def pace_slots(self) -> int:
-        """Pace slots the launch uses (0: it runs unpaced): two head blocks of the seesaw."""
-        n = self.batch * self.num_splits * 2
-        ok = PACE_LEAD > 0 and self.variant == "seesaw" and self.head_blocks == 2
-        return n if ok and n <= PACE_SLOTS else 0
+                    MIN_CHUNK=MIN_SPLIT_TOKENS[self.variant], **REGS[self.variant])
 
     @property
     def skip_empty(self) -> bool:
@@ -232,30 +211,14 @@ def mla_decode_gluon(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: tor
              num_splits, variant)
     o_ws, lse_ws, so, sl = split_workspace(o, lse, p.num_splits, partial_dtype)
     desc_lat, desc_rope = make_descriptors(kv_cache, p)
-    slots = pace_slots(q_latent.device) if p.pace_slots else None
     launch(mla_decode_kernel, p.grid, q_latent, q_rope, desc_lat, desc_rope, block_tables,
-           kv_lens, o_ws, lse_ws, lse_ws if slots is None else slots, scale * LOG2E,
-           q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-           block_tables.stride(0), *so, *sl, H, p.num_splits,
-           **p.meta(page_size, paced=slots is not None))
+           kv_lens, o_ws, lse_ws, scale * LOG2E, q_latent.stride(0), q_latent.stride(1),
+           q_rope.stride(0), q_rope.stride(1), block_tables.stride(0), *so, *sl, H, p.num_splits,
+           **p.meta(page_size))
     if p.num_splits > 1:
         reduce_splits(o_ws, lse_ws, o, lse, *((kv_lens, BLOCK_N, MIN_SPLIT_TOKENS[variant])
                                               if p.skip_empty else ()))
     return o, lse
-
-
-_PACE_SLOTS: dict = {}
-
-
-def pace_slots(device: torch.device) -> torch.Tensor | None:
-    """The device's pace slots (PACE_SLOTS int32, zeroed once; programs leave theirs at the
-    kernel's PACE_DONE), or None under CUDA-graph capture before they exist (a buffer made
-    inside a capture would belong to the graph's memory pool)."""
-    if device not in _PACE_SLOTS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _PACE_SLOTS[device] = torch.zeros(PACE_SLOTS, dtype=torch.int32, device=device)
-    return _PACE_SLOTS[device]
 
 
 def launch(kernel, grid, *args, **meta):

@@ -218,57 +218,18 @@ def _load_part(desc_lat, desc_rope, k_lat, k_rope, ready, empty, phase, row, t0,
             _tma_load(desc_rope, [r, 0], ready, k_rope.slice(sub * BOX_ROWS, BOX_ROWS, 0))
 
 
-PACE_DONE = gl.constexpr(1 << 30)   # a pace slot's value once its program finished
-
-
 @gluon.jit
-def _pace(mine, other, i, seen, budget, LEAD: gl.constexpr):
-    """Pair pacing (gluon_mla.PACE_LEAD) at pair i: wait while the other head block's program
-    of the same split is running (its slot > 0) and more than LEAD pairs behind, so the two
-    keep reading the same KV tiles while they are in L2; then publish pair i and read the
-    other's slot for the next pair. `seen` is that read from the previous pair: its L2 round
-    trip ran under the pair's loads (a read used at once cost ~1-2 us a pair and took the
-    kernel from 77 to 47 % of the matmul rate, H200). `budget` bounds the polls of a program:
-    a wait that cannot end (a slot another kernel wrote) costs at most that many round trips.
-    Returns (seen, budget). Called every PACE_EVERY pairs: each call cost ~2 us of the
-    producer's issue (H200, every pair: 77 -> 46 % of the matmul rate, whether the read was
-    used at once or a pair later)."""
-    while (seen > 0) & (seen + LEAD <= i) & (budget > 0):
-        budget -= 1
-        seen = gl.load(other, volatile=True)
-    gl.store(mine, i + 1)
-    seen = gl.load(other, volatile=True)
-    return seen, budget
-
-
-@gluon.jit
-def _seesaw_producer(args, pace_row, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                     PAGE_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, PDL: gl.constexpr,
-                     PACE_LEAD: gl.constexpr, PACE_SPINS: gl.constexpr,
-                     PACE_MIN_TILES: gl.constexpr, PACE_EVERY: gl.constexpr):
+def _seesaw_producer(args, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                     PAGE_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr, PDL: gl.constexpr):
     """Per pair i: K0 lo, K0 hi (tile 2i), K1 hi, K1 lo (tile 2i + 1): the order the consumers
     release them in. With PDL the tiles before the sequence's last row are loaded without
-    waiting for the previous kernel (_kv_wait). With PACE_LEAD (two head blocks, splits of at
-    least PACE_MIN_TILES tiles) the pair's loads wait for the other head block's program
-    (_pace); its slot is written only after the previous kernel finished (the wait at pair 1
-    costs nothing: the ring holds one pair, freed by consumers that waited already), so a
-    program of the next kernel never writes a slot that one of this kernel still reads."""
+    waiting for the previous kernel (_kv_wait)."""
     (kv_lat, kv_rope, q_lat, p_smem, m_smem, l_smem, ready, empty, bar_ab, l_bar, desc_lat,
      desc_rope, ql_ptr, qr_ptr, stride_qlb, stride_qlh, stride_qrb, stride_qrh, bt_ptr, o_ptr,
      lse_ptr, b, hb, split, start, end, n_tiles, kv_len, HEADS, scale_log2, stride_btb, stride_ob,
      stride_oh, stride_os, stride_lb, stride_lh) = args
     bt_row = bt_ptr + b * stride_btb
-    paced = n_tiles >= PACE_MIN_TILES
-    budget = PACE_SPINS
-    seen = 0
     for i in range(gl.cdiv(n_tiles, 2)):
-        if PACE_LEAD > 0:
-            if paced & (i > 0) & (i % PACE_EVERY == 0):
-                if PDL:
-                    if i == PACE_EVERY:
-                        _gdc("griddepcontrol.wait;")
-                seen, budget = _pace(pace_row + hb, pace_row + (1 - hb), i, seen, budget,
-                                     PACE_LEAD)
         phase = (i & 1) ^ 1                                    # fresh barriers pass
         t0 = start + 2 * i * BLOCK_N
         t1 = t0 + BLOCK_N
@@ -285,9 +246,6 @@ def _seesaw_producer(args, pace_row, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexp
                    phase, row1, t1, end, bt_row, HALF, True, BLOCK_N, PAGE_SIZE, BOX_ROWS)
         _load_part(desc_lat, desc_rope, k1, kv_rope.index(1), ready.index(2), empty.index(2),
                    phase, row1, t1, end, bt_row, 0, False, BLOCK_N, PAGE_SIZE, BOX_ROWS)
-    if PACE_LEAD > 0:
-        if paced:
-            gl.store(pace_row + hb, PACE_DONE)
 
 
 @gluon.jit
@@ -588,7 +546,7 @@ def _simple_consumer(args, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
 
 @gluon.jit
 def mla_decode_kernel(
-    ql_ptr, qr_ptr, desc_lat, desc_rope, bt_ptr, lens_ptr, o_ptr, lse_ptr, pace_ptr, scale_log2,
+    ql_ptr, qr_ptr, desc_lat, desc_rope, bt_ptr, lens_ptr, o_ptr, lse_ptr, scale_log2,
     stride_qlb, stride_qlh, stride_qrb, stride_qrh,      # q_latent [B, H, 512], q_rope [B, H, 64]
     stride_btb,                                          # block_tables [B, W] int32
     stride_ob, stride_oh, stride_os,                     # o [B, H, S, 512] (or [B, H, 512])
@@ -598,8 +556,6 @@ def mla_decode_kernel(
     BOX_ROWS: gl.constexpr, STAGES: gl.constexpr, SEESAW: gl.constexpr,
     WG_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     MIN_CHUNK: gl.constexpr = 0, SKIP_EMPTY: gl.constexpr = False, PDL: gl.constexpr = 0,
-    PACE_LEAD: gl.constexpr = 0, PACE_SPINS: gl.constexpr = 0, PACE_MIN_TILES: gl.constexpr = 0,
-    PACE_EVERY: gl.constexpr = 1,
 ):
     hb = gl.program_id(0)
     split = gl.program_id(1)
@@ -647,11 +603,8 @@ def mla_decode_kernel(
             live = n_tiles > 0
         else:
             live = n_tiles >= 0
-        # pace slots [B, splits, 2] (int32): one per head-block program of a split
-        pace_row = pace_ptr + (b * num_splits + split) * 2
-        gl.warp_specialize([(_seesaw_producer, (args, pace_row, BLOCK_H, BLOCK_N, PAGE_SIZE,
-                                                 BOX_ROWS, PDL, PACE_LEAD, PACE_SPINS,
-                                                 PACE_MIN_TILES, PACE_EVERY)),
+        gl.warp_specialize([(_seesaw_producer, (args, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS,
+                                                 PDL)),
                             (_seesaw_wg0, (args, live, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS,
                                            PDL)),
                             (_seesaw_wg1, (args, live, BLOCK_H, BLOCK_N, PAGE_SIZE, BOX_ROWS,
