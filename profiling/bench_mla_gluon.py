@@ -150,14 +150,16 @@ def phase_time(args):
     timed = ([tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
              if args.shapes else TIMED)
     shapes = [(B, c) for B, c in timed if B * c <= cap_tokens]
-    pool = random_pool((max(B * c for B, c in shapes) // 64, 64, DL + DR))
+    pool_tokens = min(max([B * c for B, c in shapes] + [args.pool_tokens]), cap_tokens)
+    pool = random_pool((pool_tokens // 64, 64, DL + DR))
     H = args.heads
     flush, recs = L2Flush(), []
     path = os.path.join(args.out, "timings.json")
     for B, ctx in shapes:
         bt = torch.arange(B * ctx // 64, dtype=torch.int32, device="cuda").view(B, ctx // 64)
-        if args.shuffle_pages:           # the pages of the pool in a random order
-            bt = bt.flatten()[torch.randperm(bt.numel(), device="cuda")].view(B, ctx // 64)
+        if args.shuffle_pages:           # pages drawn at random from the whole pool
+            pick = torch.randperm(pool.shape[0], device="cuda")[:B * ctx // 64]
+            bt = pick.to(torch.int32).view(B, ctx // 64)
             seq = {b: pool[bt[b].long()].view(ctx, 1, DL + DR) for b in {0, B - 1}}
         lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
         ql = torch.randn(B, H, DL, device="cuda", dtype=torch.bfloat16)
@@ -248,7 +250,11 @@ def main():
     p.add_argument("--heads", type=int, default=H, help="query heads of the timed shapes")
     p.add_argument("--no-triton", action="store_true", help="time the Gluon kernels only")
     p.add_argument("--shuffle-pages", action="store_true",
-                   help="block tables in a random order of the pool's pages (default: in order)")
+                   help="block tables of pages drawn at random from the whole pool (default: "
+                        "the first pages, in order)")
+    p.add_argument("--pool-tokens", type=int, default=0,
+                   help="KV pool size in tokens, at least the largest shape's (with "
+                        "--shuffle-pages a small shape's pages spread over all of it)")
     p.add_argument("--skip-checks", action="store_true",
                    help="time without the correctness subprocesses (the timing checks rows)")
     args = p.parse_args()
@@ -274,7 +280,8 @@ def main():
         recs = json.load(open(path)) if os.path.exists(path) else []
         status[v] += ", all PASS" if bool(recs) and all(r["ok"] for r in recs) else ", FAIL"
     passed = [v for v in specs if not status[split_spec(v)[0]].endswith("FAIL")]
-    extra = dict(shapes=args.shapes, heads=args.heads, iters=args.iters)
+    extra = dict(shapes=args.shapes, heads=args.heads, iters=args.iters,
+                 pool_tokens=args.pool_tokens)
     status["timing"] = sub("time", args.out, args.time_timeout, variants=",".join(passed),
                            **extra, **({"no_triton": True} if args.no_triton else {}),
                            **({"shuffle_pages": True} if args.shuffle_pages else {}))
