@@ -153,3 +153,27 @@ def test_gpu_rates_are_measured():
     # an HBM GPU reads and copies at hundreds of GB/s and multiplies at tens of TFLOP/s at least
     assert r.copy_bps > 1e11 and r.read_bps > 1e11 and r.matmul_flops > 1e13
     assert 0.5 < r.read_bps / r.copy_bps < 2.0
+
+
+@pytest.mark.parametrize("record", ["step_dsv2_2f97c1d_h200.json", "step_llama_2f97c1d_h200.json"])
+def test_kernel_counts_match_the_profiled_steps(record):
+    """The kernels a step launches (cost.Phase.kernels) against whole-model decode steps
+    profiled on the H200 (bench_step_kernels part d, graphs on, batch 1 and 8): every kernel
+    the profiler saw, less the host staging copies. At one row DeepSeek-V2-Lite's input norms
+    ride in its x projection's GEMV (all but layer 0's) and Llama-3.1-8B's do not."""
+    import json
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "profiling", "results", "step_small",
+                        record)
+    data = json.load(open(path))
+    model = data["meta"]["args"]["step_model"]
+    seen = 0
+    for r in data["records"]:
+        if r["mode"] != "after":
+            continue
+        launched = sum(k["calls_per_step"] for k in r["top_kernels"]
+                       if not k["name"].startswith(("Memcpy", "Memset")))
+        cfg = read_model_config(model, 0)[0]
+        assert step_cost(cfg, Layout(), r["batch"], r["context"]).kernels == launched, r["batch"]
+        seen += 1
+    assert seen >= 2

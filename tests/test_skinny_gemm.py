@@ -226,11 +226,15 @@ def test_add_norm_linear_dispatch():
             assert sg.add_norm_linear(a, res, nw, 1e-5, w)[0][0] == "plain"
         with mock.patch.object(sg, "NORM_MIN_ROWS", 10 ** 6):      # tiles of too few rows
             assert sg.add_norm_linear(a, res, nw, 1e-5, w)[0][0] == "plain"
-    from helix.attention import triton_splits
-    with mock.patch.object(triton_splits, "sm_count_of", lambda device: 132):
-        m = dict(device="meta", dtype=torch.bfloat16)
-        assert sg._gemv_rows(torch.empty(1, 2048, **m), torch.empty(3648, 2048, **m)) == 4
-        assert sg._gemv_rows(torch.empty(1, 4096, **m), torch.empty(6144, 4096, **m)) == 2
+    # the shape rule on the H200 (132 SMs): DeepSeek-V2-Lite's x projection (4 rows of 2048 a
+    # program) fuses its norm, Llama-3.1-8B's qkv (2 rows of 4096) does not; nor 3 rows, nor
+    # K past one tile
+    assert sg.gemv_config(1, 3648, 2048, 1, 132)["BLOCK_N"] == 4
+    assert sg.gemv_config(1, 6144, 4096, 1, 132)["BLOCK_N"] == 2
+    assert sg.norm_in_gemv(1, 3648, 2048, 132) and sg.norm_in_gemv(2, 3648, 1024, 132)
+    assert not sg.norm_in_gemv(1, 6144, 4096, 132)
+    assert not sg.norm_in_gemv(sg.GEMV_MAX_ROWS + 1, 3648, 2048, 132)
+    assert not sg.norm_in_gemv(1, 3648, 2 * sg.GEMV_MAX_K, 132)
 
 
 def test_dispatch_falls_back_off_cuda_and_past_the_rows():

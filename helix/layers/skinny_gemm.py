@@ -372,10 +372,13 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     return y
 
 
-def _gemv_rows(x: torch.Tensor, w: torch.Tensor) -> int:
-    """The weight rows a program of the GEMV of x [T, K] with w [N, K] holds (gemv_config)."""
-    from helix.attention.triton_splits import sm_count_of
-    return gemv_config(x.shape[0], w.shape[0], w.shape[1], 1, sm_count_of(x.device))["BLOCK_N"]
+def norm_in_gemv(T: int, N: int, K: int, sm_count: int) -> bool:
+    """The shape part of add_norm_linear's rule: whether the input add + norm of T rows rides in
+    the launch of their GEMM with a weight [N, K] (the GEMV's, one K range, >= NORM_MIN_ROWS
+    weight rows a program). helix.perf.cost counts the decode step's kernels with it."""
+    return (ENABLED and GEMV and NORM_IN_GEMV and 0 < T <= min(GEMV_MAX_ROWS, MAX_ROWS)
+            and K <= GEMV_MAX_K and N * K <= MAX_WEIGHT_ELEMENTS
+            and gemv_config(T, N, K, 1, sm_count)["BLOCK_N"] >= NORM_MIN_ROWS)
 
 
 def add_norm_linear_triton(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
@@ -440,12 +443,12 @@ def add_norm_linear(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tenso
     re-reads the whole rows it normalises: on the H200 that paid with DeepSeek-V2-Lite's x
     projection (4 rows of 2048 a program: 1 x 32K 2.552 -> 2.531 ms) and lost with Llama-3.1-8B's
     qkv (2 rows of 4096: 5.484 -> 5.641 ms; profiling/results/gemv.md)."""
-    if (NORM_IN_GEMV and a.dim() == 2 and _fits(a, w, a.shape[0]) and w.stride(1) == 1
-            and gemv_fits(a[:, None], w[None]) and a.shape[1] <= GEMV_MAX_K   # one K range
+    from helix.attention.triton_splits import sm_count_of
+    if (a.dim() == 2 and _fits(a, w, a.shape[0]) and w.stride(1) == 1
             and residual.shape == a.shape
             and residual.stride(1) == 1 and residual.dtype == norm_w.dtype == a.dtype
             and norm_w.stride(0) == 1 and (bias is None or bias.dtype == a.dtype)
-            and _gemv_rows(a, w) >= NORM_MIN_ROWS):
+            and norm_in_gemv(a.shape[0], w.shape[0], w.shape[1], sm_count_of(a.device))):
         return add_norm_linear_triton(a, residual, norm_w, eps, w, bias)
     x, h = add_rms_norm(a, residual, norm_w, eps)
     return linear(x, w, bias), h

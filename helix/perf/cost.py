@@ -19,6 +19,13 @@ E/ep experts reads E/ep * (1 - (1 - k/E)^B) of them (expected). KV: the position
 rank holds a copy of one KV head (`kv_head_range`); MLA has one latent head, so with kvp = 1
 every rank holds the whole latent cache.
 
+Kernels: the launches of the decode step on the GPU path (Triton / Gluon kernels, graphs),
+checked against the profiled steps of `profiling/results/step_small/` (tests/test_perf_cost.py).
+A layer's input add + norm rides in its first GEMM's launch where skinny_gemm.norm_in_gemv says
+so (at one or two rows), except layer 0's (no residual yet: counted in `embed`); the MoE
+router's launch does the post-attention add + norm; the shared experts and the top-k sum ride
+in the two expert launches (moe_decode) up to its pair count.
+
 The roofline floor of a step is sum over phases of max(bytes / read rate, FLOPs / matmul rate)
 (a per-phase max: within a phase the kernels overlap neither with each other nor across phases,
 so the slower resource of each phase bounds it). Collectives are not in the floor: they are
@@ -34,6 +41,14 @@ from helix.kv.ownership import KVSharding
 from helix.layers.attention_gqa import kv_head_range
 
 LSE_BYTES = 4              # the exchange packs one fp32 LSE per head next to O
+SM_COUNT = 132             # the GEMV's tiles depend on it only for small weights (the H200's)
+
+
+def _norm_alone(B: int, N: int, K: int) -> int:
+    """Kernels of a layer's add + norm before a GEMM with weight [N, K]: 0 where the GEMM's
+    launch does it (the runtime's rule), 1 otherwise."""
+    from helix.layers.skinny_gemm import norm_in_gemv
+    return 0 if norm_in_gemv(B, N, K, SM_COUNT) else 1
 
 
 @dataclass(frozen=True)
@@ -101,7 +116,8 @@ def _world_comm(kind: str, n: int, nbytes: float) -> tuple[Collective, ...]:
 
 
 def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size: int):
-    """-> (attn_proj, attention, o_proj) phases of one layer, and KV bytes per local position."""
+    """-> (attn_proj, attention, o_proj) phases of one layer, KV bytes per local position and
+    the kernels of a layer's input add + norm (0: in the x projection's launch)."""
     n, D, H = lay.world_size, cfg.hidden_size, cfg.num_heads
     hq, hm = H // lay.tpa, H // n                       # local query heads, merged heads
     t_local = KVSharding(lay.kvp, lay.kv_interleave, page_size).local_len(T, 0)
@@ -115,37 +131,40 @@ def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size
         # latent space; kv_a (replicated) makes the new latent row and rope key
         gemm = (D * ql + ql * hq * qk if ql else D * hq * qk) + hq * nope * lora + D * (lora + rope)
         norms = ql + lora                                # q_a and latent RMSNorm weights
-        # norm, q_a + q_a norm + q_b (or q), rope q (+ copy), absorb bmm (+ 2 layout copies),
-        # kv_a, latent norm (+ copy), rope k (+ copy), cat
+        # (add + norm), the x projection (q or q_a, and kv_a: one GEMM), (q_a norm, q_b), the
+        # latent row (kv_a norm, rope k, the append) with W_UK's absorption and rope q
+        norm_kernels = _norm_alone(B, (ql or hq * qk) + lora + rope, D)
         proj = Phase("attn_proj", cfg.num_layers, (D + norms + gemm) * es, 2 * B * gemm,
-                     1 + (3 if ql else 1) + 2 + 3 + 1 + 2 + 2 + 1)
+                     norm_kernels + 1 + (2 if ql else 0) + 1)
         pos_bytes = (lora + rope) * es
         att_flops = 2 * B * hq * t_local * ((lora + rope) + lora)  # QK over lora+rope, PV over lora
         o_dim = lora
         o_w = hm * v * lora + hm * v * D                 # W_UV of the merged heads, o_proj shard
-        o_kern = 4                                       # bmm + 2 layout copies, GEMM
+        o_kern = 2                                       # W_UV absorption, GEMM
     else:
         d = cfg.head_dim
         kv0, kv1 = kv_head_range(cfg, lay.tpa, 0)
         hkv = kv1 - kv0
         proj_w = D * (hq + 2 * hkv) * d
         extra = 2 * d if cfg.qk_norm else 0
+        norm_kernels = _norm_alone(B, (hq + 2 * hkv) * d, D)
         proj = Phase("attn_proj", cfg.num_layers, norm + (proj_w + extra) * es, 2 * B * proj_w,
-                     3 + (3 if cfg.qk_norm else 0))      # norm, QKV GEMM, rope (+ q/k norms,
-                                                         # and q, k roped apart)
+                     norm_kernels + 2 + (3 if cfg.qk_norm else 0))
+        # (add + norm), QKV GEMM, rope (+ q/k norms, and q, k roped apart)
         pos_bytes = 2 * hkv * d * es
         att_flops = 2 * B * hq * t_local * (d + d)
         o_dim = d
         o_w = hm * d * D
-        o_kern = 2                                       # GEMM + split-K reduction
+        o_kern = 1                                       # GEMM (split-K summed in it)
     exchange = ((Collective("all_to_all", lay.kvp, B * hq * (o_dim * es + LSE_BYTES)),)
                 if lay.kvp > 1 else ())
-    # append, split-KV attention, split reduction; Helix adds the pack and the merge
+    # (append: MLA's is in the latent-row launch), split-KV attention, split reduction; Helix
+    # adds the pack and the merge
     att = Phase("attention", cfg.num_layers, B * t_local * pos_bytes, att_flops,
-                3 + (2 if lay.kvp > 1 else 0), exchange)
+                (2 if cfg.is_mla else 3) + (2 if lay.kvp > 1 else 0), exchange)
     o_proj = Phase("o_proj", cfg.num_layers, o_w * es, 2 * B * o_w, o_kern,
                    _world_comm("all_reduce", n, B * D * es))
-    return (proj, att, o_proj), pos_bytes
+    return (proj, att, o_proj), pos_bytes, norm_kernels
 
 
 def _ffn_phases(cfg: ModelConfig, lay: Layout, B: int, es: int) -> list[Phase]:
@@ -156,8 +175,9 @@ def _ffn_phases(cfg: ModelConfig, lay: Layout, B: int, es: int) -> list[Phase]:
     out = []
     if dense_layers:
         w = 3 * D * (cfg.intermediate_size // n)
-        # post-attention norm, gate_up GEMM, silu_mul, down GEMM + split-K reduction
-        out.append(Phase("ffn", dense_layers, (D + w) * es, 2 * B * w, 5, reduce))
+        # (post-attention add + norm), gate_up GEMM, silu_mul, down GEMM
+        kernels = _norm_alone(B, 2 * (cfg.intermediate_size // n), D) + 3
+        out.append(Phase("ffn", dense_layers, (D + w) * es, 2 * B * w, kernels, reduce))
     if moe_layers:
         E, k = cfg.num_experts, cfg.experts_per_token
         router_es = 4 if cfg.arch.startswith("deepseek") else es     # DeepSeek's router is fp32
@@ -168,10 +188,12 @@ def _ffn_phases(cfg: ModelConfig, lay: Layout, B: int, es: int) -> list[Phase]:
         shared_w = 3 * D * (cfg.moe_intermediate_size * cfg.num_shared_experts // n)
         nbytes = D * es + E * D * router_es + hit * expert_w * es + shared_w * es
         flops = 2 * B * D * E + 2 * pairs * expert_w + 2 * B * shared_w
-        # norm, router (casts, GEMM, scoring, group-limited top-k, weights: ~16), fused experts
-        # (sort / align, two grouped GEMMs, silu, sum: ~6), shared MLP (3), add
-        out.append(Phase("moe", moe_layers, nbytes, flops,
-                         1 + (16 if cfg.n_group > 1 else 8) + 6 + (4 if shared_w else 0), reduce))
+        from helix.layers.fused_moe import decode_kernels
+        # decode (moe_decode): the router with the add + norm, gate/up, down (the shared
+        # experts and the top-k sum in them); more pairs: the router, sort / align, two grouped
+        # GEMMs, silu, sum, the shared MLP and its add
+        kernels = 3 if decode_kernels(B * k) else 1 + 6 + (4 if shared_w else 0)
+        out.append(Phase("moe", moe_layers, nbytes, flops, kernels, reduce))
     return out
 
 
@@ -181,9 +203,13 @@ def step_cost(cfg: ModelConfig, layout: Layout, batch: int, context: int, dtype_
     request attends over; `page_size` only rounds capacity (bytes read are positions)."""
     es, n, D, V = dtype_bytes, layout.world_size, cfg.hidden_size, cfg.vocab_size
     B = batch
-    (proj, att, o_proj), pos_bytes = _attention(cfg, layout, B, context, es, page_size)
+    (proj, att, o_proj), pos_bytes, norm_kernels = _attention(cfg, layout, B, context, es,
+                                                             page_size)
     shard = -(-V // n)                                   # vocab rows per rank
-    embed = Phase("embed", 1, B * D * es, 0, 2 if n == 1 else 4,
+    # token select, embedding rows (+ vocab-parallel mask and add), layer 0's input norm where
+    # the other layers' ride in their GEMMs (attn_proj counts one a layer otherwise)
+    first_norm = 1 - norm_kernels
+    embed = Phase("embed", 1, B * D * es, 0, (2 if n == 1 else 4) + first_norm,
                   _world_comm("all_reduce", n, B * D * es))
     # final norm, LM-head GEMM, fp32 cast, (all-gather re-layout), argmax over B x V fp32 logits
     lm = Phase("lm_head", 1, D * es + shard * D * es + B * V * 4, 2 * B * D * shard,
