@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from helix.config import Layout, ModelConfig
 from helix.kv.ownership import KVSharding
 from helix.layers.attention_gqa import kv_head_range
+from helix.layers.fused_moe import decode_kernels
+from helix.layers.skinny_gemm import norm_in_gemv
 
 LSE_BYTES = 4              # the exchange packs one fp32 LSE per head next to O
 SM_COUNT = 132             # the GEMV's tiles depend on it only for small weights (the H200's)
@@ -47,7 +49,6 @@ SM_COUNT = 132             # the GEMV's tiles depend on it only for small weight
 def _norm_alone(B: int, N: int, K: int) -> int:
     """Kernels of a layer's add + norm before a GEMM with weight [N, K]: 0 where the GEMM's
     launch does it (the runtime's rule), 1 otherwise."""
-    from helix.layers.skinny_gemm import norm_in_gemv
     return 0 if norm_in_gemv(B, N, K, SM_COUNT) else 1
 
 
@@ -188,7 +189,6 @@ def _ffn_phases(cfg: ModelConfig, lay: Layout, B: int, es: int) -> list[Phase]:
         shared_w = 3 * D * (cfg.moe_intermediate_size * cfg.num_shared_experts // n)
         nbytes = D * es + E * D * router_es + hit * expert_w * es + shared_w * es
         flops = 2 * B * D * E + 2 * pairs * expert_w + 2 * B * shared_w
-        from helix.layers.fused_moe import decode_kernels
         # decode (moe_decode): the router with the add + norm, gate/up, down (the shared
         # experts and the top-k sum in them); more pairs: the router, sort / align, two grouped
         # GEMMs, silu, sum, the shared MLP and its add
