@@ -412,8 +412,9 @@ def bench_steps(args, copy_bw) -> list[dict]:
                     llm.step()
                 walls = [llm.step().seconds for _ in range(steps)]
                 events = prof_cmd._profiled(llm, 3, cuda, None)
-                ops, _ = prof_cmd._ops_of_steps(events, 3)
+                ops, per_step = prof_cmd._ops_of_steps(events, 3)
                 table = tt.kernel_table(ops, 3)
+                critical = tt.critical_table(per_step)
                 while llm.has_unfinished():
                     llm.step()
                 floor_ms = _floor_bytes(llm, batch, context) / copy_bw * 1e3
@@ -424,7 +425,10 @@ def bench_steps(args, copy_bw) -> list[dict]:
                                  kernel_ms=sum(o.dur for o in ops) / 3e3,
                                  kernels_per_step=len(ops) / 3, engine_build_s=build_s,
                                  top_kernels=[{k: (round(v, 2) if isinstance(v, float) else v)
-                                               for k, v in r.items()} for r in table[:25]]))
+                                               for k, v in r.items()} for r in table[:25]],
+                                 critical_kernels=[{k: (round(v, 2) if isinstance(v, float)
+                                                        else v) for k, v in r.items()}
+                                                   for r in critical[:25]]))
                 print(json.dumps(recs[-1]), flush=True)
         del llm
         if cuda:

@@ -69,6 +69,20 @@ def test_device_ops_attribution_and_steps():
     assert phases["(unattributed)"]["us_per_step"] == pytest.approx(0.5)
 
 
+def test_critical_table_counts_what_each_kernel_adds_to_the_span():
+    def op(name, start, dur):
+        return tt.Op(name, dur, start, 7, start)
+    # b is resident (PDL) from 2 and waits under a until 10; d starts after a gap and ends
+    # inside c, which began first
+    step = [op("a", 0, 10), op("b", 2, 12), op("c", 15, 5), op("d", 16, 2)]
+    rows = {r["name"]: r for r in tt.critical_table([step, step])}
+    assert {k: r["us_per_step"] for k, r in rows.items()} == {"a": 10, "b": 4, "c": 2, "d": 4}
+    assert sum(r["us_per_step"] for r in rows.values()) == pytest.approx(20.0)   # the span
+    assert rows["b"]["calls_per_step"] == 1.0
+    assert sum(r["pct"] for r in rows.values()) == pytest.approx(100.0)
+    assert tt.critical_table([]) == []
+
+
 def test_cpu_trace_uses_top_level_operators():
     ev = [_x("helix.step", "user_annotation", 0, 100),
           _x("helix.moe", "user_annotation", 10, 50),

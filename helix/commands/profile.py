@@ -203,6 +203,7 @@ def run(args) -> int:
             phase_src = "graph kernels, phases aligned from eager steps"
         engine.graphs = saved
     kernels = tt.kernel_table(ops, steps)
+    critical = tt.critical_table(per_step)
     phase_rows = tt.phase_table(ops, steps) if phases != "none" else []
     device_us = sum(op.dur for op in ops) / steps
     summary = {
@@ -211,7 +212,8 @@ def run(args) -> int:
         "cuda_graphs": graphs_on and phases != "eager", "steps": steps,
         "step_ms_median": 1e3 * statistics.median(walls), "device_ms_per_step": device_us / 1e3,
         "ops_per_step": len(ops) / steps, "trace": args.out, "phase_source": phase_src,
-        "phase_match_fraction": matched, "kernels": kernels, "phases": phase_rows}
+        "phase_match_fraction": matched, "kernels": kernels, "critical": critical,
+        "phases": phase_rows}
     what = "kernels" if cuda else "top-level CPU ops"
     print(f"{model} {layout.as_dict()} batch {batch} x {context}, {summary['dtype']}, "
           f"graphs {'on' if summary['cuda_graphs'] else 'off'}: "
@@ -220,6 +222,10 @@ def run(args) -> int:
           f"{summary['ops_per_step']:.0f} per step; trace {args.out}")
     print(tt.format_table(kernels, f"\n(a) per kernel, over {steps} steps", "kernel",
                           top=args.top))
+    if cuda:
+        print(tt.format_table(critical, "\n(c) per kernel, time added to the step (its end after "
+                              "the previous end; with PDL (a) counts waits)", "kernel",
+                              top=args.top))
     if phase_rows:
         note = f"; {100 * matched:.0f} % of kernels aligned" if matched is not None else ""
         print(tt.format_table(phase_rows, f"\n(b) per phase ({phase_src}{note})", "phase"))

@@ -3,6 +3,8 @@
     device_ops(events)              -> the device work: kernels, copies and memsets (GPU), or
                                        the top-level CPU operators when there are none (CPU run)
     kernel_table(ops, steps)        -> per name: calls and microseconds per step, share
+    critical_table(per_step)        -> per name: what each kernel adds to the step's span (its
+                                       end after the end of the op before it), share
     attribute(ops, events, prefix)  -> each op's innermost enclosing `prefix*` range (by the
                                        CPU time of its launch, on the launching thread)
     phase_table(ops, steps)         -> per phase: ops and microseconds per step, share
@@ -122,6 +124,26 @@ def kernel_table(ops: list[Op], steps: int) -> list[dict]:
         n, us = groups.get(op.name, (0, 0.0))
         groups[op.name] = (n + 1, us + op.dur)
     return _table(groups, steps, sum(op.dur for op in ops))
+
+
+def critical_table(per_step: list[list[Op]]) -> list[dict]:
+    """Per name, the time each op adds to its step's span: in end order, its end minus the end
+    of the op before it (the first op counts whole; a gap before an op counts to it). With programmatic dependent launch a kernel's programs are resident,
+    waiting, while the kernel before it runs, so its own duration counts that wait too and
+    durations add up past the step; these shares add up to the span from the first start to
+    the last end, gaps included."""
+    groups: dict = {}
+    total = 0.0
+    for ops in per_step:
+        last = None
+        for op in sorted(ops, key=lambda o: o.start + o.dur):
+            end = op.start + op.dur
+            add = op.dur if last is None else end - last
+            last = end
+            n, us = groups.get(op.name, (0, 0.0))
+            groups[op.name] = (n + 1, us + add)
+            total += add
+    return _table(groups, max(1, len(per_step)), total)
 
 
 def phase_table(ops: list[Op], steps: int) -> list[dict]:
