@@ -64,14 +64,29 @@ PDL = FLAGS != 0                         # the switch alone (FLAGS keeps the mod
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")   # fixed at import
 
 
-def run_kernel(kernel, grid, *args, **meta):
+def run_kernel(kernel, grid, *args, cluster: int = 1, **meta):
     """kernel[grid](*args, **meta), with programmatic dependent launch where the kernel takes
-    a PDL parameter and pdl_enabled holds for the device of its first tensor argument."""
+    a PDL parameter and pdl_enabled holds for the device of its first tensor argument.
+
+    cluster > 1 (sm_90): the programs along grid axis 0 run in thread-block clusters of that
+    many, which the hardware places on one GPC together. The kernel is compiled for one CTA
+    (its `CLUSTER` constexpr, set here, keys a binary of its own) and launched with the
+    cluster dimension: the launcher takes gridDimX = grid[0] / cluster times the binary's
+    num_ctas, so that binary's packed launch metadata says `cluster` (Triton 3.6's launcher,
+    backends/nvidia/driver.py). program_id(0) still counts every program of axis 0."""
     if _takes_pdl(kernel) and "PDL" not in meta:
         on = pdl_enabled(next((a.device for a in args if isinstance(a, torch.Tensor)), None))
         meta["PDL"] = FLAGS if on else 0
         if on:
             meta["launch_pdl"] = True
+    if cluster > 1:
+        assert grid[0] % cluster == 0, (grid, cluster)
+        meta["CLUSTER"] = cluster
+        grid = (grid[0] // cluster, *grid[1:])
+        compiled = kernel.warmup(*args, grid=grid, **meta)
+        nw, ctas, shared = compiled.packed_metadata
+        assert ctas in (1, cluster), compiled.packed_metadata
+        compiled.packed_metadata = (nw, cluster, shared)
     return kernel[grid](*args, **meta)
 
 

@@ -50,10 +50,27 @@ CHECKS = [
 
 
 def split_spec(spec: str) -> tuple[str, int | None]:
-    """A kernel spec: a variant ("seesaw"), maybe with forced splits ("seesaw/8") ->
-    (variant, splits or None for the plan's)."""
-    variant, _, n = spec.partition("/")
+    """A kernel spec: a variant ("seesaw"), maybe with forced splits ("seesaw/8") and head
+    blocks launched in clusters ("seesaw+c2", "seesaw/8+c2") -> (variant, splits or None for
+    the plan's)."""
+    variant, _, n = spec.partition("+")[0].partition("/")
     return variant, int(n) if n else None
+
+
+def cluster_of(spec: str) -> int:
+    """The cluster size of a spec's head blocks ("+c2" -> 2; none: 1)."""
+    c = spec.partition("+")[2]
+    return int(c.removeprefix("c")) if c else 1
+
+
+def gluon_call(spec, *case):
+    """mla_decode_gluon(*case) as the spec says (gluon_mla.CLUSTER_HEADS set for the call)."""
+    variant, splits = split_spec(spec)
+    saved, gluon_mla.CLUSTER_HEADS = gluon_mla.CLUSTER_HEADS, cluster_of(spec)
+    try:
+        return gluon_mla.mla_decode_gluon(*case, num_splits=splits, variant=variant)
+    finally:
+        gluon_mla.CLUSTER_HEADS = saved
 
 
 def ragged_case(batch, heads, lens, ctx, page, seed, device="cuda", poison=True):
@@ -172,9 +189,8 @@ def phase_time(args):
         flops = 2 * B * H * ctx * (DL + DR + DL)
         kernels = [] if args.no_triton else [
             ("triton", lambda: mla_decode(ql, qr, pool, bt, lens, SCALE))]
-        kernels += [(f"gluon-{v}", lambda v=v: gluon_mla.mla_decode_gluon(
-            ql, qr, pool, bt, lens, SCALE, num_splits=split_spec(v)[1],
-            variant=split_spec(v)[0])) for v in variants]
+        kernels += [(f"gluon-{v}", lambda v=v: gluon_call(v, ql, qr, pool, bt, lens, SCALE))
+                    for v in variants]
         for name, fn in kernels:
             recs.append(time_one(name, fn, B, ctx, H, flops, mm, rows, refs, flush, args))
             with open(path, "w") as f:

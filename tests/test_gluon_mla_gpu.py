@@ -92,3 +92,21 @@ def test_gluon_mla_sees_the_row_the_previous_kernel_appends(heads, kv_early, mon
         torch.cuda.synchronize()
         rec = compare(o, lse, *gluon_mla.reference(ql, qr, kv, bt, kl, SCALE))
         assert rec["ok"], rec
+
+
+@needs_sm90
+@pytest.mark.parametrize("case", [0, 3, 5, 6])
+def test_gluon_mla_head_blocks_in_clusters(case, monkeypatch):
+    """CLUSTER_HEADS = 2: the two head blocks of 128 heads launched as one thread-block cluster
+    give the reference's result, eagerly and replayed in a CUDA graph (the launch attribute is
+    captured with the kernel)."""
+    from profiling.bench_mla_gluon import CHECKS, SCALE, compare, graph_check, ragged_case
+    monkeypatch.setattr(gluon_mla, "CLUSTER_HEADS", 2)
+    B, heads, lens, ctx, page, splits = CHECKS[case]
+    assert heads == 128
+    args = ragged_case(B, heads, lens, ctx, page, seed=2000 + case)
+    o, lse = gluon_mla.mla_decode_gluon(*args, SCALE, num_splits=splits)
+    rec = compare(o, lse, *gluon_mla.reference(*args, SCALE))
+    assert rec["ok"], rec
+    rec = graph_check("seesaw")
+    assert rec["ok"], rec

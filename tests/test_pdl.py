@@ -61,6 +61,42 @@ def test_run_kernel_adds_pdl_only_to_kernels_that_take_it(monkeypatch):
     assert plain.meta == {"BLOCK": 4}                # no wait in its code: never PDL
 
 
+class _Compiled:
+    packed_metadata = (4, 1, 1024)
+
+
+class _ClusterKernel(_Kernel):
+    """Records the grid and meta of launches and of warmup (the compile without a launch)."""
+
+    def __init__(self, fn):
+        super().__init__(fn)
+        self.compiled, self.grid, self.warm = _Compiled(), None, None
+
+    def __getitem__(self, grid):
+        self.grid = grid
+        return super().__getitem__(grid)
+
+    def warmup(self, *args, grid, **meta):
+        self.warm = (grid, dict(meta))
+        return self.compiled
+
+
+def test_run_kernel_cluster_launch_sets_the_binary_metadata():
+    """cluster=2: the binary compiled for one CTA (its CLUSTER constexpr set) gets the cluster
+    size in its packed launch metadata, and the grid's axis 0 is given in clusters."""
+    cpu = torch.zeros(1)
+    k = _ClusterKernel(_with_pdl)
+    triton_util.run_kernel(k, (4, 3, 2), cpu, cluster=2, BLOCK=8)
+    assert k.grid == (2, 3, 2) and k.meta == {"PDL": 0, "CLUSTER": 2, "BLOCK": 8}
+    assert k.warm == ((2, 3, 2), k.meta)                 # the same binary as the launch's
+    assert k.compiled.packed_metadata == (4, 2, 1024)
+    with pytest.raises(AssertionError):
+        triton_util.run_kernel(k, (3, 1, 1), cpu, cluster=2)   # axis 0 not whole clusters
+    plain = _ClusterKernel(_with_pdl)
+    triton_util.run_kernel(plain, (4, 1, 1), cpu)
+    assert plain.grid == (4, 1, 1) and plain.warm is None and "CLUSTER" not in plain.meta
+
+
 def test_pdl_enabled_needs_cuda_and_the_switch(monkeypatch):
     assert not triton_util.pdl_enabled(torch.device("cpu"))
     assert not triton_util.pdl_enabled(None)

@@ -69,6 +69,11 @@ PDL_KV_LATE = 8              # a bit of the kernel's PDL value: every tile waits
 # A program of a split past its sequence's tokens (an engine's block tables hold its max context,
 # so short sequences leave most splits empty) exits at once, and reduce_splits skips the split
 SKIP_EMPTY = True
+# Head blocks of one (sequence, split) read the same KV tiles. CLUSTER_HEADS > 1 launches each
+# group of that many as a thread-block cluster (one GPC), so both readers sit behind the same
+# L2 partition (profiling/results/mla_gluon_l2.md: at 64 x 512K every KV byte left DRAM twice).
+# 1: plain launch (benches switch it).
+CLUSTER_HEADS = 1
 # Registers per thread (warp_specialize's worker budgets; the default partition gets the rest of
 # maxnreg x all warps). seesaw: 4 (WG 0) + 4 (WG 1) + 4 (the producer, the default partition)
 # warps: 168 x 384 threads = 64512 <= 65536, 240 for each consumer warpgroup, 24 left for the
@@ -224,7 +229,9 @@ def mla_decode_gluon(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: tor
 def launch(kernel, grid, *args, **meta):
     """The one launch point (profiling swaps it to record): helix.triton_util.run_kernel, so
     the kernel gets programmatic dependent launch where the device takes it (module flags PDL,
-    KV_EARLY)."""
+    KV_EARLY), and the head blocks of a split run as one cluster where CLUSTER_HEADS says so."""
+    if CLUSTER_HEADS > 1 and grid[0] % CLUSTER_HEADS == 0 and not triton_util._INTERPRETED:
+        meta["cluster"] = CLUSTER_HEADS
     if not PDL:
         meta["PDL"] = 0
     elif not KV_EARLY:

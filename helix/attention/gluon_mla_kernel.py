@@ -556,6 +556,7 @@ def mla_decode_kernel(
     BOX_ROWS: gl.constexpr, STAGES: gl.constexpr, SEESAW: gl.constexpr,
     WG_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     MIN_CHUNK: gl.constexpr = 0, SKIP_EMPTY: gl.constexpr = False, PDL: gl.constexpr = 0,
+    CLUSTER: gl.constexpr = 1,             # launch-side only (triton_util.run_kernel's cluster)
 ):
     hb = gl.program_id(0)
     split = gl.program_id(1)
