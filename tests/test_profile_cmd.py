@@ -39,6 +39,7 @@ def _gpu_trace():
         _x("norm", "kernel", 45, 3.0, tid=7, correlation=3),
         _x("Memcpy HtoD", "gpu_memcpy", 71, 2.0, tid=8, correlation=4),
         _x("helix.step", "user_annotation", 200, 100),
+        _x("helix.step", "gpu_user_annotation", 214, 40, tid=7),   # the GPU timeline's copy
         _x("cudaGraphLaunch", "cuda_runtime", 210, 1, correlation=9),
         _x("gemm", "kernel", 215, 6.0, tid=7, correlation=9),
         _x("mla_split", "kernel", 222, 18.0, tid=7, correlation=9),

@@ -101,7 +101,8 @@ def attribute(ops: list[Op], events: list[dict], prefix: str = "helix.",
 
 def split_steps(ops: list[Op], events: list[dict], step_range: str) -> list[list[Op]]:
     """The ops launched inside each `step_range` range, one list per range, in time order."""
-    steps = sorted((r for r in _complete(events) if r["name"] == step_range),
+    steps = sorted((r for r in _complete(events) if r["name"] == step_range
+                    and r.get("cat") != "gpu_user_annotation"),   # its copy on the GPU's timeline
                    key=lambda r: r["ts"])
     out = [[] for _ in steps]
     for op in ops:
