@@ -129,10 +129,11 @@ def kernel_table(ops: list[Op], steps: int) -> list[dict]:
 
 def critical_table(per_step: list[list[Op]]) -> list[dict]:
     """Per name, the time each op adds to its step's span: in end order, its end minus the end
-    of the op before it (the first op counts whole; a gap before an op counts to it). With programmatic dependent launch a kernel's programs are resident,
-    waiting, while the kernel before it runs, so its own duration counts that wait too and
-    durations add up past the step; these shares add up to the span from the first start to
-    the last end, gaps included."""
+    of the op before it (the first op counts whole; a gap before an op counts to it). With
+    programmatic dependent launch a kernel's programs are resident, waiting, while the kernel
+    before it runs, so its own duration counts that wait too and durations add up past the
+    step; these shares add up to the span from the first start to the last end, gaps
+    included."""
     groups: dict = {}
     total = 0.0
     for ops in per_step:
