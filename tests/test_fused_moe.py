@@ -162,40 +162,6 @@ def test_decode_kernels_add_shared_experts(T, Is, config, dtype):
     assert md.shared_pieces((gs, us, ds), 24) == -(-Is // 24)
 
 
-@pytest.mark.parametrize("on", [True, False])
-@pytest.mark.parametrize("T,Is", [(1, 2 * 24), (1, 2 * 24 - 5), (2, 2 * 24)])
-def test_shared_gate_up_as_its_own_gemv_at_one_row(T, Is, on):
-    """SHARED_GEMV: at one row, a shard of whole virtual experts runs its gate/up as the GEMV
-    launch (skinny_gemm.glu_gemv) into the h rows the down launch reads, and the routed
-    gate/up launch has no shared programs; otherwise (off, two rows, a short last piece) the
-    shared programs stay in the gate/up launch. The result is the reference's either way."""
-    E, first, k = 6, 6, 4
-    x, gate, up, down, weights, ids = _problem(T, 40, 24, E, k, first, 18, torch.float32,
-                                               seed=41 + T)
-    gs, us, ds = _shared_shard(Is, 40, torch.float32, seed=T + 7)
-    ref = _reference(x, gate, up, down, weights, ids, first) + _shared_reference(x, gs, us, ds)
-    launched = []
-    real_run = md.run_kernel
-
-    def record(kernel, grid, *a, **kw):
-        launched.append((getattr(kernel, "__name__", str(kernel)), grid))
-        return real_run(kernel, grid, *a, **kw)
-
-    glu = []
-    real_glu = md.skinny_gemm.glu_gemv
-    with mock.patch.object(md, "SHARED_GEMV", on), mock.patch.object(md, "run_kernel", record), \
-            mock.patch.object(md.skinny_gemm, "glu_gemv",
-                              lambda *a: glu.append(a[-1].shape) or real_glu(*a)):
-        out = md.moe_decode(x, gate, up, down, weights, ids, first, shared=(gs, us, ds))
-    _check(out, ref, x, torch.float32)
-    S = -(-Is // 24)
-    pre = on and T == 1 and Is % 24 == 0
-    assert glu == ([(1, Is)] if pre else [])
-    assert launched[0][1][0] == T * k + (0 if pre else S)        # the gate/up launch's pairs
-    assert launched[1][1][0] == T * k + S                         # down: the shared pieces too
-    assert fm.shared_gemv(T, Is, 24, 40) == (T == 1 and Is % 24 == 0)   # the rule, flag on
-
-
 def test_shared_experts_only_on_the_decode_kernels():
     x, gate, up, down, weights, ids = _problem(2, 32, 16, 4, 2, 0, 4, torch.float32, seed=4)
     shared = _shared_shard(16, 32, torch.float32, seed=1)

@@ -101,29 +101,6 @@ def test_gemv_matches_the_torch_formulas(T, G, N, K, bias, early, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("T,N,K,early", [(1, 40, 96, True), (2, 37, 200, False), (1, 3, 64, True)])
-def test_glu_gemv_is_silu_gate_times_up(T, N, K, early, dtype):
-    """glu_gemv: silu(x gate^T) * (x up^T) from the two halves of a merged gate/up weight (one
-    view, glu_pair), ragged feature rows, one and two rows, weights before or after the wait;
-    the view rule refuses weights that are not halves of one storage."""
-    g = torch.Generator().manual_seed(T * N + K)
-    x = torch.randn(T, K, generator=g).to(dtype).to(DEV)
-    merged = (torch.randn(2 * N + 3, K, generator=g) / K ** 0.5).to(dtype).to(DEV)
-    gate, up = merged[:N], merged[N + 3:]
-    xf, gf, uf = x.float().cpu(), gate.float().cpu(), up.float().cpu()
-    ref = torch.nn.functional.silu(xf @ gf.t()) * (xf @ uf.t())
-    out = torch.empty(T, N, dtype=dtype, device=DEV)
-    assert sg.glu_gemv_fits(x, gate, up)
-    with mock.patch.object(sg, "GEMV_EARLY", early):
-        sg.glu_gemv(x, gate, up, out)
-    _close(out, ref, dtype)
-    assert sg.glu_pair(gate, up).shape == (2, N, K)
-    assert sg.glu_pair(up, gate) is None                          # up must lie past gate
-    assert sg.glu_pair(gate, up.clone()) is None                  # another storage
-    assert not sg.glu_gemv_fits(torch.randn(3, K, dtype=dtype, device=DEV), gate, up)  # 3 rows
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T,G,N,K,max_k,bias", [(1, 1, 40, 200, 64, False),
                                                 (2, 2, 24, 300, 128, True),
                                                 (2, 1, 33, 129, 64, True)])
@@ -334,9 +311,6 @@ with mock.patch.object(sg, "run_kernel", lambda k, g, *a, **kw: launches.append(
         sg.linear_triton(e(1, 2048), e(2048, 2048))
     sg.add_norm_linear_triton(e(1, 2048), e(1, 2048), e(2048), 1e-6, e(3648, 2048))
     sg.linear_triton(e(1, 10944), e(2048, 10944))                   # the dense down: split K
-    gu = e(2 * 2816, 2048).as_strided((2, 2816, 2048), (2816 * 2048, 2048, 1))
-    sg._run(sg.gemv_launch(e(1, 1, 2048), gu, None, e(1, 1, 2816), glu=True),
-            sg._gemv_kernel)                                        # shared experts' gate/up
 out = []
 for k, a, kw in launches:
     rec = compile_sm90(k, a, dict(kw, PDL=1))
@@ -354,8 +328,7 @@ print(json.dumps(out))
 @pytest.mark.sm90
 def test_gemv_compiles_for_sm90_and_loads_its_weights_before_the_wait(tmp_path):
     """DeepSeek-V2-Lite's decode GEMVs (the x projection at 1 and 2 rows, W_UV, the x
-    projection with the input norm, the dense down split in K, the shared experts' gate/up as
-    one GLU) compile for sm_90 without
+    projection with the input norm, the dense down split in K) compile for sm_90 without
     spills; with GEMV_EARLY the weight loads come before griddepcontrol.wait, without it every
     load comes after."""
     import json
@@ -374,8 +347,8 @@ def test_gemv_compiles_for_sm90_and_loads_its_weights_before_the_wait(tmp_path):
                          timeout=600, env=env, cwd=root)
     assert res.returncode == 0, res.stderr[-3000:]
     recs = json.loads(res.stdout.strip().splitlines()[-1])
-    assert [r["kernel"] for r in recs] == ["_gemv_kernel"] * 7
-    assert recs[5]["constexprs"]["SPLIT_K"] == 3 and recs[6]["constexprs"]["GLU"]
+    assert [r["kernel"] for r in recs] == ["_gemv_kernel"] * 6
+    assert recs[5]["constexprs"]["SPLIT_K"] == 3
     assert all(r["local_loads"] == 0 and r["stack_bytes"] == 0 for r in recs), recs
     assert recs[4]["constexprs"]["ADD_NORM"]
     for r in recs[:3] + recs[4:]:

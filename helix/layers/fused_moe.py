@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 from helix.triton_util import HAS_TRITON, pow2, run_kernel, tl, triton
 
-__all__ = ["fused_moe", "fused_moe_torch", "decode_kernels", "shared_gemv", "moe_routing",
-           "moe_launch_config", "HAS_TRITON"]
+__all__ = ["fused_moe", "fused_moe_torch", "decode_kernels", "moe_routing", "moe_launch_config",
+           "HAS_TRITON"]
 
 VARIANT = os.environ.get("HELIX_MOE_KERNEL", "auto")
 VARIANTS = ("v1", "decode", "auto")
@@ -53,12 +53,6 @@ def decode_kernels(pairs: int, variant: str | None = None) -> bool:
     if variant not in VARIANTS:
         raise ValueError(f"MoE kernel variant {variant!r} not in {VARIANTS}")
     return HAS_TRITON and variant != "v1" and 0 < pairs <= moe_decode.MAX_PAIRS
-
-
-def shared_gemv(T: int, shared_rows: int, inter: int, dim: int) -> bool:
-    """Whether the decode kernels run the shared experts' gate/up as a launch of its own
-    (moe_decode.shared_gemv; False without Triton)."""
-    return HAS_TRITON and moe_decode.shared_gemv(T, shared_rows, inter, dim)
 
 
 def moe_routing(ids: torch.Tensor, first: int, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,9 +23,6 @@ exit before reading a weight, so only experts with tokens are read, and no routi
      program of each feature block to arrive (FUSED_COMBINE: an arrival counter per block,
      the memory-ordering pattern of triton_decode's fused merge), or by a third launch.
 
-At one row the shared experts' gate/up is a launch of its own before these (SHARED_GEMV:
-skinny_gemm.glu_gemv into the same h rows), so its weights stream under the router's launch.
-
 Shared experts: their shard is cut into S = cdiv(Is, I) "virtual experts" of the routed width I
 (virtual expert s = gate/up rows and down columns [s*I, min((s+1)*I, Is)); silu is elementwise
 along I, so the pieces' down outputs sum to the MLP's). Programs N .. N + S - 1 of each launch
@@ -47,28 +44,11 @@ import triton
 import triton.language as tl
 
 from helix.attention.triton_splits import sm_count_of
-from helix.layers import skinny_gemm
 from helix.triton_util import (arrival_counters, last_to_arrive, pdl_sync, pow2, prefetch_l2,
                                prefetching, run_kernel)
 
 MAX_PAIRS = 128              # T * k up to this runs here (decode buckets); more: fused_moe's v1
 MODES = {"fma": 0, "dot": 2}
-# At one row the shared experts' gate/up run as their own launch before the routed gate/up,
-# the one-tile GEMV (skinny_gemm.glu_gemv): nothing in it depends on the routing, so its
-# weight tiles stream before the PDL wait, under the router's launch (a few dozen programs,
-# latency-bound), and the routed gate/up streams only the routed experts. Module flag (benches
-# switch it).
-SHARED_GEMV = True
-
-
-def shared_gemv(T: int, shared_rows: int, inter: int, dim: int) -> bool:
-    """Whether moe_decode runs the shared experts' gate/up (shard of shared_rows rows) as a
-    GEMV launch of its own: SHARED_GEMV, one row, the shard a whole number of virtual experts
-    of width inter (their h rows are then one contiguous row of the shard's width), and the
-    GEMV's shape rule (skinny_gemm.glu_gemv_fits; moe_decode checks the weights' views too).
-    helix.perf.cost counts the step's launches with it."""
-    return (SHARED_GEMV and T == 1 and shared_rows > 0 and shared_rows % inter == 0
-            and skinny_gemm.ENABLED and skinny_gemm.GEMV and dim <= skinny_gemm.GEMV_MAX_K)
 
 
 @triton.jit
@@ -438,12 +418,8 @@ def moe_decode(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
                   num_stages=cfg["num_stages"])
     rows = N + S * T                                      # pairs, then shared (s, t) pairs
     h = torch.empty((rows, I), dtype=x.dtype, device=x.device)
-    # one row: shared virtual expert s's h row N + s is shard columns [s*I, (s+1)*I)
-    pre = shared_gemv(T, IS, I, D) and skinny_gemm.glu_gemv_fits(x, gs, us)
-    if pre:
-        skinny_gemm.glu_gemv(x, gs, us, h[N:].view(1, IS))
     c1 = cfg["up"]
-    run_kernel(_gate_up_kernel, (N + (0 if pre else S), triton.cdiv(I, c1["BLOCK_N"])),
+    run_kernel(_gate_up_kernel, (N + S, triton.cdiv(I, c1["BLOCK_N"])),
                x, gate, up, ids_flat, h, gs, us, N, T, first, E, D, I, IS, x.stride(0),
                gate.stride(0), gate.stride(1), up.stride(0), up.stride(1),
                gs.stride(0), us.stride(0), h.stride(0), **common, **c1)

@@ -156,8 +156,7 @@ if HAS_TRITON:
                      srt,                           # ADD_NORM: residual [T, K], h [T, K]
                      HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                     EARLY: tl.constexpr, GLU: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     EARLY: tl.constexpr, PDL: tl.constexpr = False):
         """y[t, g, n] = sum_k x[t, g, k] W[g, n, k] (+ bias[n]) for t < T <= ROWS: program
         (nb, g, ks) loads its whole [BLOCK_N, k_chunk] weight tile (k_chunk <= BLOCK_K, the
         K range ks * k_chunk ...) in one go (EARLY: before the PDL wait; weights are no
@@ -167,10 +166,7 @@ if HAS_TRITON:
         to arrive (the skinny kernel's ordering).
         ADD_NORM (G = 1, SPLIT_K = 1): x is the decoder's input norm of h = residual + x, which
         every program forms from the whole row it holds anyway (fused_ops' add + RMS norm
-        rule); program 0 stores h (contiguous rows) for the next layer.
-        GLU (one group in the grid, SPLIT_K = 1, no bias): W holds two groups, gate (g = 0)
-        and up (g = 1); the program loads the same rows of both and stores
-        silu(x W_gate^T) * (x W_up^T) (fp32, moe_decode's gate/up rule)."""
+        rule); program 0 stores h (contiguous rows) for the next layer."""
         nb = tl.program_id(0)
         g = tl.program_id(1).to(tl.int64)
         ks = tl.program_id(2)
@@ -179,17 +175,12 @@ if HAS_TRITON:
         nmask = n < N
         kmask = (k < K) & (k < ks * k_chunk + k_chunk)
         tile = w_ptr + g * swg + n.to(tl.int64)[:, None] * swn + k[None, :]
-        wmask = nmask[:, None] & kmask[None, :]
         if EARLY:
-            w = tl.load(tile, mask=wmask, other=0.0)
-            if GLU:
-                wu = tl.load(tile + swg, mask=wmask, other=0.0)
+            w = tl.load(tile, mask=nmask[:, None] & kmask[None, :], other=0.0)
             pdl_sync(PDL)
         else:
             pdl_sync(PDL)
-            w = tl.load(tile, mask=wmask, other=0.0)
-            if GLU:
-                wu = tl.load(tile + swg, mask=wmask, other=0.0)
+            w = tl.load(tile, mask=nmask[:, None] & kmask[None, :], other=0.0)
         if HAS_BIAS:
             b = tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)
         for r in tl.static_range(ROWS):
@@ -208,8 +199,6 @@ if HAS_TRITON:
                 x = tl.load(x_ptr + r * sxt + g * sxg + k, mask=kmask & live,
                             other=0.0)[None, :]
             y = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
-            if GLU:
-                y = y * tl.sigmoid(y) * tl.sum(wu.to(tl.float32) * x.to(tl.float32), axis=1)
             ymask = nmask & (tl.full([BLOCK_N], r, tl.int32) < T)
             if SPLIT_K == 1:
                 if HAS_BIAS:
@@ -277,23 +266,18 @@ def gemv_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def gemv_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                y: torch.Tensor, config: dict | None = None, add_norm=None, glu: bool = False):
+                y: torch.Tensor, config: dict | None = None, add_norm=None):
     """-> (grid, args, meta) of _gemv_kernel for skinny_launch's contract where gemv_fits;
     None when y is empty. add_norm = (residual [T, K], norm weight [K], eps, h [T, K]): x is
-    the input of the add + norm (G = 1), h its residual output. glu: w [2, N, K] holds gate
-    and up, x is [T, 1, K], y [T, 1, N] = silu(x gate^T) * (x up^T); each weight's tile is
-    half the GEMV's, so a program's two tiles hold what one would (K in one tile)."""
+    the input of the add + norm (G = 1), h its residual output."""
     from helix.attention.triton_splits import sm_count_of
     T, G, K = x.shape
     N = w.shape[1]
-    assert w.shape == ((2 if glu else G), N, K) and y.shape == (T, G, N), (x.shape, w.shape,
-                                                                          y.shape)
-    assert T <= GEMV_MAX_ROWS and x.stride(2) == 1 and y.stride(2) == 1 and w.stride(2) == 1
-    assert not glu or (G == 1 and bias is None and add_norm is None and K <= GEMV_MAX_K)
+    assert w.shape == (G, N, K) and y.shape == (T, G, N) and T <= GEMV_MAX_ROWS, (
+        x.shape, w.shape, y.shape)
+    assert x.stride(2) == 1 and y.stride(2) == 1 and w.stride(2) == 1
     if y.numel() == 0:
         return None
-    if glu:
-        config = {"TILE": 4096 // pow2(T), **(config or {})}
     cfg = gemv_config(T, N, K, G, sm_count_of(x.device), config)
     split, rows, blocks = cfg["SPLIT_K"], pow2(T), -(-N // cfg["BLOCK_N"])
     res, nw, eps, h = add_norm if add_norm is not None else (x, x, 0.0, x)
@@ -308,7 +292,7 @@ def gemv_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
             -(-K // split), 1.0 / K, float(eps), x.stride(0), x.stride(1), w.stride(0),
             w.stride(1), y.stride(0), y.stride(1), res.stride(0))
     meta = dict(HAS_BIAS=bias is not None, ADD_NORM=add_norm is not None, ROWS=rows,
-                EARLY=GEMV_EARLY, GLU=glu, **cfg)
+                EARLY=GEMV_EARLY, **cfg)
     return (blocks, G, split), args, meta
 
 
@@ -406,37 +390,6 @@ def add_norm_linear_triton(a: torch.Tensor, residual: torch.Tensor, norm_w: torc
     _run(gemv_launch(a[:, None], w[None], bias, y[:, None], config, (residual, norm_w, eps, h)),
          _gemv_kernel)
     return y, h
-
-
-def glu_pair(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-    """gate, up [N, K] -> one view [2, N, K] of both (the GEMV's GLU weight) where up lies at a
-    whole number of elements past gate in the same storage with the same strides (the halves
-    of a merged gate/up weight); else None."""
-    elt = gate.element_size()
-    delta, rem = divmod(up.data_ptr() - gate.data_ptr(), elt)
-    if (rem or delta <= 0 or up.shape != gate.shape or up.stride() != gate.stride()
-            or up.dtype != gate.dtype or up.untyped_storage().data_ptr()
-            != gate.untyped_storage().data_ptr()):
-        return None
-    return gate.as_strided((2, *gate.shape), (delta, *gate.stride()))
-
-
-def glu_gemv_fits(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> bool:
-    """Whether glu_gemv takes x [T, K] with gate / up [N, K] (for a caller that runs Triton
-    kernels on x's device): the GEMV on (ENABLED, GEMV, T <= GEMV_MAX_ROWS), K in one tile,
-    unit stride along K, one dtype, and the two weights one view (glu_pair)."""
-    return (ENABLED and GEMV and HAS_TRITON and 0 < x.shape[0] <= GEMV_MAX_ROWS
-            and x.shape[1] <= GEMV_MAX_K and x.stride(1) == 1 and gate.stride(1) == 1
-            and x.dtype == gate.dtype and glu_pair(gate, up) is not None)
-
-
-def glu_gemv(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
-    """out [T, N] = silu(x gate^T) * (x up^T) (fp32 products, rounded once) in one GEMV launch
-    whose weight tiles of both stream before the PDL wait; where glu_gemv_fits."""
-    T, N = out.shape
-    assert out.stride(1) == 1
-    _run(gemv_launch(x[:, None], glu_pair(gate, up), None, out[:, None], glu=True),
-         _gemv_kernel)
 
 
 def absorb_q_launch(q: torch.Tensor, w_uk: torch.Tensor, config: dict | None = None):

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from helix.config import Layout, ModelConfig
 from helix.kv.ownership import KVSharding
 from helix.layers.attention_gqa import kv_head_range
-from helix.layers.fused_moe import decode_kernels, shared_gemv
+from helix.layers.fused_moe import decode_kernels
 from helix.layers.skinny_gemm import norm_in_gemv
 
 LSE_BYTES = 4              # the exchange packs one fp32 LSE per head next to O
@@ -192,10 +192,7 @@ def _ffn_phases(cfg: ModelConfig, lay: Layout, B: int, es: int) -> list[Phase]:
         # decode (moe_decode): the router with the add + norm, gate/up, down (the shared
         # experts and the top-k sum in them); more pairs: the router, sort / align, two grouped
         # GEMMs, silu, sum, the shared MLP and its add
-        # (one row: the shared experts' gate/up a GEMV launch of its own, moe_decode's rule)
-        shared_rows = cfg.moe_intermediate_size * cfg.num_shared_experts // n
-        kernels = (3 + shared_gemv(B, shared_rows, cfg.moe_intermediate_size // lay.tpf, D)
-                   if decode_kernels(B * k) else 1 + 6 + (4 if shared_w else 0))
+        kernels = 3 if decode_kernels(B * k) else 1 + 6 + (4 if shared_w else 0)
         out.append(Phase("moe", moe_layers, nbytes, flops, kernels, reduce))
     return out
 
