@@ -191,10 +191,10 @@ def l2_prefetch(tensors) -> bool:
         return False
     flat += [flat[0][:0]] * (3 - len(flat))
     chunks = max(f.numel() for f in flat) // L2_CHUNK + 1
-    block = 1
+    block = 128
     run_kernel(_l2_prefetch_kernel, (-(-chunks // block),),
                flat[0], flat[0].numel(), flat[1], flat[1].numel(), flat[2], flat[2].numel(),
-               CHUNK=L2_CHUNK, BLOCK=block, num_warps=1)
+               CHUNK=L2_CHUNK, BLOCK=block, num_warps=4)
     return True
 
 
