@@ -160,44 +160,6 @@ if HAS_TRITON:
             "=r,l,r", [lo, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
-if HAS_TRITON:
-    @triton.jit
-    def _l2_prefetch_kernel(a_ptr, a_bytes, b_ptr, b_bytes, c_ptr, c_bytes,
-                            CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
-        """Program p asks L2 for chunks p*BLOCK .. (p+1)*BLOCK - 1 (CHUNK bytes each) of the
-        byte ranges a, b and c, then waits for the previous kernel (so the kernel after it
-        still waits for that one: the chain stays transitive) and exits."""
-        off = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64) * CHUNK
-        prefetch_l2(a_ptr + off, tl.minimum(a_bytes - off, CHUNK), off < a_bytes)
-        prefetch_l2(b_ptr + off, tl.minimum(b_bytes - off, CHUNK), off < b_bytes)
-        prefetch_l2(c_ptr + off, tl.minimum(c_bytes - off, CHUNK), off < c_bytes)
-        pdl_sync(PDL)
-
-
-L2_CHUNK = 1 << 16            # bytes a bulk prefetch asks for
-
-
-def l2_prefetch(tensors) -> bool:
-    """Ask L2 for up to three tensors' bytes (weights: no kernel of a step writes them) in one
-    PDL launch that waits for nothing but the previous kernel, as a kernel placed in a
-    latency-bound stretch of a step fetches a later kernel's weights while DRAM idles. A hint:
-    launched only where it can run (sm_90 and PDL on, as pdl_enabled); returns whether it
-    launched."""
-    tensors = [t for t in tensors if t is not None and t.numel()]
-    if not tensors or len(tensors) > 3 or not pdl_enabled(tensors[0].device):
-        return False
-    flat = [t.view(-1).view(torch.uint8) if t.is_contiguous() else None for t in tensors]
-    if any(f is None for f in flat):
-        return False
-    flat += [flat[0][:0]] * (3 - len(flat))
-    chunks = max(f.numel() for f in flat) // L2_CHUNK + 1
-    block = 128
-    run_kernel(_l2_prefetch_kernel, (-(-chunks // block),),
-               flat[0], flat[0].numel(), flat[1], flat[1].numel(), flat[2], flat[2].numel(),
-               CHUNK=L2_CHUNK, BLOCK=block, num_warps=4)
-    return True
-
-
 def pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()

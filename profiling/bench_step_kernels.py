@@ -45,7 +45,6 @@ from helix import triton_util  # noqa: E402
 from helix.attention import gluon_mla, triton_backend, triton_mla, triton_mla_few  # noqa: E402
 from helix.layers import fused_mla  # noqa: E402
 from helix.layers import fused_moe as fm  # noqa: E402
-from helix.layers import moe as moe_layer  # noqa: E402
 from helix.layers import moe_decode as md  # noqa: E402
 from helix.layers import router as rt  # noqa: E402
 from helix.layers import skinny_gemm  # noqa: E402
@@ -296,7 +295,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-nogemv", "after-gemv-late", "after-router-chunked", "after-nonormgemv",
               "after-noonetile", "after-nogluon", "after-gluon-nopdl", "after-gluon-kv-late",
               "after-few-batch1", "after-attn-7a34bf8", "after-torch-argmax",
-              "after-gemv-nosplit", "after-ffd0c4b", "after-noprefetch")
+              "after-gemv-nosplit", "after-ffd0c4b")
 
 
 def set_kernels(mode: str) -> None:
@@ -326,9 +325,7 @@ def set_kernels(mode: str) -> None:
     merged (gluon_mla.SKIP_EMPTY off): the MLA decode of 7a34bf8;
     'after-torch-argmax': greedy tokens by torch.argmax (sampling_ops.GREEDY_KERNEL off);
     'after-gemv-nosplit': projections with K past one GEMV tile on the skinny kernel
-    (skinny_gemm.GEMV_SPLIT off); 'after-ffd0c4b': both (the step of ffd0c4b);
-    'after-noprefetch': no L2 prefetch of the shared experts after the attention
-    (moe.PREFETCH_SHARED off)."""
+    (skinny_gemm.GEMV_SPLIT off); 'after-ffd0c4b': both (the step of ffd0c4b)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -355,7 +352,6 @@ def set_kernels(mode: str) -> None:
                                                  else _FEW_FROM_BATCH)
     sampling_ops.GREEDY_KERNEL = mode not in ("after-torch-argmax", "after-ffd0c4b")
     skinny_gemm.GEMV_SPLIT = mode not in ("after-gemv-nosplit", "after-ffd0c4b")
-    moe_layer.PREFETCH_SHARED = mode != "after-noprefetch"
     if mode == "after-nogluon":
         os.environ["HELIX_MLA_GLUON"] = "0"
     elif _MLA_GLUON is None:

@@ -36,8 +36,7 @@ from helix.attention import (triton_append, triton_decode, triton_merge, triton_
 SM90_SMEM_LIMIT = 232448            # bytes of shared memory one block may use on H100 / H200
 _MODULES = (triton_splits, triton_decode, triton_mla, triton_append, triton_merge)
 _PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
-        torch.int32: "*i32", torch.int64: "*i64", torch.int16: "*i16", torch.int8: "*i8",
-        torch.uint8: "*u8"}
+        torch.int32: "*i32", torch.int64: "*i64", torch.int16: "*i16", torch.int8: "*i8"}
 
 
 @contextlib.contextmanager

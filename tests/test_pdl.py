@@ -220,10 +220,6 @@ _PTX_SCRIPT = textwrap.dedent("""
         D, I = 2048, 1408
         md.moe_decode(e(1, D), e(64, I, D), e(64, I, D), e(64, D, I), e(1, 6),
                       e(1, 6, dt=torch.int64), 0, shared=(e(2816, D), e(2816, D), e(D, 2816)))
-    from helix import triton_util as tu
-    with mock.patch.object(tu, "run_kernel", rec), mock.patch.object(tu, "pdl_enabled",
-                                                                     lambda d: True):
-        assert tu.l2_prefetch([e(2 * 2816, 2048), e(2048, 2816)])   # the shared experts
     target = GPUTarget("cuda", 90, 32)
     out = []
     for k, a, kw in launches:
@@ -241,8 +237,7 @@ _PTX_SCRIPT = textwrap.dedent("""
 @pytest.mark.sm90
 def test_pdl_modes_compile_to_their_instruction_order(tmp_path):
     """PDL_ON: wait, then launch the next kernel; with PDL_EARLY and PDL_PREFETCH the weight
-    prefetches come first, then the next kernel's launch, then the wait (sm_90 PTX). The L2
-    prefetch launch (triton_util.l2_prefetch) prefetches before its wait in every mode."""
+    prefetches come first, then the next kernel's launch, then the wait (sm_90 PTX)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"),
@@ -253,58 +248,12 @@ def test_pdl_modes_compile_to_their_instruction_order(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     records = json.loads(out.read_text())
     assert [r["kernel"] for r in records] == (["_skinny_kernel"] * 4 + ["_gate_up_kernel"] * 2
-                                              + ["_down_kernel"] * 2
-                                              + ["_l2_prefetch_kernel"] * 2)
+                                              + ["_down_kernel"] * 2)
     wait, launch, pre = ("griddepcontrol.wait", "griddepcontrol.launch_dependents",
                          "cp.async.bulk.prefetch")
-    # triton_util.l2_prefetch's kernel prefetches in every mode, then waits
-    first, full = records.pop(-2), records.pop(-1)
-    assert first["order"] == [pre] * 3 + [wait, launch], first
-    assert full["order"] == [pre] * 3 + [launch, wait], full
     for r in records:
         if r["flags"] == 1:
             assert r["order"] == [wait, launch], r
         else:
             n = r["order"].count(pre)
             assert n >= 1 and r["order"] == [pre] * n + [launch, wait], r
-
-
-def test_l2_prefetch_hook_is_the_moe_layers_and_a_no_op_off_the_gpu():
-    """Each MLA layer's attention calls its FFN's l2_prefetch after the attention (MoE layers:
-    the shared experts' weights), dense layers none; off the GPU nothing launches."""
-    from test_perf_cost import _Stub
-    from helix.config import Layout
-    from helix.loader import read_model_config
-    from helix.models import build_model
-    cfg = read_model_config("tiny-deepseek-v3")[0]
-    with torch.device("meta"):
-        m = build_model(cfg, _Stub(Layout()), torch.bfloat16, 128)
-    kinds = set()
-    for layer in m.model.layers:
-        moe = type(layer.mlp).__name__ == "MoE"
-        kinds.add(moe)
-        hook = layer.self_attn.after_core
-        assert hook == (layer.mlp.l2_prefetch if moe else None)
-        if moe:
-            assert layer.mlp.shared_experts is not None and not hook(1)   # meta: no launch
-    assert kinds == {True, False}
-    assert not triton_util.l2_prefetch([torch.zeros(8)])                 # CPU: no launch
-
-
-@pytest.mark.gpu
-@needs_sm90
-def test_shared_expert_prefetch_leaves_the_decode_bitwise(monkeypatch):
-    """The L2 prefetch of the shared experts (a hint) launches in a captured tiny-deepseek-v3
-    decode and leaves its tokens and logits bitwise those without it."""
-    from helix.layers import moe
-    launched = []
-    real = moe.l2_prefetch
-    monkeypatch.setattr(moe, "l2_prefetch", lambda ts: launched.append(real(ts)) or launched[-1])
-    monkeypatch.setattr(moe, "PREFETCH_SHARED", False)
-    off_tokens, off_logits = captured_decode("tiny-deepseek-v3")
-    assert launched == []
-    monkeypatch.setattr(moe, "PREFETCH_SHARED", True)
-    on_tokens, on_logits = captured_decode("tiny-deepseek-v3")
-    assert launched and all(launched)
-    assert on_tokens == off_tokens and len(on_logits) == len(off_logits)
-    assert all(torch.equal(a, b) for a, b in zip(on_logits, off_logits))

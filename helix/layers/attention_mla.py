@@ -35,9 +35,6 @@ from helix.tracing import phase
 class MLAAttention(NormedInput, nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Comm, rope: RotaryEmbedding, dtype=torch.float32):
         super().__init__()
-        # called with the step's rows after a decode step's attention and exchange, before
-        # W_UV and o_proj: the decoder layer hands in its FFN's l2_prefetch (or None)
-        self.after_core = None
         lay, mesh = comm.mesh.layout, comm.mesh
         H, D = cfg.num_heads, cfg.hidden_size
         self.nope, self.rdim, self.vdim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -144,8 +141,6 @@ class MLAAttention(NormedInput, nn.Module):
             with phase("attn"):
                 o, lse = region(ctx, "attention", lambda: attend_rows(0, R, meta))
             o = self.exchange(o, lse, backend)                                # [T, H/N, Dl]
-            if self.after_core is not None:   # the FFN's L2 prefetch: DRAM idles from here on
-                self.after_core(T)
         else:
             o = region(ctx, "attention", lambda: self._attend_cp(q_latent, q_rope, row, meta,
                                                                  kv_cache, backend, T))

@@ -22,12 +22,6 @@ from helix.layers.regions import region
 from helix.layers.router import Router
 from helix.layers.weights import sliced_loader
 from helix.parallel.comm import Comm
-from helix.triton_util import l2_prefetch
-
-# At decode, the shared experts' weights are asked into L2 right after the attention (the
-# stretch of W_UV, o_proj and the router, where DRAM mostly idles), so the experts' launches
-# read them from L2. Module flag (benches switch it).
-PREFETCH_SHARED = True
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -112,17 +106,6 @@ class MoE(nn.Module):
         it can be (Router.add_norm_forward) -> (out, new residual)."""
         x, residual, weights, ids = self.gate.add_norm_forward(a, residual, norm)
         return self._experts(x, weights, ids, ctx), residual
-
-    def l2_prefetch(self, rows: int) -> bool:
-        """The attention's after_core hook: at a decode step whose shared experts ride in the
-        experts' launches (LocalExperts.takes_shared's rule), ask L2 for their weights
-        (triton_util.l2_prefetch; a hint, where it runs). Returns whether it launched."""
-        mlp = self.shared_experts
-        if not (PREFETCH_SHARED and mlp is not None and self.experts.graph_safe
-                and fm.FOLD_SHARED and fm.decode_kernels(rows * self.gate.spec.k)
-                and mlp.shards() is not None):
-            return False
-        return l2_prefetch([mlp.gate_up_proj.weight, mlp.down_proj.weight])
 
     def _experts(self, x, weights, ids, ctx):
         mlp = self.shared_experts

@@ -20,8 +20,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, dtype)
         self.mlp = mlp
         self.ffn_phase = "moe" if type(mlp).__name__ == "MoE" else "ffn"
-        if hasattr(self_attn, "after_core"):   # weights the FFN reads, fetched into L2 early
-            self_attn.after_core = getattr(mlp, "l2_prefetch", None)
 
     def forward(self, h, pos, meta, cache, backend, ctx=None, residual=None):
         """-> (out, residual): this layer's hidden state is out + residual. The residual adds are
