@@ -424,11 +424,7 @@ def bench_steps(args, copy_bw) -> list[dict]:
                                  step_ms=step_ms, floor_ms=floor_ms, vs_floor=step_ms / floor_ms,
                                  kernel_ms=sum(o.dur for o in ops) / 3e3,
                                  kernels_per_step=len(ops) / 3, engine_build_s=build_s,
-                                 top_kernels=[{k: (round(v, 2) if isinstance(v, float) else v)
-                                               for k, v in r.items()} for r in table[:25]],
-                                 critical_kernels=[{k: (round(v, 2) if isinstance(v, float)
-                                                        else v) for k, v in r.items()}
-                                                   for r in critical[:25]]))
+                                 top_kernels=_rounded(table), critical_kernels=_rounded(critical)))
                 print(json.dumps(recs[-1]), flush=True)
         del llm
         if cuda:
@@ -436,6 +432,12 @@ def bench_steps(args, copy_bw) -> list[dict]:
     set_kernels("after")
     overrides({})
     return recs
+
+
+def _rounded(rows: list[dict], top: int = 25) -> list[dict]:
+    """A kernel table's first rows, floats to two decimals (the records' tables)."""
+    return [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}
+            for r in rows[:top]]
 
 
 _MOE_CONFIG = md.moe_decode_config
