@@ -155,6 +155,9 @@ def small_variants(batch: int, ctx: int, sms: int, full: bool, table: int = 0):
     v.append(("few-kernel-only", few_kernel_only))
     if gluon_mla.gluon_available(torch.device("cuda")):
         v.append(("gluon", lambda x: gluon_mla.mla_decode_gluon(*x, SCALE)))
+        if gluon_mla.gluon_available(torch.device("cuda"), "few"):
+            v.append(("gluon-few", lambda x: gluon_mla.mla_decode_gluon(*x, SCALE,
+                                                                        variant="few")))
         v.append(("gluon-nopdl", flagged(lambda x: gluon_mla.mla_decode_gluon(*x, SCALE),
                                          PDL=False)))
         v.append(("gluon-kv-late", flagged(lambda x: gluon_mla.mla_decode_gluon(*x, SCALE),

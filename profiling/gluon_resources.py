@@ -4,7 +4,8 @@ compiler error. The launch is recorded from gluon_mla.mla_decode_gluon on small 
 (shapes and strides are what specialise the kernel), then compiled with triton.compile for
 GPUTarget("cuda", 90, 32) as the JIT would.
 
-    python profiling/gluon_resources.py [--variants seesaw,simple] [--pages 64,16] [--json f]
+    python profiling/gluon_resources.py [--variants seesaw,simple,few] [--heads 128,16]
+        [--pages 64,16] [--json f]
 
 Needs the ptxas / cuobjdump that ship in Triton's wheel, and TRITON_INTERPRET unset.
 """
@@ -136,14 +137,17 @@ def main():
     p.add_argument("--splits", default="2", help="1 writes bf16 O directly, >1 fp32 partials")
     p.add_argument("--pdl", default="0", help="comma list of PDL values (0 off, 1 on, 9 on "
                                                 "with every KV tile after the wait)")
+    p.add_argument("--heads", default="128", help="comma list of query heads per launch")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    recs = [check(v, int(pg), num_splits=int(s), pdl=int(d)) for v in args.variants.split(",")
+    recs = [check(v, int(pg), heads=int(h), num_splits=int(s), pdl=int(d))
+            for v in args.variants.split(",") for h in args.heads.split(",")
             for pg in args.pages.split(",") for s in args.splits.split(",")
             for d in args.pdl.split(",")]
     for r in recs:
         if r["ok"]:
-            print(f"{r['variant']:7} page {r['page']:3} splits {r['num_splits']} pdl {r['pdl']}: "
+            print(f"{r['variant']:7} {r['heads']:3} heads page {r['page']:3} splits "
+                  f"{r['num_splits']} pdl {r['pdl']}: "
                   f"{r['gdc_waits']} / {r['gdc_launches']} gdc wait / launch, "
                   f"{r['registers']} regs, stack {r['stack_bytes']}, smem {r['shared_bytes']}, "
                   f"{r['hgmma']} HGMMA {r['hgmma_shapes']}, {r['tma_loads']} TMA, "

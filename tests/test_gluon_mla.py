@@ -91,6 +91,25 @@ def test_plan_forced_splits_variant_and_boxes():
         gluon_mla.plan(2, 128, 4096, 132, variant="fast")
 
 
+@pytest.mark.parametrize("heads,block_h,blocks", [(16, 16, 1), (8, 16, 1), (17, 32, 1),
+                                                   (32, 32, 1), (128, 32, 4)])
+def test_few_plan_blocks_heads_without_padding_to_64(heads, block_h, blocks):
+    """"few": the heads are the wgmma's N, so a head block is the fewest of 16 / 32 that hold
+    them; a split keeps one tile (no warpgroup pair), so a 1K sequence takes 16 splits."""
+    p = gluon_mla.plan(1, heads, 1024, 132, variant="few")
+    assert (p.block_h, p.head_blocks, p.grid) == (block_h, blocks, (blocks, p.num_splits, 1))
+    assert p.num_splits == fill_num_splits(1, blocks, 1024, 132, min_tokens=64,
+                                           max_splits=gluon_mla.MAX_SPLITS)
+    assert gluon_mla.plan(1, 16, 1024, 132, variant="few").num_splits == 16
+    assert gluon_mla.plan(1, 16, 32768, 132, variant="few").num_splits == 128
+    meta = p.meta(64)
+    assert meta["BLOCK_H"] == block_h and meta["STAGES"] == gluon_mla.FEW_STAGES
+    assert meta["MIN_CHUNK"] == gluon_mla.BLOCK_N and "SEESAW" not in meta
+    assert meta["SKIP_EMPTY"] is True and meta["num_warps"] == 4
+    assert gluon_mla.plan(1, 16, 1024, 132, variant="few", num_splits=1).meta(64)[
+        "SKIP_EMPTY"] is False
+
+
 @pytest.mark.parametrize("variant", gluon_mla.VARIANTS)
 def test_shared_memory_fits_one_block(variant):
     # simple: Q [64, 576] + 2 tiles of [64, 576] bf16 = 216 KB; seesaw: Q's rope columns in
@@ -108,6 +127,9 @@ def test_register_budget_fits_the_register_file(variant):
     r = gluon_mla.REGS[variant]
     warps = r["num_warps"] + (8 if variant == "seesaw" else 1)       # default + workers
     threads = -(-warps // 4) * 4 * 32
+    if "maxnreg" not in r:      # few: 8 warps at most 255 registers, one block an SM
+        assert variant == "few" and threads * 255 <= 2 * 65536 and r["PRODUCER_REGS"] >= 24
+        return
     assert r["maxnreg"] * threads <= 65536 and r["maxnreg"] % 8 == 0
     if variant == "seesaw":     # producer (default, 4 warps) gets what the consumers leave
         left = (r["maxnreg"] * threads - 2 * r["WG_REGS"] * 128) // 128
@@ -152,12 +174,14 @@ def test_descriptors_box_one_tile_or_one_page(page):
     assert list(d_lat.block_shape) == [min(page, 64), 256]       # seesaw: half tiles
     simple = gluon_mla.plan(1, 128, 512, 132, page_size=page, variant="simple")
     assert list(gluon_mla.make_descriptors(kv, simple)[0].block_shape) == [min(page, 64), 512]
+    few = gluon_mla.plan(1, 16, 512, 132, page_size=page, variant="few")   # whole tiles
+    assert list(gluon_mla.make_descriptors(kv, few)[0].block_shape) == [min(page, 64), 512]
     assert list(d_rope.block_shape) == [min(page, 64), 64]
     assert list(d_lat.shape) == [8 * page, 512] and list(d_lat.strides) == [576, 1]
     assert d_lat.layout.swizzle_byte_width == 128 and d_rope.layout.swizzle_byte_width == 128
 
 
-def _record(monkeypatch, B, H, splits, ctx=256, page=64):
+def _record(monkeypatch, B, H, splits, variant="seesaw", ctx=256, page=64):
     calls = {}
 
     def launch(kernel, grid, *args, **meta):
@@ -174,16 +198,21 @@ def _record(monkeypatch, B, H, splits, ctx=256, page=64):
     bt = torch.arange(B * ctx // page, dtype=torch.int32).view(B, -1)
     o, lse = gluon_mla.mla_decode_gluon(q[..., :512], q[..., 512:], kv, bt,
                                         torch.full((B,), ctx, dtype=torch.int32), 0.1,
-                                        num_splits=splits)
+                                        num_splits=splits, variant=variant)
     return calls, o, lse
 
 
 @pytest.mark.parametrize("splits", [1, 4])
-def test_launch_arguments_match_the_kernel_signature(monkeypatch, splits):
+@pytest.mark.parametrize("variant", ["seesaw", "few"])
+def test_launch_arguments_match_the_kernel_signature(monkeypatch, splits, variant):
+    from helix.attention.gluon_mla_few_kernel import mla_decode_few_kernel
     from helix.attention.gluon_mla_kernel import mla_decode_kernel
-    calls, o, lse = _record(monkeypatch, 3, 128, splits)
+    calls, o, lse = _record(monkeypatch, 3, 128, splits, variant)
     kernel, grid, args, meta = calls["launch"]
-    assert kernel is mla_decode_kernel and grid == (2, splits, 3)
+    if variant == "few":       # 32-head blocks
+        assert kernel is mla_decode_few_kernel and grid == (4, splits, 3)
+    else:
+        assert kernel is mla_decode_kernel and grid == (2, splits, 3)
     runtime = [n for i, n in enumerate(kernel.arg_names) if not kernel.params[i].is_constexpr]
     assert len(args) == len(runtime)
     named = dict(zip(runtime, args))
@@ -203,7 +232,7 @@ def test_launch_arguments_match_the_kernel_signature(monkeypatch, splits):
                                    (3, 128))
         kv_lens, block_n, min_chunk = calls["reduce_live"]   # empty splits write nothing
         assert kv_lens is named["lens_ptr"] and block_n == gluon_mla.BLOCK_N
-        assert min_chunk == meta["MIN_CHUNK"] == 2 * gluon_mla.BLOCK_N     # the kernel's chunks
+        assert min_chunk == meta["MIN_CHUNK"] == gluon_mla.MIN_SPLIT_TOKENS[variant]
 
 
 def test_empty_batch_launches_nothing(monkeypatch):
@@ -244,13 +273,27 @@ def test_reference_matches_torch_attention():
 
 
 @pytest.mark.sm90
-def test_both_variants_compile_for_sm90(tmp_path):
-    """Both variants compile for sm_90 with this machine's triton (no GPU): shared memory under
-    the block limit, the wgmma shapes of the design (seesaw: each warpgroup's QK^T of its own
-    tiles as 36 m64n64k16, issued before the loop and in it, and 2 x 4 m64n256k16 PV; simple:
-    36 m64n32k16 + 4 m64n256k16), register reallocation, compiled as launched on sm_90 (PDL
-    on): seesaw waits for the previous kernel in the producer (the last tiles) and in both
-    consumers (Q), which also let the next kernel launch; simple once, before Q."""
+def test_few_variant_compiles_for_sm90(tmp_path):
+    """"few" compiles for sm_90 at 16 and 32 heads: the swapped products are m64nHk16 wgmmas
+    with H the head block (36 for S^T, 32 for O^T: no padding of the heads to 64 rows), TMA
+    boxes of 64 x 64, no spills, shared memory under the block limit; under PDL it waits in
+    the consumer (Q) and in the producer (the last tiles), and lets the next kernel launch
+    once."""
+    import json
+    recs = _compile_report(tmp_path, "few", "16,32")
+    assert [r["heads"] for r in recs] == [16, 32]
+    for r in recs:
+        assert r["ok"], r.get("error", "")[-3000:]
+        assert r["hgmma_shapes"] == {f"64x{r['heads']}x16": 36 + 32}, r["hgmma_shapes"]
+        assert r["shared_bytes"] <= gluon_mla.SM90_SMEM_LIMIT
+        assert r["stack_bytes"] == 0 and r["local_loads"] == r["local_stores"] == 0
+        assert [m["block_size"] for m in r["tensordesc_meta"]] == [[64, 64], [64, 64]]
+        assert (r["gdc_waits"], r["gdc_launches"]) == (2, 1), json.dumps(r)[:300]
+
+
+def _compile_report(tmp_path, variants: str, heads: str = "128") -> list[dict]:
+    """gluon_resources.py's records of an sm_90 compile (PDL on) in a subprocess."""
+    import json
     import triton
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
@@ -260,12 +303,22 @@ def test_both_variants_compile_for_sm90(tmp_path):
                PYTHONPATH=os.pathsep.join([ROOT] + sys.path))
     out = tmp_path / "res.json"
     res = subprocess.run([sys.executable, os.path.join(ROOT, "profiling", "gluon_resources.py"),
-                          "--variants", "seesaw,simple", "--pages", "64", "--pdl", "1",
+                          "--variants", variants, "--heads", heads, "--pages", "64", "--pdl", "1",
                           "--json", str(out)],
                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
-    import json
-    recs = {r["variant"]: r for r in json.loads(out.read_text())}
+    return json.loads(out.read_text())
+
+
+@pytest.mark.sm90
+def test_both_variants_compile_for_sm90(tmp_path):
+    """Both variants compile for sm_90 with this machine's triton (no GPU): shared memory under
+    the block limit, the wgmma shapes of the design (seesaw: each warpgroup's QK^T of its own
+    tiles as 36 m64n64k16, issued before the loop and in it, and 2 x 4 m64n256k16 PV; simple:
+    36 m64n32k16 + 4 m64n256k16), register reallocation, compiled as launched on sm_90 (PDL
+    on): seesaw waits for the previous kernel in the producer (the last tiles) and in both
+    consumers (Q), which also let the next kernel launch; simple once, before Q."""
+    recs = {r["variant"]: r for r in _compile_report(tmp_path, "seesaw,simple")}
     for r in recs.values():
         assert r["ok"], r.get("error", "")[-3000:]
         assert r["shared_bytes"] <= gluon_mla.SM90_SMEM_LIMIT, r
@@ -333,3 +386,16 @@ def test_backend_routes_few_heads_by_batch(monkeypatch, heads, batch, threshold,
         torch.zeros(batch, heads, 512, dtype=torch.bfloat16),
         torch.zeros(batch, heads, 64, dtype=torch.bfloat16), kv)
     assert fits is gluon
+
+
+@pytest.mark.parametrize("heads,few_ok,flag,want", [
+    (16, True, "few", "few"), (32, True, "few", "few"), (64, True, "few", "seesaw"),
+    (16, False, "few", "seesaw"), (16, True, None, "seesaw")])
+def test_backend_runs_the_few_variant_for_few_heads(monkeypatch, heads, few_ok, flag, want):
+    """Launches of <= FEW_MAX_HEADS heads run "few" where prepare() found it working (its own
+    self-check) and GLUON_FEW_VARIANT names it; the rest run GLUON_VARIANT."""
+    from helix.attention import triton_backend
+    monkeypatch.setattr(triton_backend, "GLUON_FEW_VARIANT", flag)
+    be = triton_backend.TritonAttention()
+    be.gluon_mla, be.gluon_few = True, few_ok
+    assert be.gluon_variant(heads) == want

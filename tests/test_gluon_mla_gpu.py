@@ -1,4 +1,4 @@
-"""On an sm_90 GPU: the Gluon MLA kernel (helix/attention/gluon_mla.py), both variants, against a
+"""On an sm_90 GPU: the Gluon MLA kernel (helix/attention/gluon_mla.py), every variant, against a
 float32 torch computation: ragged lengths, partial pages, empty sequences (kv_len 0: O = 0,
 LSE = -inf), 16 / 64 / 128 heads, page 64 and 16, automatic and forced splits, stale slots and
 freshly allocated outputs poisoned with NaN, and one call captured in a CUDA graph replayed on
@@ -49,7 +49,9 @@ def test_gluon_mla_under_cuda_graph(variant):
 @needs_sm90
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("kv_early", [True, False])
-def test_gluon_mla_sees_the_row_the_previous_kernel_appends(heads, kv_early, monkeypatch):
+@pytest.mark.parametrize("variant", ["seesaw", "few"])
+def test_gluon_mla_sees_the_row_the_previous_kernel_appends(heads, kv_early, variant,
+                                                            monkeypatch):
     """The decode step's order under PDL: a kernel appends each sequence's new row (its last,
     kv_len - 1), then the Gluon kernel attends. With KV_EARLY its producer loads the earlier
     tiles before waiting for the append: the new rows (stale NaN until the append) must be
@@ -70,7 +72,7 @@ def test_gluon_mla_sees_the_row_the_previous_kernel_appends(heads, kv_early, mon
 
     def step():
         triton_append.append_kv(kv, rows, slots)
-        return gluon_mla.mla_decode_gluon(ql, qr, kv, bt, kl, SCALE)
+        return gluon_mla.mla_decode_gluon(ql, qr, kv, bt, kl, SCALE, variant=variant)
 
     def stale_rows():
         kv.view(-1, kv.shape[2])[slots] = float("nan")      # what the append must replace

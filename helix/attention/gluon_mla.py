@@ -53,9 +53,14 @@ STAGES = 2                   # KV ring depth: what shared memory allows next to 
 # whose width sets the split count, fills the first splits): one tile for "simple"; a pair
 # of tiles for "seesaw", whose warpgroups take one tile each (a one-tile split leaves one idle;
 # H200, 1 x 4K: 32 splits 19.1 us, 64 splits 24.2 us)
-MIN_SPLIT_TOKENS = {"seesaw": 2 * BLOCK_N, "simple": BLOCK_N}
+MIN_SPLIT_TOKENS = {"seesaw": 2 * BLOCK_N, "simple": BLOCK_N, "few": BLOCK_N}
 SM90_SMEM_LIMIT = 232448     # bytes of shared memory one block may use on H100 / H200
-VARIANTS = ("seesaw", "simple")
+VARIANTS = ("seesaw", "simple", "few")
+# "few" (gluon_mla_few_kernel.py): the products swapped so tokens and latent dims fill the
+# wgmma's M and the heads its N: head blocks of FEW_BLOCK_H (16 or 32: the fewest that hold the
+# heads), no padding to 64 rows. The backend takes it for launches of at most FEW_MAX_HEADS.
+FEW_BLOCK_H = (16, 32)
+FEW_MAX_HEADS = 32
 # Splits a sequence may take: 128 lets one sequence of one head block (DeepSeek-V2-Lite's 16
 # heads at batch 1) fill 128 of 132 SMs; at 64 it left half of them idle (H200, 1 x 128K:
 # profiling/results/mla_small.md)
@@ -79,7 +84,9 @@ CLUSTER_HEADS = 1
 # warps: 168 x 384 threads = 64512 <= 65536, 240 for each consumer warpgroup, 24 left for the
 # producer (both consumers compile without spills at 240 on triton 3.6).
 REGS = {"seesaw": dict(num_warps=4, maxnreg=168, WG_REGS=240, PRODUCER_REGS=24),
-        "simple": dict(num_warps=8, maxnreg=168, WG_REGS=0, PRODUCER_REGS=24)}
+        "simple": dict(num_warps=8, maxnreg=168, WG_REGS=0, PRODUCER_REGS=24),
+        "few": dict(num_warps=4, PRODUCER_REGS=24)}
+FEW_STAGES = 2               # "few": KV ring depth (2 x 72 KB tiles next to Q and P)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +97,7 @@ class GluonMLAPlan:
     batch: int
     box_rows: int            # rows per TMA box: min(page, BLOCK_N)
     variant: str
+    block_h: int = BLOCK_H   # query heads per program
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -97,14 +105,18 @@ class GluonMLAPlan:
 
     def meta(self, page_size: int) -> dict:
         """The kernel's constexprs and launch options."""
-        return dict(BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size, BOX_ROWS=self.box_rows,
-                    STAGES=STAGES, SEESAW=self.variant == "seesaw", SKIP_EMPTY=self.skip_empty,
-                    MIN_CHUNK=MIN_SPLIT_TOKENS[self.variant], **REGS[self.variant])
+        common = dict(BLOCK_H=self.block_h, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size,
+                      BOX_ROWS=self.box_rows, SKIP_EMPTY=self.skip_empty,
+                      MIN_CHUNK=MIN_SPLIT_TOKENS[self.variant], **REGS[self.variant])
+        if self.variant == "few":
+            return dict(common, STAGES=FEW_STAGES)
+        return dict(common, STAGES=STAGES, SEESAW=self.variant == "seesaw")
 
     @property
     def skip_empty(self) -> bool:
-        """Empty splits write nothing (the seesaw's programs exit; the merge skips them)."""
-        return SKIP_EMPTY and self.variant == "seesaw" and self.num_splits > 1
+        """Empty splits write nothing (the seesaw's and few's programs exit; the merge skips
+        them)."""
+        return SKIP_EMPTY and self.variant in ("seesaw", "few") and self.num_splits > 1
 
 
 def unsupported_reason(heads: int, d_latent: int, d_rope: int, page_size: int,
@@ -135,18 +147,30 @@ def plan(batch: int, heads: int, max_context: int, sm_count: int, page_size: int
     (a power of two) that fill the last wave of one-program-per-SM launches (fill_num_splits)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r} not in {VARIANTS}")
-    head_blocks = triton.cdiv(heads, BLOCK_H)
+    block_h = few_block_h(heads) if variant == "few" else BLOCK_H
+    head_blocks = triton.cdiv(heads, block_h)
     if num_splits is None:
         num_splits = fill_num_splits(batch, head_blocks, max_context, sm_count,
                                      min_tokens=MIN_SPLIT_TOKENS[variant], max_splits=MAX_SPLITS)
     return GluonMLAPlan(head_blocks=head_blocks, num_splits=max(1, int(num_splits)), batch=batch,
-                        box_rows=box_rows(page_size), variant=variant)
+                        box_rows=box_rows(page_size), variant=variant, block_h=block_h)
+
+
+def few_block_h(heads: int) -> int:
+    """Heads per program of the "few" variant: the smallest of FEW_BLOCK_H holding them all,
+    else the largest (several head blocks)."""
+    return next((h for h in FEW_BLOCK_H if heads <= h), FEW_BLOCK_H[-1])
 
 
 def smem_bytes(variant: str, elt: int = 2) -> int:
     """Shared memory the kernel allocates (without compiler scratch): Q, the two KV tile
     buffers and their mbarriers; seesaw: Q without its rope columns (those sit in registers),
-    two P tiles, two running maxima, the two denominators and 11 mbarriers."""
+    two P tiles, two running maxima, the two denominators and 11 mbarriers; few: Q and P of
+    its widest head block."""
+    if variant == "few":
+        h = FEW_BLOCK_H[-1]
+        return (FEW_STAGES * BLOCK_N * (D_LATENT + D_ROPE) * elt
+                + h * (D_LATENT + D_ROPE) * elt + h * BLOCK_N * elt + 8 * 2 * FEW_STAGES)
     ring = STAGES * BLOCK_N * (D_LATENT + D_ROPE) * elt
     if variant == "seesaw":
         q = BLOCK_H * D_LATENT * elt
@@ -195,7 +219,10 @@ def mla_decode_gluon(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: tor
                      num_splits: int | None = None, variant: str = "seesaw",
                      partial_dtype: torch.dtype = torch.float32):
     """triton_mla.mla_decode's contract (module doc), on the Gluon kernel."""
-    from helix.attention.gluon_mla_kernel import mla_decode_kernel
+    if variant == "few":
+        from helix.attention.gluon_mla_few_kernel import mla_decode_few_kernel as kernel
+    else:
+        from helix.attention.gluon_mla_kernel import mla_decode_kernel as kernel
     B, H, Dl = q_latent.shape
     P, page_size, width = kv_cache.shape
     Dr = q_rope.shape[-1]
@@ -216,7 +243,7 @@ def mla_decode_gluon(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: tor
              num_splits, variant)
     o_ws, lse_ws, so, sl = split_workspace(o, lse, p.num_splits, partial_dtype)
     desc_lat, desc_rope = make_descriptors(kv_cache, p)
-    launch(mla_decode_kernel, p.grid, q_latent, q_rope, desc_lat, desc_rope, block_tables,
+    launch(kernel, p.grid, q_latent, q_rope, desc_lat, desc_rope, block_tables,
            kv_lens, o_ws, lse_ws, scale * LOG2E, q_latent.stride(0), q_latent.stride(1),
            q_rope.stride(0), q_rope.stride(1), block_tables.stride(0), *so, *sl, H, p.num_splits,
            **p.meta(page_size))

@@ -9,7 +9,8 @@ TORCH_PREFILL[device name] for steps whose longest prefill sequence holds at lea
 (meta.max_kv) and the Triton kernel otherwise; "flash" / "cudnn" run that kernel wherever it
 applies; "triton" never does.
 
-Absorbed MLA decode runs the Gluon kernel (helix.attention.gluon_mla, variant GLUON_VARIANT) on
+Absorbed MLA decode runs the Gluon kernel (helix.attention.gluon_mla, variant GLUON_VARIANT, or
+GLUON_FEW_VARIANT for a launch of few heads) on
 sm_90 where it compiled and passed its self-check in `prepare` and the shape suits it (16-bit KV,
 512 + 64 dims, not a few-heads launch of a small batch: triton_mla_few.routes and
 GLUON_FEW_HEADS_FROM_BATCH), else triton_mla (env
@@ -33,6 +34,10 @@ from helix.kv.manager import LocalKVMeta
 
 PREFILL_IMPLS = ("auto", "triton") + torch_prefill.KERNELS
 GLUON_VARIANT = "seesaw"     # the faster variant at every shape of profiling/results/mla_gluon.md
+# Launches of at most gluon_mla.FEW_MAX_HEADS heads run the "few" variant (swapped products: no
+# padding of the heads to the wgmma's 64 rows) where it compiled and passed its self-check;
+# None keeps them on GLUON_VARIANT (benches switch it)
+GLUON_FEW_VARIANT: str | None = "few"
 # A few-heads MLA launch (triton_mla_few.routes) of at least this batch runs the Gluon kernel where
 # it runs (sm_90). H200, 16 heads, as the step runs them (a chain of layers under PDL,
 # profiling/results/mla_small.md): Gluon at 128 splits with its KV streaming under the previous
@@ -71,6 +76,7 @@ class TritonAttention(AttentionBackend):
             raise ConfigError(f"HELIX_PREFILL must be one of {', '.join(PREFILL_IMPLS)}, got "
                               f"{self.prefill!r}")
         self.gluon_mla = False     # decided by prepare(), before any graph is captured
+        self.gluon_few = False     # ... and whether the few-heads variant runs
 
     def prepare(self, device: torch.device, mla: bool) -> None:
         """Compile and self-check the Gluon MLA kernel once (it synchronises: never under
@@ -78,6 +84,8 @@ class TritonAttention(AttentionBackend):
         if mla and device.type == "cuda" and os.environ.get("HELIX_MLA_GLUON", "1") != "0":
             from helix.attention import gluon_mla
             self.gluon_mla = gluon_mla.gluon_available(device, GLUON_VARIANT)
+            self.gluon_few = bool(GLUON_FEW_VARIANT and self.gluon_mla
+                                  and gluon_mla.gluon_available(device, GLUON_FEW_VARIANT))
 
     def append_kv(self, cache, rows, slots):
         _check_device(cache)
@@ -122,9 +130,17 @@ class TritonAttention(AttentionBackend):
         if self.gluon_mla and self._gluon_fits(q_latent, q_rope, kv_cache):
             from helix.attention import gluon_mla
             return gluon_mla.mla_decode_gluon(q_latent, q_rope, kv_cache, meta.block_tables,
-                                              meta.kv_lens, scale, variant=GLUON_VARIANT)
+                                              meta.kv_lens, scale,
+                                              variant=self.gluon_variant(q_latent.shape[1]))
         return triton_mla.mla_decode(q_latent, q_rope, kv_cache, meta.block_tables, meta.kv_lens,
                                      scale)
+
+    def gluon_variant(self, heads: int) -> str:
+        """The Gluon variant a launch of `heads` query heads runs."""
+        from helix.attention import gluon_mla
+        if self.gluon_few and GLUON_FEW_VARIANT and heads <= gluon_mla.FEW_MAX_HEADS:
+            return GLUON_FEW_VARIANT
+        return GLUON_VARIANT
 
     @staticmethod
     def _gluon_fits(q_latent, q_rope, kv_cache) -> bool:
