@@ -1,17 +1,19 @@
 """Does a long MLA decode launch lose its rate when it runs back to back? (issue 16)
 
-One shape of the Gluon MLA kernel (DeepSeek-V3 rank: 128 heads; default 64 x 512K, the shape
-that misses 75 % of the matmul rate in timed runs) captured in a CUDA graph and replayed two
-ways, each replay timed alone with its own CUDA events:
-  - back to back: N replays enqueued with no gap (how bench_mla_gluon.py times, and how a
-    decode server runs steps);
-  - spaced: N replays, each after a host sleep of --gap seconds (the GPU idles and cools).
+Shapes of the Gluon MLA kernel (DeepSeek-V3 rank: 128 heads; 64 x 512K is the shape that
+misses 75 % of the matmul rate in bench_mla_gluon.py's timed runs) captured in a CUDA graph and
+replayed two ways, each replay timed alone with its own CUDA events:
+  - back to back: replays enqueued with no gap for at least --busy seconds (how a decode server
+    runs steps); the median of the second half is the steady state;
+  - spaced: N replays, each after a host sleep of --gap seconds (the GPU idles between them).
+The bf16 matmul rate (8192^3 GEMMs) is measured both ways too, so each regime has its own
+ceiling: bench_mla_gluon.py divides a 10-replay run of the kernel (170 ms at 64 x 512K: long
+enough for the clock to fall) by a short burst of GEMMs (at the full clock).
 `nvidia-smi` logs the SM clock, power and temperature every 20 ms beside it (OUT.smi.csv), and
-the record carries each replay's host start time, so the clocks can be read against the
-launches.
+each replay's host enqueue time is in the record.
 
     PYTHONPATH=. python profiling/bench_mla_sustained.py --out sustained.json \
-        [--shapes 64x524288,8x524288] [--n 20] [--gap 0.5]
+        [--shapes 64x524288,8x524288] [--n 20] [--gap 0.5] [--busy 0.4]
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helix.attention import gluon_mla  # noqa: E402
 from profiling.bench_attention import random_pool  # noqa: E402
 from profiling.bench_mla_gluon import DL, DR, SCALE  # noqa: E402
-from profiling.roofline import matmul_rate  # noqa: E402
 
 
 def captured(fn):
@@ -45,9 +46,9 @@ def captured(fn):
     return graph
 
 
-def timed_replays(graph, n: int, gap: float) -> list[tuple[float, float]]:
-    """(host start time, ms) of n replays; gap 0: enqueued back to back, else each after a
-    synchronize and a sleep of gap seconds."""
+def timed_replays(run, n: int, gap: float) -> list[tuple[float, float]]:
+    """(host enqueue time, ms) of n calls of run; gap 0: enqueued back to back, else each
+    after a synchronize and a sleep of gap seconds."""
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(n)]
     starts = []
@@ -57,10 +58,32 @@ def timed_replays(graph, n: int, gap: float) -> list[tuple[float, float]]:
             time.sleep(gap)
         starts.append(time.time())
         a.record()
-        graph.replay()
+        run()
         b.record()
     torch.cuda.synchronize()
     return [(s, a.elapsed_time(b)) for s, (a, b) in zip(starts, events)]
+
+
+def regimes(run, flops: float, n: int, gap: float, busy: float) -> dict:
+    """Median ms and FLOP/s of run spaced (n calls, gap s apart) and back to back (at least
+    `busy` seconds of calls; the median of the second half), plus every call's time."""
+    one = timed_replays(run, 3, gap)[-1][1]
+    count = max(n, int(busy * 1e3 / max(one, 1e-3)) + 1)
+    out = {}
+    for mode, calls, g in (("spaced", n, gap), ("back-to-back", count, 0.0)):
+        time.sleep(1.0)
+        runs = timed_replays(run, calls, g)
+        ms = sorted(t for _, t in (runs[len(runs) // 2:] if g == 0.0 else runs))
+        med = ms[len(ms) // 2]
+        out[mode] = dict(median_ms=med, rate=flops / (med * 1e-3), calls=calls, replays=runs)
+    return out
+
+
+def matmul_regimes(args, n: int = 8192) -> dict:
+    """regimes() of an n^3 bf16 GEMM on random data."""
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return regimes(lambda: x @ y, 2 * n**3, args.n, args.gap, args.busy)
 
 
 def main(argv=None):
@@ -71,13 +94,15 @@ def main(argv=None):
     p.add_argument("--variant", default="seesaw")
     p.add_argument("--n", type=int, default=20)
     p.add_argument("--gap", type=float, default=0.5)
+    p.add_argument("--busy", type=float, default=0.4)
     args = p.parse_args(argv)
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,"
                             "temperature.gpu", "--format=csv,noheader", "-lms", "20"],
                            stdout=open(args.out + ".smi.csv", "w"), stderr=subprocess.DEVNULL)
     try:
-        mm = matmul_rate()
-        time.sleep(2.0)
+        mm = matmul_regimes(args)
+        print("bf16 matmul: " + ", ".join(f"{k} {v['rate'] / 1e12:.0f} TFLOP/s"
+                                          for k, v in mm.items()), flush=True)
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
         pool = random_pool((max(B * c for B, c in shapes) // 64, 64, DL + DR))
         recs = []
@@ -89,24 +114,22 @@ def main(argv=None):
             graph = captured(lambda: gluon_mla.mla_decode_gluon(ql, qr, pool, bt, lens, SCALE,
                                                                 variant=args.variant))
             flops = 2 * B * args.heads * ctx * (DL + DR + DL)
-            for mode, gap in (("spaced", args.gap), ("back-to-back", 0.0), ("spaced", args.gap)):
-                time.sleep(2.0)
-                runs = timed_replays(graph, args.n, gap)
-                ms = sorted(t for _, t in runs)
-                med = ms[len(ms) // 2]
-                rec = dict(batch=B, context=ctx, heads=args.heads, variant=args.variant,
-                           mode=mode, gap_s=gap, n=args.n, median_ms=med, min_ms=ms[0],
-                           max_ms=ms[-1], matmul_TFLOPs=mm / 1e12,
-                           matmul_fraction=flops / (med * 1e-3) / mm,
-                           best_fraction=flops / (ms[0] * 1e-3) / mm, replays=runs)
-                recs.append(rec)
-                print(f"{B}x{ctx // 1024}K {mode:12}: median {med:.3f} ms "
-                      f"({100 * rec['matmul_fraction']:.1f} % of matmul), min {ms[0]:.3f}, "
-                      f"max {ms[-1]:.3f}", flush=True)
+            got = regimes(graph.replay, flops, args.n, args.gap, args.busy)
+            rec = dict(batch=B, context=ctx, heads=args.heads, variant=args.variant)
+            for mode, r in got.items():
+                rec[mode] = dict(r, matmul_rate=mm[mode]["rate"],
+                                 matmul_fraction=r["rate"] / mm[mode]["rate"],
+                                 fraction_of_spaced_matmul=r["rate"] / mm["spaced"]["rate"])
+            recs.append(rec)
+            print(f"{B}x{ctx // 1024}K: " + "; ".join(
+                f"{m} {r['median_ms']:.3f} ms = {100 * r['matmul_fraction']:.1f} % of that "
+                f"regime's matmul ({100 * r['fraction_of_spaced_matmul']:.1f} % of the spaced)"
+                for m, r in rec.items() if isinstance(r, dict)), flush=True)
             del graph
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), matmul_TFLOPs=mm / 1e12,
-                           args=vars(args), records=recs), f, indent=1)
+            json.dump(dict(device=torch.cuda.get_device_name(), args=vars(args),
+                           matmul={k: {kk: vv for kk, vv in v.items()}
+                                   for k, v in mm.items()}, records=recs), f, indent=1)
     finally:
         smi.terminate()
 
