@@ -158,6 +158,10 @@ def small_variants(batch: int, ctx: int, sms: int, full: bool, table: int = 0):
         if gluon_mla.gluon_available(torch.device("cuda"), "few"):
             v.append(("gluon-few", lambda x: gluon_mla.mla_decode_gluon(*x, SCALE,
                                                                         variant="few")))
+            for s in ((16, 32, 64) if full else ()):       # fewer splits: a cheaper merge
+                if s * 64 <= max(ctx, table):
+                    v.append((f"gluon-few-s{s}", lambda x, s=s: gluon_mla.mla_decode_gluon(
+                        *x, SCALE, num_splits=s, variant="few")))
         v.append(("gluon-nopdl", flagged(lambda x: gluon_mla.mla_decode_gluon(*x, SCALE),
                                          PDL=False)))
         v.append(("gluon-kv-late", flagged(lambda x: gluon_mla.mla_decode_gluon(*x, SCALE),
