@@ -295,7 +295,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-nogemv", "after-gemv-late", "after-router-chunked", "after-nonormgemv",
               "after-noonetile", "after-nogluon", "after-gluon-nopdl", "after-gluon-kv-late",
               "after-few-batch1", "after-attn-7a34bf8", "after-torch-argmax",
-              "after-gemv-nosplit", "after-ffd0c4b", "after-gluon-nofew")
+              "after-gemv-nosplit", "after-ffd0c4b", "after-gluon-nofew", "after-skinny-big")
 
 
 def set_kernels(mode: str) -> None:
@@ -327,7 +327,8 @@ def set_kernels(mode: str) -> None:
     'after-gemv-nosplit': projections with K past one GEMV tile on the skinny kernel
     (skinny_gemm.GEMV_SPLIT off); 'after-ffd0c4b': both (the step of ffd0c4b);
     'after-gluon-nofew': few-heads launches on the seesaw Gluon variant, not "few"
-    (triton_backend.GLUON_FEW_VARIANT None)."""
+    (triton_backend.GLUON_FEW_VARIANT None); 'after-skinny-big': the skinny kernel for weights of
+    any size past the GEMV's rows (skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS at the 64M bound)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -337,6 +338,8 @@ def set_kernels(mode: str) -> None:
     fm.FOLD_SHARED = mode not in ("before", "after-nofold")
     triton_backend.GLUON_VARIANT = "simple" if mode == "after-gluon-simple" else _GLUON_VARIANT
     triton_backend.GLUON_FEW_VARIANT = None if mode == "after-gluon-nofew" else _GLUON_FEW
+    skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS = (skinny_gemm.MAX_WEIGHT_ELEMENTS
+                                              if mode == "after-skinny-big" else _SKINNY_BOUND)
     triton_util.PDL = _PDL and mode not in ("after-nopdl", "after-nopdl-cublas")
     pdl_mode = mode.removeprefix("after-pdl-") if mode.startswith("after-pdl-") else None
     triton_util.FLAGS = triton_util.PDL_MODES[pdl_mode] if pdl_mode else _FLAGS
@@ -366,6 +369,7 @@ def set_kernels(mode: str) -> None:
 _NEW_FORWARD = rt.Router.forward
 _GLUON_VARIANT = triton_backend.GLUON_VARIANT
 _GLUON_FEW = triton_backend.GLUON_FEW_VARIANT
+_SKINNY_BOUND = skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS
 _PDL = triton_util.PDL
 _FLAGS = triton_util.FLAGS
 _SKINNY = skinny_gemm.ENABLED

@@ -55,6 +55,12 @@ ENABLED = os.environ.get("HELIX_SKINNY_GEMM", "1") != "0"
 MAX_ROWS = 16
 ABSORB_MAX_ROWS = 64
 MAX_WEIGHT_ELEMENTS = 64 << 20
+# Past the GEMV's rows (GEMV_MAX_ROWS), linear() takes the skinny kernel only for weights of at
+# most this many elements; larger ones go to cuBLAS. H200, whole steps at 4 and 8 rows x 1K
+# (profiling/results/step_small/skinny_*_ca5c464_h200): Llama-3.1-8B (projections of 16.8-58.7M
+# elements) 4.957 / 5.371 ms on the skinny kernel against 4.720 / 4.955 on cuBLAS;
+# DeepSeek-V2-Lite (<= 7.5M) 3.977 / 5.576 against 4.040 / 5.681. Module flag: benches switch it.
+SKINNY_MAX_WEIGHT_ELEMENTS = 8 << 20
 TUNABLES = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 # The one-tile GEMV (_gemv_kernel): module flags read per call (benches switch them)
 GEMV = os.environ.get("HELIX_GEMV", "1") != "0"
@@ -428,7 +434,8 @@ def _fits(x: torch.Tensor, w: torch.Tensor, rows: int, max_rows: int = MAX_ROWS,
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias) for x [T, K], w [N, K]; the skinny kernel for decode-sized T."""
     if (x.dim() == 2 and _fits(x, w, x.shape[0]) and w.stride(1) == 1
-            and (bias is None or bias.dtype == x.dtype)):
+            and (bias is None or bias.dtype == x.dtype)
+            and (x.shape[0] <= GEMV_MAX_ROWS or w.numel() <= SKINNY_MAX_WEIGHT_ELEMENTS)):
         return linear_triton(x, w, bias)
     return F.linear(x, w, bias)
 
