@@ -255,6 +255,27 @@ def test_dispatch_falls_back_off_cuda_and_past_the_rows():
         assert torch.equal(sg.linear(x, w), torch.nn.functional.linear(x, w))   # fp32: torch
 
 
+def test_linear_sends_large_weights_past_the_gemv_rows_to_cublas():
+    """Past GEMV_MAX_ROWS rows the skinny kernel takes only weights of at most
+    SKINNY_MAX_WEIGHT_ELEMENTS (Llama-3.1-8B's projections lost to cuBLAS at 4-8 rows); at the
+    GEMV's rows every weight up to MAX_WEIGHT_ELEMENTS still takes the kernel."""
+    calls = []
+    with mock.patch.object(sg, "use_triton", lambda t: True), \
+            mock.patch.object(sg, "linear_triton",
+                              lambda x, w, b=None: calls.append(tuple(x.shape)) or "kernel"), \
+            mock.patch.object(sg, "SKINNY_MAX_WEIGHT_ELEMENTS", 64 * 32):
+        small, large = torch.zeros(64, 32).bfloat16(), torch.zeros(65, 32).bfloat16()
+        rows = sg.GEMV_MAX_ROWS + 1
+        assert sg.linear(torch.zeros(rows, 32).bfloat16(), small) == "kernel"
+        got = sg.linear(torch.zeros(rows, 32).bfloat16(), large)
+        assert isinstance(got, torch.Tensor) and got.shape == (rows, 65)       # F.linear
+        assert sg.linear(torch.zeros(sg.GEMV_MAX_ROWS, 32).bfloat16(), large) == "kernel"
+    assert calls == [(rows, 32), (sg.GEMV_MAX_ROWS, 32)]
+    # the shipped bound: DeepSeek-V2-Lite's x projection (3648 x 2048) stays on the kernel,
+    # Llama-3.1-8B's q (4096 x 4096) goes to cuBLAS
+    assert 3648 * 2048 <= sg.SKINNY_MAX_WEIGHT_ELEMENTS < 4096 * 4096
+
+
 def test_split_rule_from_shapes():
     """DeepSeek-V2-Lite at one row, 132 SMs: about two programs per SM, a split >= a K tile."""
     def split(N, K, G=1):
