@@ -25,6 +25,10 @@ each own half of O [64, 512], compute QK^T of alternate tiles (WG 0 buffer 0, WG
 pass P and the running max through shared memory, each softmax running under the other
 warpgroup's wgmmas (Q 64 KB + 2 x 72 KB + 2 P x 8 KB = 225 KB of the 227 KB a block may use).
 "simple" (the fallback): one 8-warp consumer partition over a 2-stage ring of whole tiles.
+"few" (gluon_mla_few_kernel.py; the backend's choice for <= FEW_MAX_HEADS heads): the products
+swapped, S^T = K Q^T and O^T += K^T P^T, so the tokens and the latent dims fill the wgmma's M and
+a 16- or 32-head block its N (the seesaw pads 16 heads to 64 rows); one consumer warpgroup fed
+by a 1-warp TMA producer, splits of one tile at least.
 Launched with programmatic dependent launch (triton_util.run_kernel): the KV tiles before each
 sequence's last row stream before the wait for the previous kernel (KV_EARLY). Splits: up to
 MAX_SPLITS, counted from the block table's width; a split's chunk keeps a pair of tiles, and the
