@@ -45,6 +45,7 @@ from helix import triton_util  # noqa: E402
 from helix.attention import gluon_mla, triton_backend, triton_mla, triton_mla_few  # noqa: E402
 from helix.layers import fused_mla  # noqa: E402
 from helix.layers import fused_moe as fm  # noqa: E402
+from helix.layers import fused_qk_norm  # noqa: E402
 from helix.layers import moe_decode as md  # noqa: E402
 from helix.layers import router as rt  # noqa: E402
 from helix.layers import skinny_gemm  # noqa: E402
@@ -295,7 +296,8 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-nogemv", "after-gemv-late", "after-router-chunked", "after-nonormgemv",
               "after-noonetile", "after-nogluon", "after-gluon-nopdl", "after-gluon-kv-late",
               "after-few-batch1", "after-attn-7a34bf8", "after-torch-argmax",
-              "after-gemv-nosplit", "after-ffd0c4b", "after-gluon-nofew", "after-skinny-big")
+              "after-gemv-nosplit", "after-ffd0c4b", "after-gluon-nofew", "after-skinny-big",
+              "after-noqknorm")
 
 
 def set_kernels(mode: str) -> None:
@@ -328,7 +330,8 @@ def set_kernels(mode: str) -> None:
     (skinny_gemm.GEMV_SPLIT off); 'after-ffd0c4b': both (the step of ffd0c4b);
     'after-gluon-nofew': few-heads launches on the seesaw Gluon variant, not "few"
     (triton_backend.GLUON_FEW_VARIANT None); 'after-skinny-big': the skinny kernel for weights of
-    any size past the GEMV's rows (skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS at the 64M bound)."""
+    any size past the GEMV's rows (skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS at the 64M bound);
+    'after-noqknorm': Qwen3's q / k norms and ropes as four launches (fused_qk_norm.FUSE off)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -338,6 +341,7 @@ def set_kernels(mode: str) -> None:
     fm.FOLD_SHARED = mode not in ("before", "after-nofold")
     triton_backend.GLUON_VARIANT = "simple" if mode == "after-gluon-simple" else _GLUON_VARIANT
     triton_backend.GLUON_FEW_VARIANT = None if mode == "after-gluon-nofew" else _GLUON_FEW
+    fused_qk_norm.FUSE = mode != "after-noqknorm"
     skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS = (skinny_gemm.MAX_WEIGHT_ELEMENTS
                                               if mode == "after-skinny-big" else _SKINNY_BOUND)
     triton_util.PDL = _PDL and mode not in ("after-nopdl", "after-nopdl-cublas")

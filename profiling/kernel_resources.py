@@ -56,7 +56,7 @@ def recorded_launches():
 def _signature(kernel, args, meta):
     """The JIT's specialisation of one launch: (signature, constexprs, attrs)."""
     sig, consts, attrs = {}, {}, {}
-    options = {k: meta[k] for k in ("num_warps", "num_stages") if k in meta}
+    options = {k: meta[k] for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in meta}
     for i, name in enumerate(kernel.arg_names):
         if name in meta:
             v = meta[name]
@@ -110,7 +110,8 @@ def compile_sm90(kernel, args, meta) -> dict:
                 constexprs={k: v for k, v in consts.items() if k.isupper()},
                 registers=regs, stack_bytes=stack, shared_bytes=cc.metadata.shared,
                 hgmma=sass.count("HGMMA"), hgmma_shapes=shapes, hmma=sass.count("HMMA"),
-                local_loads=sass.count("LDL"), cp_async=sass.count("LDGSTS"))
+                local_loads=sass.count("LDL"), cp_async=sass.count("LDGSTS"),
+                fp_fusion=opts.enable_fp_fusion, ffma=sass.count("FFMA"))
 
 
 def production_launches(name: str):

@@ -16,6 +16,7 @@ from helix.config import ModelConfig
 from helix.layers.attention_input import NormedInput
 from helix.layers.cp_attention import ContextParallel
 from helix.layers.exchange import KVPExchange
+from helix.layers.fused_qk_norm import qk_norm_rope
 from helix.layers.hopb import overlapped
 from helix.layers.linear import MergedColumnLinear, RowShardLinear
 from helix.layers.norm import RMSNorm
@@ -86,8 +87,10 @@ class GQAAttention(NormedInput, nn.Module):
             q = q.view(R, self.hq, self.d)
             k = k.view(R, self.hkv, self.d)
             v = v.view(R, self.hkv, self.d)
-            if self.qk_norm:
-                q, k = self.rope(self.q_norm(q), pos), self.rope(self.k_norm(k), pos)
+            if self.qk_norm:      # both norms and both rotations: one launch
+                rope = self.rope
+                q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight,
+                                    self.q_norm.eps, rope.cos, rope.sin, pos, rope.adjacent_pairs)
             else:  # q and k are adjacent columns of the GEMM output: rotate both in one launch
                 qk = self.rope(q.as_strided((R, self.hq + self.hkv, self.d), q.stride()), pos)
                 q, k = qk.split([self.hq, self.hkv], dim=1)

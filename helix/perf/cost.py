@@ -150,8 +150,9 @@ def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size
         extra = 2 * d if cfg.qk_norm else 0
         norm_kernels = _norm_alone(B, (hq + 2 * hkv) * d, D)
         proj = Phase("attn_proj", cfg.num_layers, norm + (proj_w + extra) * es, 2 * B * proj_w,
-                     norm_kernels + 2 + (3 if cfg.qk_norm else 0))
-        # (add + norm), QKV GEMM, rope (+ q/k norms, and q, k roped apart)
+                     norm_kernels + 2)
+        # (add + norm), QKV GEMM, rope (Qwen3: the q / k norms in the same launch,
+        # helix.layers.fused_qk_norm)
         pos_bytes = 2 * hkv * d * es
         att_flops = 2 * B * hq * t_local * (d + d)
         o_dim = d

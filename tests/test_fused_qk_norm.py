@@ -1,0 +1,176 @@
+"""helix.layers.fused_qk_norm: Qwen3's q / k norms and both rotations in one launch, against the
+two fused_ops functions composed (the layer's previous path) and a float64 formula; q / k as
+views of the fused qkv projection, head counts that do not fill a block, positions out of
+order; the dispatch; the attention layer's use of it. Without CUDA the kernel runs in Triton's
+interpreter (rounding like the GPU: triton_mode.gpu_rounding)."""
+
+import torch
+
+from triton_mode import DEV, gpu_rounding  # first: chooses the interpreter before triton loads
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import pytest  # noqa: E402
+
+from helix.layers import fused_qk_norm as fq  # noqa: E402
+from test_fused_ops import _rand, _tables  # noqa: E402
+
+EPS = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _gpu_rounding():
+    with gpu_rounding():
+        yield
+
+
+def _case(dtype, hq, hk, d, T=5, seed=0):
+    qkv = _rand(T, (hq + 2 * hk) * d, dtype=dtype, seed=seed, scale=3.0)
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)          # views, as the layer has
+    qw = (1 + 0.5 * _rand(d, seed=seed + 1)).to(dtype)
+    kw = (1 + 0.5 * _rand(d, seed=seed + 2)).to(dtype)
+    return q.view(T, hq, d), k.view(T, hk, d), qw, kw
+
+
+def _f64(x, w, cos, sin, pos, interleave):
+    x = x.double()
+    y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + EPS) * w.double()
+    c, s = cos.double()[pos].unsqueeze(1), sin.double()[pos].unsqueeze(1)
+    a, b = (y[..., 0::2], y[..., 1::2]) if interleave else y.chunk(2, dim=-1)
+    return torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+
+
+def _agrees(got, want, dtype):
+    """The sum of squares in another order may move rstd by an ulp, so a few elements of the
+    norm's output differ by a unit of the dtype, which the rotation carries (near a cancelling
+    a*cos - b*sin that is many of the output's ulps, but one of its inputs'). In 16 bits
+    nearly all elements equal bitwise (an fp32 rstd ulp rarely moves a rounded element); in
+    fp32 every element of a head moves with its rstd, within a few of its ulps."""
+    assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
+    if dtype != torch.float32:
+        assert (got == want).float().mean().item() >= 0.9
+    tol = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=4 * tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("hq,hk,d", [(8, 2, 16), (6, 1, 32), (5, 3, 8)])
+def test_matches_the_two_kernels_composed(dtype, interleave, hq, hk, d):
+    q, k, qw, kw = _case(dtype, hq, hk, d, seed=hq * d)
+    cos, sin = _tables(64, d // 2)
+    pos = torch.tensor([9, 2, 63, 2, 0], device=DEV)
+    got_q, got_k = fq.qk_norm_rope_triton(q, k, qw, kw, EPS, cos, sin, pos, interleave)
+    want_q, want_k = fq.qk_norm_rope_torch(q, k, qw, kw, EPS, cos, sin, pos, interleave)
+    _agrees(got_q, want_q, dtype)
+    _agrees(got_k, want_k, dtype)
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(got_q.double(), _f64(q, qw, cos, sin, pos, interleave),
+                               rtol=tol, atol=tol * 4)
+    torch.testing.assert_close(got_k.double(), _f64(k, kw, cos, sin, pos, interleave),
+                               rtol=tol, atol=tol * 4)
+
+
+def test_a_block_spans_q_and_k_heads_and_each_gets_its_weight():
+    """With q and k weights far apart, a k head normalised with q's weight (or the reverse)
+    would be off by their ratio; heads past Hq + Hk in the last block write nothing."""
+    q, k, _, _ = _case(torch.float32, 3, 2, 16)
+    qw = torch.full((16,), 2.0, device=DEV)
+    kw = torch.full((16,), 0.5, device=DEV)
+    cos, sin = _tables(8, 8)
+    pos = torch.zeros(5, dtype=torch.long, device=DEV)       # cos 1, sin 0 scaled: no mixing
+    got_q, got_k = fq.qk_norm_rope_triton(q, k, qw, kw, EPS, cos, sin, pos, False)
+    want_q, want_k = fq.qk_norm_rope_torch(q, k, qw, kw, EPS, cos, sin, pos, False)
+    _agrees(got_q, want_q, torch.float32)
+    _agrees(got_k, want_k, torch.float32)
+    # a k head normalised with q's weight would be 4 x too large
+    torch.testing.assert_close(got_k.double(), _f64(k, kw, cos, sin, pos, False), rtol=1e-5,
+                               atol=1e-5)
+    assert fq.launch_config(3 + 2, 8)["BLOCK_H"] == 8          # one block: 3 q, 2 k, 3 idle
+
+
+def test_dispatch():
+    q, k, qw, kw = _case(torch.bfloat16, 4, 2, 16)
+    cos, sin = _tables(64, 8)
+    pos = torch.tensor([1, 2, 3, 4, 5], device=DEV)
+    want = fq.qk_norm_rope_torch(q, k, qw, kw, EPS, cos, sin, pos, False)
+    with mock.patch.object(fq, "use_triton", lambda t: True), \
+            mock.patch.object(fq, "qk_norm_rope_triton", lambda *a: "kernel"):
+        assert fq.qk_norm_rope(q, k, qw, kw, EPS, cos, sin, pos, False) == "kernel"
+        for args in ((q, k, qw.float(), kw), (q, k, qw, kw.float())):    # weight dtype differs
+            got = fq.qk_norm_rope(*args, EPS, cos, sin, pos, False)
+            assert got != "kernel" and got[0].shape == q.shape
+        with mock.patch.object(fq, "FUSE", False):
+            got = fq.qk_norm_rope(q, k, qw, kw, EPS, cos, sin, pos, False)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_qwen3_attention_takes_the_fused_launch(monkeypatch):
+    """GQAAttention with qk_norm hands q, k and both norm weights to qk_norm_rope, once a layer
+    and forward pass (not two norms and two ropes)."""
+    from helix import LLM, Layout, RuntimeConfig, SamplingParams
+    from helix.layers import attention_gqa
+    calls = []
+    real = attention_gqa.qk_norm_rope
+
+    def spy(q, k, qw, kw, *rest):
+        calls.append((q.shape, k.shape, qw.data_ptr(), kw.data_ptr()))
+        return real(q, k, qw, kw, *rest)
+    monkeypatch.setattr(attention_gqa, "qk_norm_rope", spy)
+    with LLM("tiny-qwen3-moe", Layout(), RuntimeConfig(page_size=4, max_batch=1)) as llm:
+        llm.add_request([5, 17, 42, 3], SamplingParams(max_new_tokens=3, ignore_eos=True))
+        while llm.has_unfinished():
+            llm.step()
+        layers = llm.cfg.num_layers
+        norms = {(a.q_norm.weight.data_ptr(), a.k_norm.weight.data_ptr())
+                 for a in (layer.self_attn for layer in llm.engine.model.model.layers)}
+    assert len(calls) >= 3 * layers and len(calls) % layers == 0     # prefill + 2 decode steps
+    assert {(qw, kw) for _, _, qw, kw in calls} == norms
+
+
+_COMPILE = textwrap.dedent("""
+    import json, sys
+    from unittest import mock
+    import torch
+    from helix.layers import fused_qk_norm as fq
+    from profiling.kernel_resources import compile_sm90
+    e = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device="meta")
+    got = []
+    with mock.patch.object(fq, "run_kernel", lambda k, g, *a, **kw: got.append((k, a, kw))):
+        for dt in (torch.bfloat16, torch.float32):
+            qkv = e(4, (64 + 2 * 4) * 128, dt=dt)                # Qwen3-235B's rank: 64 q, 4 kv
+            q, k = qkv[:, :64 * 128].view(4, 64, 128), qkv[:, 64 * 128:68 * 128].view(4, 4, 128)
+            fq.qk_norm_rope_triton(q, k, e(128, dt=dt), e(128, dt=dt), 1e-6,
+                                   e(8192, 64, dt=torch.float32), e(8192, 64, dt=torch.float32),
+                                   e(4, dt=torch.int64), False)
+    json.dump([compile_sm90(k, a, kw) for k, a, kw in got], open(sys.argv[1], "w"))
+""")
+
+
+@pytest.mark.sm90
+def test_compiles_for_sm90(tmp_path):
+    """Compiled for sm_90 (no GPU needed): no spills, and compiled without FMA contraction (the
+    rotation's products and sums are rounded separately, as the torch formula does; the FFMAs
+    left are those of the correctly rounded sqrt and division)."""
+    import triton
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
+        pytest.skip("this triton wheel ships no ptxas / cuobjdump")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([root] + sys.path))
+    out = tmp_path / "records.json"
+    res = subprocess.run([sys.executable, "-c", _COMPILE, str(out)], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs = json.loads(out.read_text())
+    assert len(recs) == 2
+    for r in recs:
+        assert r["kernel"] == "_qk_norm_rope_kernel" and r["local_loads"] == 0
+        assert r["stack_bytes"] == 0 and r["fp_fusion"] is False, r
