@@ -9,6 +9,8 @@ import torch
 
 from triton_mode import DEV, gpu_rounding  # first: chooses the interpreter before triton loads
 
+import sm90_compile  # noqa: E402
+
 from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
@@ -242,20 +244,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     """DeepSeek-V2-Lite's shapes (bf16) compile for sm_90 without spills: the kv row alone
     (8 rows, 128 heads' rope dims) and with W_UK's absorption in its grid (one row)."""
     import json
-    import os
-    import subprocess
-    import sys
-    import triton
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
-        pytest.skip("this triton wheel ships no ptxas / cuobjdump")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join([root] + sys.path))
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True,
-                         timeout=600, env=env, cwd=root)
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = sm90_compile.run(tmp_path, ["-c", _COMPILE_SCRIPT], timeout=600, fp_fusion=True)
     recs = json.loads(res.stdout.strip().splitlines()[-1])
     assert [r["kernel"] for r in recs] == ["_kv_row_kernel", "_absorb_kv_row_kernel"]
     assert all(r["local_loads"] == 0 and r["stack_bytes"] == 0 for r in recs), recs

@@ -13,6 +13,8 @@ import torch
 
 from triton_mode import DEV, ON_GPU  # first: chooses the interpreter before triton loads
 
+import sm90_compile  # noqa: E402
+
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -488,18 +490,9 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.sm90
 def test_kernels_compile_for_sm90(tmp_path):
-    import triton
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
-        pytest.skip("this triton wheel ships no ptxas / cuobjdump")
     from profiling.kernel_resources import SM90_SMEM_LIMIT
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join([ROOT] + sys.path))
     out = tmp_path / "resources.json"
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(out)], capture_output=True,
-                         text=True, timeout=300, env=env, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
+    sm90_compile.run(tmp_path, ["-c", _COMPILE_SCRIPT, str(out)], fp_fusion=True)
     records = json.loads(out.read_text())
     assert len(records) == 8 + 4
     for r in records:

@@ -9,14 +9,12 @@ import torch
 from triton_mode import DEV, gpu_rounding  # first: chooses the interpreter before triton loads
 
 import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import textwrap  # noqa: E402
 from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
 
+import sm90_compile  # noqa: E402
 from helix.layers import fused_qk_norm as fq  # noqa: E402
 from test_fused_ops import _rand, _tables  # noqa: E402
 
@@ -157,18 +155,8 @@ def test_compiles_for_sm90(tmp_path):
     """Compiled for sm_90 (no GPU needed): no spills, and compiled without FMA contraction (the
     rotation's products and sums are rounded separately, as the torch formula does; the FFMAs
     left are those of the correctly rounded sqrt and division)."""
-    import triton
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
-        pytest.skip("this triton wheel ships no ptxas / cuobjdump")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([root] + sys.path))
     out = tmp_path / "records.json"
-    res = subprocess.run([sys.executable, "-c", _COMPILE, str(out)], capture_output=True,
-                         text=True, timeout=300, env=env, cwd=root)
-    assert res.returncode == 0, res.stderr[-3000:]
+    sm90_compile.run(tmp_path, ["-c", _COMPILE, str(out)])
     recs = json.loads(out.read_text())
     assert len(recs) == 2
     for r in recs:

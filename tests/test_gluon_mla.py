@@ -5,11 +5,11 @@ float32 oracle the GPU checks use, and an sm_90 compile of both variants (no GPU
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
+import sm90_compile
 from helix.attention import gluon_mla
 from helix.attention.triton_splits import fill_num_splits
 
@@ -294,19 +294,10 @@ def test_few_variant_compiles_for_sm90(tmp_path):
 def _compile_report(tmp_path, variants: str, heads: str = "128") -> list[dict]:
     """gluon_resources.py's records of an sm_90 compile (PDL on) in a subprocess."""
     import json
-    import triton
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
-        pytest.skip("this triton wheel ships no ptxas / cuobjdump")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join([ROOT] + sys.path))
     out = tmp_path / "res.json"
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "profiling", "gluon_resources.py"),
-                          "--variants", variants, "--heads", heads, "--pages", "64", "--pdl", "1",
-                          "--json", str(out)],
-                         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
+    sm90_compile.run(tmp_path, [os.path.join(ROOT, "profiling", "gluon_resources.py"),
+                                "--variants", variants, "--heads", heads, "--pages", "64",
+                                "--pdl", "1", "--json", str(out)], fp_fusion=True)
     return json.loads(out.read_text())
 
 

@@ -12,9 +12,9 @@ import torch
 
 from triton_mode import DEV, ON_GPU  # first: chooses the interpreter before triton loads
 
+import sm90_compile  # noqa: E402
+
 import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import textwrap  # noqa: E402
 
 import pytest  # noqa: E402
@@ -117,17 +117,8 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 def test_few_heads_compiles_for_sm90(tmp_path):
     """DeepSeek-V2-Lite's rank (16 heads, Dl 512, Dr 64, bf16): both orientations compile for
     sm_90 without spills within one block's shared memory; swapped, the products are wgmma."""
-    import triton
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
-        pytest.skip("this triton wheel ships no ptxas / cuobjdump")
     from profiling.kernel_resources import SM90_SMEM_LIMIT
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join([ROOT] + sys.path))
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True,
-                         timeout=600, env=env, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = sm90_compile.run(tmp_path, ["-c", _COMPILE_SCRIPT], timeout=600, fp_fusion=True)
     swap, plain = json.loads(res.stdout.strip().splitlines()[-1])
     for r in (swap, plain):
         assert r["local_loads"] == 0 and r["shared_bytes"] <= SM90_SMEM_LIMIT, r

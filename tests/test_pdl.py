@@ -14,6 +14,8 @@ import pytest
 import torch
 from triton_mode import ON_GPU  # first: chooses the interpreter before triton loads
 
+import sm90_compile  # noqa: E402
+
 from gpu_decode import captured_decode  # noqa: E402
 from helix import triton_util  # noqa: E402
 from helix.attention import triton_splits  # noqa: E402
@@ -238,14 +240,8 @@ _PTX_SCRIPT = textwrap.dedent("""
 def test_pdl_modes_compile_to_their_instruction_order(tmp_path):
     """PDL_ON: wait, then launch the next kernel; with PDL_EARLY and PDL_PREFETCH the weight
     prefetches come first, then the next kernel's launch, then the wait (sm_90 PTX)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([root] + sys.path))
     out = tmp_path / "order.json"
-    res = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, str(out)], capture_output=True,
-                         text=True, timeout=300, env=env, cwd=root)
-    assert res.returncode == 0, res.stderr[-3000:]
+    sm90_compile.run(tmp_path, ["-c", _PTX_SCRIPT, str(out)])
     records = json.loads(out.read_text())
     assert [r["kernel"] for r in records] == (["_skinny_kernel"] * 4 + ["_gate_up_kernel"] * 2
                                               + ["_down_kernel"] * 2)

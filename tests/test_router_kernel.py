@@ -13,9 +13,9 @@ import torch
 
 from triton_mode import DEV, ON_GPU, gpu_rounding  # first: picks the interpreter
 
+import sm90_compile  # noqa: E402
+
 import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import textwrap  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
@@ -297,16 +297,7 @@ def test_router_kernels_compile_for_sm90(tmp_path):
     the fused launch orders its workspace (the interpreter runs programs one at a time, so
     this is checked in the PTX): a CTA barrier between the logits stores and the one
     acq_rel GPU-scope atomic, and the last program reads the logits through L2 (.cg)."""
-    import triton
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
-        pytest.skip("this triton wheel ships no ptxas / cuobjdump")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join([ROOT] + sys.path))
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True,
-                         timeout=600, env=env, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = sm90_compile.run(tmp_path, ["-c", _COMPILE_SCRIPT], timeout=600, fp_fusion=True)
     recs = json.loads(res.stdout.strip().splitlines()[-1])
     assert [r["kernel"] for r in recs] == ["_route_fused_kernel"] * 3 + ["_route_select_kernel"]
     for r in recs:

@@ -10,6 +10,8 @@ import torch
 
 from triton_mode import DEV, ON_GPU, gpu_rounding  # first: picks the interpreter
 
+import sm90_compile  # noqa: E402
+
 from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
@@ -353,20 +355,7 @@ def test_gemv_compiles_for_sm90_and_loads_its_weights_before_the_wait(tmp_path):
     spills; with GEMV_EARLY the weight loads come before griddepcontrol.wait, without it every
     load comes after."""
     import json
-    import os
-    import subprocess
-    import sys
-    import triton
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
-        pytest.skip("this triton wheel ships no ptxas / cuobjdump")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([root] + sys.path))
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True,
-                         timeout=600, env=env, cwd=root)
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = sm90_compile.run(tmp_path, ["-c", _COMPILE_SCRIPT], timeout=600)
     recs = json.loads(res.stdout.strip().splitlines()[-1])
     assert [r["kernel"] for r in recs] == ["_gemv_kernel"] * 6
     assert recs[5]["constexprs"]["SPLIT_K"] == 3

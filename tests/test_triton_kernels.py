@@ -16,6 +16,8 @@ import torch
 
 from triton_mode import DEV, ON_GPU  # first: chooses the interpreter before triton loads
 
+import sm90_compile  # noqa: E402
+
 import inspect  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
@@ -716,20 +718,10 @@ def test_kernels_compile_for_sm90(tmp_path):
     """What the interpreter cannot check: every production launch (Llama-70B GQA, DeepSeek MLA,
     append, exchange, ...) compiles for sm_90 with triton's bundled ptxas, fits a block's shared
     memory, barely spills, and the MLA kernel issues wgmma. No GPU needed."""
-    import triton
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
-        pytest.skip("this triton wheel ships no ptxas / cuobjdump")
     from profiling.kernel_resources import SM90_SMEM_LIMIT
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join(sys.path))
     out = tmp_path / "resources.json"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, os.path.join(root, "profiling", "kernel_resources.py"),
-                          "--json", str(out)], capture_output=True, text=True, timeout=600,
-                         env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
+    sm90_compile.run(tmp_path, [os.path.join(sm90_compile.ROOT, "profiling", "kernel_resources.py"),
+                                "--json", str(out)], timeout=600, fp_fusion=True)
     records = json.loads(out.read_text())
     assert {r["kernel"] for r in records} >= {"_gqa_split_kernel", "_mla_split_kernel",
                                               "_reduce_splits_kernel", "_append_kernel",

@@ -43,6 +43,7 @@ def mla_kv_row_torch(ckv, norm_w, eps, cos, sin, pos, interleave, q_rope=None, c
 
 
 if HAS_TRITON:
+    from helix.layers.fused_ops import _rope_pairs
     from helix.layers.skinny_gemm import _skinny_program
 
     @triton.jit
@@ -74,12 +75,7 @@ if HAS_TRITON:
         p = tl.load(pos_ptr + t).to(tl.int64)
         cs = tl.load(cos_ptr + p * sct + f, mask=fmask, other=0.0).to(tl.float32)
         sn = tl.load(sin_ptr + p * sst + f, mask=fmask, other=0.0).to(tl.float32)
-        if INTERLEAVE:
-            fa = 2 * f
-            fb = 2 * f + 1
-        else:
-            fa = f
-            fb = f + HALF
+        fa, fb = _rope_pairs(f, HALF, INTERLEAVE)
         a = tl.load(row + D_LAT + fa, mask=fmask, other=0.0).to(tl.float32)
         b = tl.load(row + D_LAT + fb, mask=fmask, other=0.0).to(tl.float32)
         ra = (a * cs - b * sn).to(dt)

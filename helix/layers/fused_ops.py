@@ -175,6 +175,16 @@ if HAS_TRITON:
                          mask=m)
 
     @triton.jit
+    def _rope_pairs(f, HALF, INTERLEAVE: tl.constexpr):
+        """The feature indices (a, b) of rotation pair f: (2f, 2f + 1) with INTERLEAVE (the
+        adjacent-pairs convention), else (f, f + HALF) (rotate_half). Every RoPE kernel's
+        rule; each writes its pair f's results to [f] and [HALF + f]."""
+        if INTERLEAVE:
+            return 2 * f, 2 * f + 1
+        else:
+            return f, f + HALF
+
+    @triton.jit
     def _rope_kernel(
         x_ptr, cos_ptr, sin_ptr, pos_ptr, y_ptr,
         H, HALF,
@@ -195,12 +205,7 @@ if HAS_TRITON:
         c = tl.load(cos_ptr + p * sct + f * scf, mask=fmask, other=0.0).to(tl.float32)[None, :]
         s = tl.load(sin_ptr + p * sst + f * ssf, mask=fmask, other=0.0).to(tl.float32)[None, :]
         row = x_ptr + t * sxt + hh[:, None] * sxh                          # [BH, 1]
-        if INTERLEAVE:
-            fa = 2 * f
-            fb = 2 * f + 1
-        else:
-            fa = f
-            fb = f + HALF
+        fa, fb = _rope_pairs(f, HALF, INTERLEAVE)
         a = tl.load(row + fa[None, :] * sxd, mask=m, other=0.0).to(tl.float32)
         b = tl.load(row + fb[None, :] * sxd, mask=m, other=0.0).to(tl.float32)
         out = y_ptr + (t * H + hh[:, None]) * (2 * HALF) + f[None, :]

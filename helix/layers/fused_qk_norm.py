@@ -27,7 +27,7 @@ from helix.triton_util import HAS_TRITON, pdl_sync, pow2, run_kernel, tl, triton
 FUSE = True          # module flag (benches switch it): the one-launch path where it applies
 
 if HAS_TRITON:
-    from helix.layers.fused_ops import _rstd
+    from helix.layers.fused_ops import _rope_pairs, _rstd
 
     @triton.jit
     def _qk_norm_rope_kernel(
@@ -48,12 +48,7 @@ if HAS_TRITON:
         fmask = f < HALF
         mq = (is_q[:, None]) & fmask[None, :]
         mk = ((hh >= HQ) & (hh < HQ + HK))[:, None] & fmask[None, :]
-        if INTERLEAVE:
-            fa = 2 * f
-            fb = 2 * f + 1
-        else:
-            fa = f
-            fb = f + HALF
+        fa, fb = _rope_pairs(f, HALF, INTERLEAVE)
         q_row = q_ptr + t * sqt + hh[:, None] * sqh
         k_row = k_ptr + t * skt + hk[:, None] * skh
         a = (tl.load(q_row + fa[None, :], mask=mq, other=0.0).to(tl.float32)
