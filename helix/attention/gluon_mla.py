@@ -80,8 +80,8 @@ PDL_KV_LATE = 8              # a bit of the kernel's PDL value: every tile waits
 SKIP_EMPTY = True
 # Head blocks of one (sequence, split) read the same KV tiles. CLUSTER_HEADS > 1 launches each
 # group of that many as a thread-block cluster (one GPC), so both readers sit behind the same
-# L2 partition (profiling/results/mla_gluon_l2.md: at 64 x 512K every KV byte left DRAM twice).
-# 1: plain launch (benches switch it).
+# L2 partition. Measured no gain: the plain launch already reads the KV once from DRAM
+# (profiling/results/mla_gluon_l2.md, its correction). 1: plain launch (benches switch it).
 CLUSTER_HEADS = 1
 # Registers per thread (warp_specialize's worker budgets; the default partition gets the rest of
 # maxnreg x all warps). seesaw: 4 (WG 0) + 4 (WG 1) + 4 (the producer, the default partition)
