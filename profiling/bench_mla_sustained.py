@@ -13,7 +13,8 @@ enough for the clock to fall) by a short burst of GEMMs (at the full clock).
 each replay's host enqueue time is in the record.
 
     PYTHONPATH=. python profiling/bench_mla_sustained.py --out sustained.json \
-        [--shapes 64x524288,8x524288] [--n 20] [--gap 0.5] [--busy 0.4]
+        [--shapes 64x524288,8x524288] [--variants seesaw,seesaw+c2] [--n 20] [--gap 0.5] \
+        [--busy 0.4]
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from helix.attention import gluon_mla  # noqa: E402
 from profiling.bench_attention import random_pool  # noqa: E402
-from profiling.bench_mla_gluon import DL, DR, SCALE  # noqa: E402
+from profiling.bench_mla_gluon import DL, DR, SCALE, gluon_call  # noqa: E402
 
 
 def captured(fn):
@@ -91,7 +91,9 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--shapes", default="64x524288,8x524288")
     p.add_argument("--heads", type=int, default=128)
-    p.add_argument("--variant", default="seesaw")
+    p.add_argument("--variants", default="seesaw",
+                   help="kernel specs as bench_mla_gluon.py takes them: seesaw, few, seesaw/8 "
+                        "(forced splits), seesaw+c2 (head blocks in 2-CTA clusters)")
     p.add_argument("--n", type=int, default=20)
     p.add_argument("--gap", type=float, default=0.5)
     p.add_argument("--busy", type=float, default=0.4)
@@ -111,21 +113,22 @@ def main(argv=None):
             lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
             ql = torch.randn(B, args.heads, DL, device="cuda", dtype=torch.bfloat16)
             qr = torch.randn(B, args.heads, DR, device="cuda", dtype=torch.bfloat16)
-            graph = captured(lambda: gluon_mla.mla_decode_gluon(ql, qr, pool, bt, lens, SCALE,
-                                                                variant=args.variant))
             flops = 2 * B * args.heads * ctx * (DL + DR + DL)
-            got = regimes(graph.replay, flops, args.n, args.gap, args.busy)
-            rec = dict(batch=B, context=ctx, heads=args.heads, variant=args.variant)
-            for mode, r in got.items():
-                rec[mode] = dict(r, matmul_rate=mm[mode]["rate"],
-                                 matmul_fraction=r["rate"] / mm[mode]["rate"],
-                                 fraction_of_spaced_matmul=r["rate"] / mm["spaced"]["rate"])
-            recs.append(rec)
-            print(f"{B}x{ctx // 1024}K: " + "; ".join(
-                f"{m} {r['median_ms']:.3f} ms = {100 * r['matmul_fraction']:.1f} % of that "
-                f"regime's matmul ({100 * r['fraction_of_spaced_matmul']:.1f} % of the spaced)"
-                for m, r in rec.items() if isinstance(r, dict)), flush=True)
-            del graph
+            for spec in args.variants.split(","):
+                graph = captured(lambda spec=spec: gluon_call(spec, ql, qr, pool, bt, lens,
+                                                              SCALE))
+                got = regimes(graph.replay, flops, args.n, args.gap, args.busy)
+                rec = dict(batch=B, context=ctx, heads=args.heads, variant=spec)
+                for mode, r in got.items():
+                    rec[mode] = dict(r, matmul_rate=mm[mode]["rate"],
+                                     matmul_fraction=r["rate"] / mm[mode]["rate"],
+                                     fraction_of_spaced_matmul=r["rate"] / mm["spaced"]["rate"])
+                recs.append(rec)
+                print(f"{B}x{ctx // 1024}K {spec}: " + "; ".join(
+                    f"{m} {r['median_ms']:.3f} ms = {100 * r['matmul_fraction']:.1f} % of that "
+                    f"regime's matmul ({100 * r['fraction_of_spaced_matmul']:.1f} % of the "
+                    "spaced)" for m, r in rec.items() if isinstance(r, dict)), flush=True)
+                del graph
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), args=vars(args),
                            matmul={k: {kk: vv for kk, vv in v.items()}
