@@ -64,7 +64,7 @@ def test_matches_the_two_kernels_composed(dtype, interleave, hq, hk, d):
     cos, sin = _tables(64, d // 2)
     pos = torch.tensor([9, 2, 63, 2, 0], device=DEV)
     got_q, got_k = fq.qk_norm_rope_triton(q, k, qw, kw, EPS, cos, sin, pos, interleave)
-    want_q, want_k = fq.qk_norm_rope_torch(q, k, qw, kw, EPS, cos, sin, pos, interleave)
+    want_q, want_k = fq.qk_norm_rope_composed(q, k, qw, kw, EPS, cos, sin, pos, interleave)
     _agrees(got_q, want_q, dtype)
     _agrees(got_k, want_k, dtype)
     tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
@@ -83,7 +83,7 @@ def test_a_block_spans_q_and_k_heads_and_each_gets_its_weight():
     cos, sin = _tables(8, 8)
     pos = torch.zeros(5, dtype=torch.long, device=DEV)       # cos 1, sin 0 scaled: no mixing
     got_q, got_k = fq.qk_norm_rope_triton(q, k, qw, kw, EPS, cos, sin, pos, False)
-    want_q, want_k = fq.qk_norm_rope_torch(q, k, qw, kw, EPS, cos, sin, pos, False)
+    want_q, want_k = fq.qk_norm_rope_composed(q, k, qw, kw, EPS, cos, sin, pos, False)
     _agrees(got_q, want_q, torch.float32)
     _agrees(got_k, want_k, torch.float32)
     # a k head normalised with q's weight would be 4 x too large
@@ -96,7 +96,7 @@ def test_dispatch():
     q, k, qw, kw = _case(torch.bfloat16, 4, 2, 16)
     cos, sin = _tables(64, 8)
     pos = torch.tensor([1, 2, 3, 4, 5], device=DEV)
-    want = fq.qk_norm_rope_torch(q, k, qw, kw, EPS, cos, sin, pos, False)
+    want = fq.qk_norm_rope_composed(q, k, qw, kw, EPS, cos, sin, pos, False)
     with mock.patch.object(fq, "use_triton", lambda t: True), \
             mock.patch.object(fq, "qk_norm_rope_triton", lambda *a: "kernel"):
         assert fq.qk_norm_rope(q, k, qw, kw, EPS, cos, sin, pos, False) == "kernel"

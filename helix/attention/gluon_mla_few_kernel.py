@@ -32,9 +32,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from helix.attention.gluon_mla_kernel import (CHUNK, D_LATENT, D_ROPE, _kv_wait, _load_q, _pdl_wait,
-                                              _split_tiles, _sync_threads, _tile_row, _tma_load,
-                                              _zero_stale_rows)
+from helix.attention.gluon_mla_kernel import (CHUNK, D_LATENT, D_ROPE, _kv_wait, _load_q,
+                                              _pdl_wait, _split_tiles, _sync_threads, _tile_row,
+                                              _tma_load, _zero_stale_rows)
 
 
 @gluon.jit
@@ -161,8 +161,7 @@ def mla_decode_few_kernel(
     start, end, n_tiles, kv_len = _split_tiles(lens_ptr, b, split, num_splits, BLOCK_N,
                                                MIN_CHUNK)
     kv_lat = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_LATENT], lat_layout)
-    kv_rope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE],
-                                        rope_layout)
+    kv_rope = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], rope_layout)
     q_lat = gl.allocate_shared_memory(dtype, [BLOCK_H, D_LATENT], lat_layout)
     q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], rope_layout)
     p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,

@@ -77,7 +77,9 @@ if HAS_TRITON:
         tl.store(k_out + HALF, hi, mask=mk)
 
 
-def qk_norm_rope_torch(q, k, q_w, k_w, eps, cos, sin, pos, interleave):
+def qk_norm_rope_composed(q, k, q_w, k_w, eps, cos, sin, pos, interleave):
+    """The layer's previous path: fused_ops' rms_norm, then its rope, for q and for k (their
+    kernels on CUDA, the torch formulas elsewhere)."""
     return (rope(rms_norm(q, q_w, eps), cos, sin, pos, interleave),
             rope(rms_norm(k, k_w, eps), cos, sin, pos, interleave))
 
@@ -120,4 +122,4 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch
     (cos / sin [P, d/2] fp32): one launch on CUDA (module doc), else the two functions."""
     if fits(q, k, q_w, k_w):
         return qk_norm_rope_triton(q, k, q_w, k_w, eps, cos, sin, pos, interleave)
-    return qk_norm_rope_torch(q, k, q_w, k_w, eps, cos, sin, pos, interleave)
+    return qk_norm_rope_composed(q, k, q_w, k_w, eps, cos, sin, pos, interleave)
