@@ -93,16 +93,12 @@ def run_kernel(kernel, grid, *args, cluster: int = 1, **meta):
 def pdl_enabled(device: torch.device | None) -> bool:
     """Whether kernels on `device` launch with PDL: CUDA (not the interpreter), compute
     capability >= 9, and HELIX_PDL (module flag PDL) on."""
-    return bool(PDL and FLAGS) and compiled_on(device, 9)
-
-
-def compiled_on(device: torch.device | None, capability: int = 0) -> bool:
-    """Whether kernels on `device` run compiled (CUDA, not the interpreter) on compute
-    capability >= `capability` (9: where sm_90 instructions such as prefetch_l2's exist)."""
-    if device is None or device.type != "cuda" or _INTERPRETED:
+    if not (PDL and FLAGS) or device is None or device.type != "cuda":
+        return False
+    if _INTERPRETED:
         return False
     return _capability(device.index if device.index is not None
-                       else torch.cuda.current_device()) >= capability
+                       else torch.cuda.current_device()) >= 9
 
 
 @functools.lru_cache(maxsize=None)

@@ -113,10 +113,7 @@ DECODE_CONFIGS = [  # every inner-product mode, row blocking, split-K, the unfus
     dict(mode="fma", **WIDE), dict(mode="fma", BLOCK_M=2, up_BLOCK_N=4, down_BLOCK_N=8),
     dict(mode="fma", BLOCK_M=4, K_SPLITS=2, up_BLOCK_K=16, **WIDE),
     dict(mode="dot", K_SPLITS=3, FUSED_COMBINE=False, **WIDE),
-    dict(mode="dot", down_BLOCK_N=16, up_BLOCK_K=16, num_stages=1),
-    # one queued launch (any row count here; by default one row)
-    dict(mode="dot", QUEUE=True, K_SPLITS=2, **WIDE),
-    dict(mode="fma", BLOCK_M=2, QUEUE=True, up_BLOCK_N=4, down_BLOCK_N=8)]
+    dict(mode="dot", down_BLOCK_N=16, up_BLOCK_K=16, num_stages=1)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -150,9 +147,8 @@ def _shared_reference(x, gs, us, ds):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("config", [dict(mode="dot", **WIDE),
                                     dict(mode="fma", BLOCK_M=2, K_SPLITS=2, **WIDE),
-                                    dict(mode="dot", K_SPLITS=3, FUSED_COMBINE=False, **WIDE),
-                                    dict(mode="dot", QUEUE=True, K_SPLITS=2, **WIDE)],
-                         ids=["dot", "fma-ks2", "dot-ks3-unfused", "dot-ks2-queued"])
+                                    dict(mode="dot", K_SPLITS=3, FUSED_COMBINE=False, **WIDE)],
+                         ids=["dot", "fma-ks2", "dot-ks3-unfused"])
 @pytest.mark.parametrize("T,Is", [(1, 24), (3, 2 * 24 - 5), (5, 3 * 24)])
 def test_decode_kernels_add_shared_experts(T, Is, config, dtype):
     """moe_decode with the shared-expert shard: routed pairs (repeats, other ranks' experts)
@@ -215,60 +211,6 @@ def test_moe_layer_same_with_shared_experts_folded():
     torch.testing.assert_close(v1, separate, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("T,shared", [(1, True), (3, False)])
-def test_queued_launch_same_as_two_launches(T, shared):
-    """gate/up and down as one queued launch (_queued_kernel) against the two launches: the
-    same result (bitwise where the interpreter runs both: the same items, the same fixed-order
-    k-sum), and the shared counter buffer all zero again after it (ticket, leaving count, the
-    slots' and the feature blocks' counters)."""
-    E, first, k = 6, 6, 4
-    x, gate, up, down, weights, ids = _problem(T, 40, 24, E, k, first, 18, torch.float16,
-                                               seed=5 + T)
-    ids[0, :2] = 7 if T > 1 else ids[0, :2]
-    sh = _shared_shard(2 * 24 - 5, 40, torch.float16, seed=T) if shared else None
-    cfg = dict(mode="dot", K_SPLITS=2, **WIDE)
-    one = md.moe_decode(x, gate, up, down, weights, ids, first, dict(cfg, QUEUE=True), sh)
-    two = md.moe_decode(x, gate, up, down, weights, ids, first, dict(cfg, QUEUE=False), sh)
-    if ON_GPU:
-        torch.testing.assert_close(one, two, rtol=2e-3, atol=2e-3)
-    else:
-        assert torch.equal(one, two)
-    assert not md.arrival_counters(x.device, 64).any()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_queued_launch_on_the_gpu_many_items_and_graphs():
-    """DeepSeek-V2-Lite's batch-1 MoE (64 experts, top-6, 2 shared virtual experts, bf16):
-    ~600 items over a one-wave grid, so programs claim items from the ticket and down items
-    wait for their expert's gate/up items. Against the two launches, repeated (the counters
-    reset), and replayed in a CUDA graph with new routing each time."""
-    g = torch.Generator().manual_seed(0)
-    w = lambda *s: (torch.randn(*s, generator=g) / s[-1] ** 0.5).to("cuda", torch.bfloat16)  # noqa: E731
-    gate, up, down = w(64, 1408, 2048), w(64, 1408, 2048), w(64, 2048, 1408)
-    gs, us, ds = w(2816, 2048), w(2816, 2048), w(2048, 2816)
-    x = w(1, 2048) * 30
-    ids = torch.randperm(64, generator=g)[:6].view(1, 6).cuda()
-    weights = torch.rand(1, 6, generator=g).cuda().to(torch.bfloat16)
-    cfg = md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132, shared=2)
-    assert cfg["QUEUE"]                                              # the default at one row
-    run = lambda q: md.moe_decode(x, gate, up, down, weights, ids, 0, dict(QUEUE=q),  # noqa: E731
-                                  (gs, us, ds))
-    two = run(False)
-    for _ in range(3):
-        torch.testing.assert_close(run(True), two, rtol=2e-2, atol=2e-2)
-    assert not md.arrival_counters(x.device, 64).any()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run(True)
-    for seed in range(3):
-        ids.copy_(torch.randperm(64, generator=torch.Generator().manual_seed(seed))[:6])
-        graph.replay()
-        torch.testing.assert_close(captured, run(False), rtol=2e-2, atol=2e-2)
-    torch.cuda.synchronize()
-    assert not md.arrival_counters(x.device, 64).any()
-
-
 def test_decode_config_validated():
     with pytest.raises(ValueError, match="unknown MoE decode tunables"):
         md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, config={"BLOCK": 1})
@@ -285,8 +227,7 @@ def test_decode_config_validated():
     # down projection in 128-wide ones over 2 K splits; the same down tiles for two rows
     c = md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132, shared=2)
     assert c["up"]["BLOCK_N"] == 32 and c["down"]["BLOCK_N"] == 128 and c["K_SPLITS"] == 2
-    assert c["MODE"] == md.MODES["dot"] and c["up"]["BLOCK_K"] == 64
-    assert c["QUEUE"] and c["num_warps"] == 8 and c["num_stages"] == 4     # one queued launch
+    assert c["MODE"] == md.MODES["dot"] and c["up"]["BLOCK_K"] == 64 and c["num_stages"] == 3
     c = md.moe_decode_config(2, 6, 64, 1408, 2048, torch.bfloat16, 132, shared=2)
     assert c["down"]["BLOCK_N"] == 128 and c["K_SPLITS"] == 2 and c["num_stages"] == 4
     # several rows: 128-element K tiles over 4 stages, feature blocks from the programs rule
@@ -299,16 +240,6 @@ def test_decode_config_validated():
     # one expert (EP), narrow D: split K to fill the GPU
     c = md.moe_decode_config(1, 1, 8, 4096, 256, torch.bfloat16, 132)
     assert c["K_SPLITS"] == 8
-    # one queued launch up to QUEUE_ROWS rows (it needs the fused k-sum), two launches past it
-    assert md.moe_decode_config(md.QUEUE_ROWS, 6, 64, 1408, 2048, torch.bfloat16)["QUEUE"]
-    assert not md.moe_decode_config(md.QUEUE_ROWS + 1, 6, 64, 1408, 2048,
-                                    torch.bfloat16)["QUEUE"]
-    assert not md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16,
-                                    config=dict(FUSED_COMBINE=False))["QUEUE"]
-    with pytest.raises(ValueError, match="QUEUE needs FUSED_COMBINE"):
-        md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16,
-                             config=dict(QUEUE=True, FUSED_COMBINE=False))
-    assert fm.decode_launches(md.QUEUE_ROWS) == 1 and fm.decode_launches(md.QUEUE_ROWS + 1) == 2
 
 
 def test_edge_routing_zero_rows_and_empty_experts():
@@ -440,9 +371,8 @@ def test_runs_on_meta_tensors():
 # -- only experts with tokens are read ---------------------------------------------------------
 
 @pytest.mark.skipif(ON_GPU, reason="instruments the interpreter's loads")
-@pytest.mark.parametrize("variant,config", [("v1", None), ("decode", dict(QUEUE=False)),
-                                            ("decode", dict(QUEUE=True))])
-def test_reads_only_experts_with_tokens(variant, config):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reads_only_experts_with_tokens(variant):
     """Every address the kernels load is recorded: none falls in the gate / up / down slices of
     the experts that received no token, and every hit expert's slices are read."""
     from triton.runtime import interpreter
@@ -458,8 +388,7 @@ def test_reads_only_experts_with_tokens(variant, config):
         return real(self, ptrs, mask, other, *a, **kw)
 
     with mock.patch.object(interpreter.InterpreterBuilder, "create_masked_load", spy):
-        out = fm.fused_moe(x, gate, up, down, weights, ids, first, variant=variant,
-                           config=config)
+        out = fm.fused_moe(x, gate, up, down, weights, ids, first, variant=variant)
     _check(out, _reference(x, gate, up, down, weights, ids, first), x, torch.float32)
     addrs = torch.from_numpy(__import__("numpy").concatenate(loaded))
 
@@ -545,20 +474,16 @@ _COMPILE_SCRIPT = textwrap.dedent("""
              (8, 16, 768, 4096, 8, torch.float16), (8, 16, 768, 4096, 8, torch.float32)]
     record = lambda k, g, *a, **kw: launches.append((k, a, kw))
     with mock.patch.object(fm, "run_kernel", record), mock.patch.object(md, "run_kernel", record), \
-            mock.patch.object(md, "sm_count_of", lambda d: 132), \
-            mock.patch.object(md, "compiled_on", lambda d, c=0: True):
+            mock.patch.object(md, "sm_count_of", lambda d: 132):
         for T, E, I, D, k, dt in cases:
             w = lambda *s: torch.empty(*s, dtype=dt, **m)
             fm.fused_moe(w(T, D), w(E, I, D), w(E, I, D), w(E, D, I), w(T, k),
                          torch.empty(T, k, dtype=torch.int64, **m), 0, variant="v1")
-        # decode kernels: DeepSeek-V2-Lite (64 experts, 2 shared virtual experts), batch 1 on
-        # tensor cores queued (the default) and in two launches, 8 by FMA
-        for T, cfg in ((1, dict(mode="dot")), (1, dict(mode="dot", QUEUE=False)),
-                       (8, dict(mode="fma"))):
+        # decode kernels: DeepSeek-V2-Lite (64 experts), batch 1 on tensor cores, 8 by FMA
+        for T, mode in ((1, "dot"), (8, "fma")):
             w = lambda *s: torch.empty(*s, dtype=torch.bfloat16, **m)
             md.moe_decode(w(T, 2048), w(64, 1408, 2048), w(64, 1408, 2048), w(64, 2048, 1408),
-                          w(T, 6), torch.empty(T, 6, dtype=torch.int64, **m), 0, cfg,
-                          (w(2816, 2048), w(2816, 2048), w(2048, 2816)))
+                          w(T, 6), torch.empty(T, 6, dtype=torch.int64, **m), 0, dict(mode=mode))
     json.dump([compile_sm90(k, a, kw) for k, a, kw in launches], open(sys.argv[1], "w"))
 """)
 
@@ -569,7 +494,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     out = tmp_path / "resources.json"
     sm90_compile.run(tmp_path, ["-c", _COMPILE_SCRIPT, str(out)], fp_fusion=True)
     records = json.loads(out.read_text())
-    assert len(records) == 8 + 1 + 2 + 2
+    assert len(records) == 8 + 4
     for r in records:
         assert r["shared_bytes"] <= SM90_SMEM_LIMIT, r
         assert r["stack_bytes"] <= 64, r
@@ -584,26 +509,6 @@ def test_kernels_compile_for_sm90(tmp_path):
     ptxs = [p.read_text() for p in (tmp_path / "cache").rglob("_down_kernel.ptx")]
     fused = [p for p in ptxs if "atom." in p]
     assert len(fused) == 2, len(fused)
-    # the queued launch: one wave of QUEUE_WARPS_PER_SM warps per SM fits (registers, shared
-    # memory); gate/up items release their slot's counter after a CTA barrier, down items
-    # acquire it (asking L2 for their weights while they wait) and read h through L2
-    queued = [r for r in decode if r["kernel"] == "_queued_kernel"]
-    assert len(queued) == 1, [r["kernel"] for r in decode]
-    q = queued[0]
-    per_sm = max(1, md.QUEUE_WARPS_PER_SM // q["num_warps"])
-    assert q["shared_bytes"] * per_sm <= SM90_SMEM_LIMIT, q
-    assert q["registers"] * 32 * q["num_warps"] * per_sm <= 65536, q
-    ptx = next((tmp_path / "cache").rglob("_queued_kernel.ptx")).read_text()
-    lines = [ln.strip() for ln in ptx.splitlines()]
-    release = [i for i, ln in enumerate(lines) if "atom.release.gpu" in ln
-               or "atom.global.gpu.release" in ln]
-    assert len(release) == 1, release
-    start = max(i for i in range(release[0]) if lines[i].endswith(":"))   # its basic block
-    assert any(ln.startswith("bar.sync") for ln in lines[start:release[0]]), \
-        "no CTA barrier before the release in its block"
-    assert any("acquire" in ln and ("atom." in ln or "ld.global" in ln) for ln in lines)
-    assert any("ld.global.cg" in ln for ln in lines)
-    assert any("cp.async.bulk.prefetch.L2" in ln for ln in lines)
     for ptx in fused:
         lines = [ln.strip() for ln in ptx.splitlines()]
         atoms = [i for i, ln in enumerate(lines) if "atom." in ln]

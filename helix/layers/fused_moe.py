@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 from helix.triton_util import HAS_TRITON, pow2, run_kernel, tl, triton
 
-__all__ = ["fused_moe", "fused_moe_torch", "decode_kernels", "decode_launches", "moe_routing",
-           "moe_launch_config", "HAS_TRITON"]
+__all__ = ["fused_moe", "fused_moe_torch", "decode_kernels", "moe_routing", "moe_launch_config",
+           "HAS_TRITON"]
 
 VARIANT = os.environ.get("HELIX_MOE_KERNEL", "auto")
 VARIANTS = ("v1", "decode", "auto")
@@ -53,13 +53,6 @@ def decode_kernels(pairs: int, variant: str | None = None) -> bool:
     if variant not in VARIANTS:
         raise ValueError(f"MoE kernel variant {variant!r} not in {VARIANTS}")
     return HAS_TRITON and variant != "v1" and 0 < pairs <= moe_decode.MAX_PAIRS
-
-
-def decode_launches(T: int) -> int:
-    """The launches moe_decode makes for T rows with its default tunables: one queued launch
-    up to moe_decode.QUEUE_ROWS rows, else gate/up and down (the k-sum fused in the latter)."""
-    from helix.layers import moe_decode
-    return 1 if T <= moe_decode.QUEUE_ROWS else 2
 
 
 def moe_routing(ids: torch.Tensor, first: int, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 
 from helix.attention.triton_splits import sm_count_of
-from helix.triton_util import (arrival_counters, compiled_on, last_to_arrive, pdl_sync, pow2,
-                               prefetch_l2, prefetching, run_kernel)
+from helix.triton_util import (arrival_counters, last_to_arrive, pdl_sync, pow2, prefetch_l2,
+                               prefetching, run_kernel)
 
 MAX_PAIRS = 128              # T * k up to this runs here (decode buckets); more: fused_moe's v1
 MODES = {"fma": 0, "dot": 2}
@@ -86,23 +86,20 @@ def _w_tile(w_rows, kk, nmask, kmask, MODE: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(rows_ptr, kk, rvalid, kmask, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-              FROM_L2: tl.constexpr = False):
+def _row_tile(rows_ptr, kk, rvalid, kmask, BLOCK_N: tl.constexpr, MODE: tl.constexpr):
     """The activation rows of a K step from their pointers rows_ptr [BM, 1]. FMA: loaded as
     [BM, BN, BK], each row repeated BN times (a zero stride; the repeats are L1 hits), so the
     product takes the weight tile's own register layout: a [BM, 1, BK] operand makes the
     compiler move every weight tile through shared memory into the rows' layout instead.
-    Tensor cores: [BM, BK]. FROM_L2: through L2 (.cg), for rows another program of the same
-    launch wrote (the queued launch's down items)."""
-    cache: tl.constexpr = ".cg" if FROM_L2 else ""
+    Tensor cores: [BM, BK]."""
     if MODE == 0:
         zero = tl.zeros([1, BLOCK_N, 1], dtype=tl.int32)
         return tl.load(rows_ptr[:, :, None] + zero + kk[None, None, :],
                        mask=(rvalid[:, None, None] & kmask[None, None, :]) | (zero != 0),
-                       other=0.0, cache_modifier=cache)
+                       other=0.0)
     else:
         return tl.load(rows_ptr + kk[None, :], mask=rvalid[:, None] & kmask[None, :],
-                       other=0.0, cache_modifier=cache)
+                       other=0.0)
 
 
 @triton.jit
@@ -134,75 +131,20 @@ def _acc_done(acc, MODE: tl.constexpr):
 
 
 @triton.jit
-def _rows_of(same, rank, c0, count, p, p_shared, N, T, TOPK: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Rows c0 .. c0 + BLOCK_M - 1 of expert slot p -> (pair [BM], token [BM], valid [BM]):
-    routed (p_shared false): its pairs among `same`; shared virtual expert s = p - N: token r
-    at pair N + s*T + r."""
+def _rows_of(same, rank, c0, count, p_shared, N, T, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_P: tl.constexpr):
+    """Rows c0 .. c0 + BLOCK_M - 1 of a program's expert -> (pair [BM], token [BM], valid [BM]):
+    routed (p_shared false): its pairs among `same`; shared virtual expert s (this program's
+    id - N): token r at pair N + s*T + r."""
     pair, valid = _chunk_pairs(same, rank, c0, count, BLOCK_M, BLOCK_P)
     r = c0 + tl.arange(0, BLOCK_M)
-    s = p - N
+    s = tl.program_id(0) - N
     pair = tl.where(p_shared, N + s * T + r, pair)
     token = tl.where(p_shared, r, pair // TOPK)
     return pair, token, tl.where(p_shared, r < T, valid)
 
 
-@triton.jit
-def _gate_up_block(
-    x_ptr, g_ptr, u_ptr, ids_ptr, h_ptr, gs_ptr, us_ptr, p, nb,
-    N, T, first, E, D, I, IS,
-    stride_xt, stride_ge, stride_gi, stride_ue, stride_ui, stride_gsi, stride_usi, stride_hp,
-    TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Gate/up work item (expert slot p, feature block nb): h[pair, n] for the rows of p's
-    expert, if p leads it (or is a shared virtual expert); nothing otherwise."""
-    shared = p >= N                        # a shared virtual expert (slots N .. N + S - 1)
-    lead, e, same, rank, count = _pair_group(ids_ptr, tl.minimum(p, N - 1), N, first, E,
-                                             BLOCK_P)
-    if lead | shared:                      # else: not this expert's first pair, or not local
-        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        if shared:
-            fr = ((p - N) * I + n).to(tl.int64)                             # its shard rows
-            nmask = (n < I) & (fr < IS)
-            g_rows = (gs_ptr + fr * stride_gsi)[:, None]                            # [BN, 1]
-            u_rows = (us_ptr + fr * stride_usi)[:, None]
-            count = T
-        else:
-            nmask = n < I
-            e64 = e.to(tl.int64)
-            g_rows = g_ptr + e64 * stride_ge + n.to(tl.int64)[:, None] * stride_gi
-            u_rows = u_ptr + e64 * stride_ue + n.to(tl.int64)[:, None] * stride_ui
-        for c0 in range(0, count, BLOCK_M):
-            pair, tok, rvalid = _rows_of(same, rank, c0, count, p, shared, N, T, TOPK, BLOCK_M,
-                                         BLOCK_P)
-            x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt                   # [BM, 1]
-            acc_g = _acc_init(BLOCK_M, BLOCK_N, BLOCK_K, MODE)
-            acc_u = _acc_init(BLOCK_M, BLOCK_N, BLOCK_K, MODE)
-            for k0 in range(0, D, BLOCK_K):
-                kk = k0 + tl.arange(0, BLOCK_K)
-                kmask = kk < D
-                wg = _w_tile(g_rows, kk, nmask, kmask, MODE)
-                wu = _w_tile(u_rows, kk, nmask, kmask, MODE)
-                xt = _row_tile(x_rows, kk, rvalid, kmask, BLOCK_N, MODE)
-                acc_g = _acc_step(acc_g, xt, wg, MODE, DOT_PRECISION)
-                acc_u = _acc_step(acc_u, xt, wu, MODE, DOT_PRECISION)
-            g = _acc_done(acc_g, MODE)
-            h = g * tl.sigmoid(g) * _acc_done(acc_u, MODE)                    # silu(g) * u, fp32
-            tl.store(h_ptr + pair.to(tl.int64)[:, None] * stride_hp + n[None, :],
-                     h.to(h_ptr.dtype.element_ty), mask=rvalid[:, None] & nmask[None, :])
-
-
-@triton.jit
-def _shared_down_rows(ds_ptr, p, n, N, I, IS, k_lo, k_chunk, stride_dsd):
-    """Shared virtual expert s = p - N's down rows [BN] (shard columns [s*I, +I)) and the end
-    of K split [k_lo, k_lo + k_chunk) inside it."""
-    c_lo = (p - N) * I
-    s_hi = tl.minimum(tl.minimum(k_lo + k_chunk, I), IS - c_lo)
-    return ds_ptr + n.to(tl.int64) * stride_dsd + c_lo, s_hi
-
-
-@triton.jit
+@triton.jit(do_not_specialize=["N", "T", "first"])
 def _gate_up_kernel(
     x_ptr, g_ptr, u_ptr, ids_ptr, h_ptr, gs_ptr, us_ptr,
     N, T, first, E, D, I, IS,
@@ -216,19 +158,50 @@ def _gate_up_kernel(
     PDL: tl.constexpr = False,
 ):
     p = tl.program_id(0)
+    shared = p >= N                        # a shared virtual expert (programs N .. N + S - 1)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    fr = ((p - N) * I + n).to(tl.int64)                                 # its shard rows
+    s_mask = (n < I) & (fr < IS)
+    gs_rows = gs_ptr + fr * stride_gsi                                  # [BN]
+    us_rows = us_ptr + fr * stride_usi
     if prefetching(PDL):                   # weights: L2 may fetch them before the wait
-        if p >= N:
-            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            fr = ((p - N) * I + n).to(tl.int64)
-            s_mask = (n < I) & (fr < IS)
+        if shared:
             row_bytes = D * (gs_ptr.dtype.element_ty.primitive_bitwidth // 8)
-            prefetch_l2(gs_ptr + fr * stride_gsi, row_bytes, s_mask)
-            prefetch_l2(us_ptr + fr * stride_usi, row_bytes, s_mask)
+            prefetch_l2(gs_rows, row_bytes, s_mask)
+            prefetch_l2(us_rows, row_bytes, s_mask)
     pdl_sync(PDL)
-    _gate_up_block(x_ptr, g_ptr, u_ptr, ids_ptr, h_ptr, gs_ptr, us_ptr, p, tl.program_id(1),
-                   N, T, first, E, D, I, IS, stride_xt, stride_ge, stride_gi, stride_ue,
-                   stride_ui, stride_gsi, stride_usi, stride_hp,
-                   TOPK, BLOCK_P, BLOCK_M, BLOCK_N, BLOCK_K, MODE, DOT_PRECISION)
+    lead, e, same, rank, count = _pair_group(ids_ptr, tl.minimum(p, N - 1), N, first, E,
+                                             BLOCK_P)
+    if not (lead | shared):                # not this expert's first pair, or not local
+        return
+    if shared:
+        nmask = s_mask
+        g_rows = gs_rows[:, None]                                                # [BN, 1]
+        u_rows = us_rows[:, None]
+        count = T
+    else:
+        nmask = n < I
+        e64 = e.to(tl.int64)
+        g_rows = g_ptr + e64 * stride_ge + n.to(tl.int64)[:, None] * stride_gi
+        u_rows = u_ptr + e64 * stride_ue + n.to(tl.int64)[:, None] * stride_ui
+    for c0 in range(0, count, BLOCK_M):
+        pair, tok, rvalid = _rows_of(same, rank, c0, count, shared, N, T, TOPK, BLOCK_M,
+                                     BLOCK_P)
+        x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt                   # [BM, 1]
+        acc_g = _acc_init(BLOCK_M, BLOCK_N, BLOCK_K, MODE)
+        acc_u = _acc_init(BLOCK_M, BLOCK_N, BLOCK_K, MODE)
+        for k0 in range(0, D, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            kmask = kk < D
+            wg = _w_tile(g_rows, kk, nmask, kmask, MODE)
+            wu = _w_tile(u_rows, kk, nmask, kmask, MODE)
+            xt = _row_tile(x_rows, kk, rvalid, kmask, BLOCK_N, MODE)
+            acc_g = _acc_step(acc_g, xt, wg, MODE, DOT_PRECISION)
+            acc_u = _acc_step(acc_u, xt, wu, MODE, DOT_PRECISION)
+        g = _acc_done(acc_g, MODE)
+        h = g * tl.sigmoid(g) * _acc_done(acc_u, MODE)                    # silu(g) * u, fp32
+        tl.store(h_ptr + pair.to(tl.int64)[:, None] * stride_hp + n[None, :],
+                 h.to(h_ptr.dtype.element_ty), mask=rvalid[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -260,70 +233,6 @@ def _combine(y_ptr, ids_ptr, out_ptr, N, T, first, E, n, nmask,
                  acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
 
 
-@triton.jit
-def _down_block(
-    h_ptr, d_ptr, w_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr, ds_ptr, ready_ptr, p, nb, ks,
-    arrivals, N, T, first, E, D, I, IS, k_chunk, ready_at,
-    stride_hp, stride_de, stride_dd, stride_dsd, stride_ys, stride_yp, stride_ot,
-    TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, K_SPLITS: tl.constexpr, SHARED: tl.constexpr, MODE: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QUEUED: tl.constexpr, PREFETCH: tl.constexpr,
-):
-    """Down work item (expert slot p, feature block nb, K split ks): y[ks, pair, n] for the rows
-    of p's expert if p leads it (or is shared). QUEUED: h comes from gate/up items of the same
-    launch, so first wait until ready_ptr (p's counter) reaches ready_at (all of p's gate/up
-    items released), asking L2 for the item's weights meanwhile (PREFETCH, sm_90), and read h
-    through L2. FUSED_COMBINE: then count in on feature block nb's counter (of `arrivals`); the
-    last to arrive sums the block for every token."""
-    shared = p >= N
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < D
-    k_lo = ks * k_chunk
-    lead, e, same, rank, count = _pair_group(ids_ptr, tl.minimum(p, N - 1), N, first, E,
-                                             BLOCK_P)
-    if lead | shared:
-        if shared:
-            rows, k_hi = _shared_down_rows(ds_ptr, p, n, N, I, IS, k_lo, k_chunk, stride_dsd)
-            count = T
-        else:
-            k_hi = tl.minimum(k_lo + k_chunk, I)
-            rows = d_ptr + e.to(tl.int64) * stride_de + n.to(tl.int64) * stride_dd
-        d_rows = rows[:, None]                                                        # [BN, 1]
-        if QUEUED:
-            if tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") < ready_at:
-                if PREFETCH:
-                    prefetch_l2(rows + k_lo,
-                                (k_hi - k_lo) * (d_ptr.dtype.element_ty.primitive_bitwidth // 8),
-                                nmask)
-                while tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") < ready_at:
-                    pass
-        for c0 in range(0, count, BLOCK_M):
-            pair, tok, rvalid = _rows_of(same, rank, c0, count, p, shared, N, T, TOPK, BLOCK_M,
-                                         BLOCK_P)
-            h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_hp                 # [BM, 1]
-            acc = _acc_init(BLOCK_M, BLOCK_N, BLOCK_K, MODE)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                kk = k0 + tl.arange(0, BLOCK_K)
-                kmask = kk < k_hi
-                wd = _w_tile(d_rows, kk, nmask, kmask, MODE)
-                ht = _row_tile(h_rows, kk, rvalid, kmask, BLOCK_N, MODE, QUEUED)
-                acc = _acc_step(acc, ht, wd, MODE, DOT_PRECISION)
-            wgt = tl.load(w_ptr + pair, mask=rvalid & (pair < N), other=1.0).to(tl.float32)
-            y = _acc_done(acc, MODE) * wgt[:, None]                   # shared pairs: weight 1
-            tl.store(y_ptr + ks * stride_ys + pair.to(tl.int64)[:, None] * stride_yp
-                     + n[None, :], y, mask=rvalid[:, None] & nmask[None, :])
-    if FUSED_COMBINE:
-        # Every item of this feature block counts itself (leaders after their stores); the
-        # last to arrive sums the block for every token (partials read through L2, .cg).
-        # Which program sums does not change the result: the order of the sum is fixed.
-        cnt = cnt_ptr + nb
-        if last_to_arrive(cnt, arrivals):
-            _combine(y_ptr, ids_ptr, out_ptr, N, T, first, E, n, nmask, stride_ys, stride_yp,
-                     stride_ot, TOPK, K_SPLITS, SHARED, True, BLOCK_T, BLOCK_N)
-            tl.store(cnt, 0)
-
-
 @triton.jit(do_not_specialize=["N", "T", "first"])
 def _down_kernel(
     h_ptr, d_ptr, w_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr, ds_ptr,
@@ -339,82 +248,54 @@ def _down_kernel(
     PDL: tl.constexpr = False,
 ):
     p = tl.program_id(0)
+    shared = p >= N
     nb = tl.program_id(1)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < D
     ks = tl.program_id(2)
+    k_lo = ks * k_chunk
+    c_lo = (p - N) * I                     # shared virtual expert s: shard columns [s*I, +I)
+    s_hi = tl.minimum(tl.minimum(k_lo + k_chunk, I), IS - c_lo)
+    ds_rows = ds_ptr + n.to(tl.int64) * stride_dsd + c_lo                       # [BN]
     if prefetching(PDL):                   # weights: L2 may fetch them before the wait
-        if p >= N:
-            n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-            ds_rows, s_hi = _shared_down_rows(ds_ptr, p, n, N, I, IS, ks * k_chunk, k_chunk,
-                                              stride_dsd)
-            prefetch_l2(ds_rows + ks * k_chunk,
-                        (s_hi - ks * k_chunk) * (ds_ptr.dtype.element_ty.primitive_bitwidth // 8),
-                        n < D)
+        if shared:
+            prefetch_l2(ds_rows + k_lo,
+                        (s_hi - k_lo) * (ds_ptr.dtype.element_ty.primitive_bitwidth // 8), nmask)
     pdl_sync(PDL)
-    _down_block(h_ptr, d_ptr, w_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr, ds_ptr, cnt_ptr, p, nb,
-                ks, tl.num_programs(0) * tl.num_programs(2), N, T, first, E, D, I, IS, k_chunk,
-                0, stride_hp, stride_de, stride_dd, stride_dsd, stride_ys, stride_yp, stride_ot,
-                TOPK, BLOCK_P, BLOCK_M, BLOCK_N, BLOCK_K, K_SPLITS, SHARED, MODE, FUSED_COMBINE,
-                BLOCK_T, DOT_PRECISION, False, False)
-
-
-@triton.jit(do_not_specialize=["N", "T", "first"])
-def _queued_kernel(
-    x_ptr, g_ptr, u_ptr, d_ptr, w_ptr, ids_ptr, h_ptr, y_ptr, out_ptr, cnt_ptr,
-    gs_ptr, us_ptr, ds_ptr,
-    N, T, first, E, D, I, IS, k_chunk, UP_BLOCKS, DOWN_BLOCKS,
-    stride_xt, stride_ge, stride_gi, stride_ue, stride_ui, stride_gsi, stride_usi,
-    stride_hp, stride_de, stride_dd, stride_dsd, stride_ys, stride_yp, stride_ot,
-    TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
-    UP_BLOCK_N: tl.constexpr, UP_BLOCK_K: tl.constexpr,
-    DOWN_BLOCK_N: tl.constexpr, DOWN_BLOCK_K: tl.constexpr,
-    K_SPLITS: tl.constexpr, SHARED: tl.constexpr, MODE: tl.constexpr, BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """Both halves in one launch: a queue of work items, every gate/up item (slot-major), then
-    every down item (slot-major, then K split, then feature block). Program i takes item i,
-    then the next unclaimed one from a ticket counter, until none is left. A down item of
-    slot p waits for p's counter, which each of p's gate/up items bumps after its stores, so
-    p's down streams while later slots' gate/up items still run: no launch boundary, no
-    grid-wide wait. Items only wait for items numbered lower: every claimed item's holder is
-    running, so the queue always moves provided the grid's first items are all held by
-    resident programs (grid <= one wave, moe_decode's QUEUE_WARPS_PER_SM). The last program to
-    leave zeroes the ticket and the slots' counters (arrival_counters' rule)."""
-    pdl_sync(PDL)
-    slots = N + SHARED
-    n_up = slots * UP_BLOCKS
-    total = n_up + slots * DOWN_BLOCKS * K_SPLITS
-    ticket = cnt_ptr + DOWN_BLOCKS         # counters: [0, DB) the combine's, then the ticket,
-    exits = ticket + 1                     # the leaving count, one per slot
-    ready = ticket + 2
-    programs = tl.num_programs(0)
-    i = tl.program_id(0)
-    while i < total:
-        nxt = programs + tl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")
-        if i < n_up:
-            p = i // UP_BLOCKS
-            _gate_up_block(x_ptr, g_ptr, u_ptr, ids_ptr, h_ptr, gs_ptr, us_ptr, p,
-                           i % UP_BLOCKS, N, T, first, E, D, I, IS, stride_xt, stride_ge,
-                           stride_gi, stride_ue, stride_ui, stride_gsi, stride_usi, stride_hp,
-                           TOPK, BLOCK_P, BLOCK_M, UP_BLOCK_N, UP_BLOCK_K, MODE, DOT_PRECISION)
-            tl.debug_barrier()             # every thread's h stores before the release
-            tl.atomic_add(ready + p, 1, sem="release", scope="gpu")
+    lead, e, same, rank, count = _pair_group(ids_ptr, tl.minimum(p, N - 1), N, first, E,
+                                             BLOCK_P)
+    if lead | shared:
+        if shared:
+            k_hi = s_hi
+            d_rows = ds_rows[:, None]                                                 # [BN, 1]
+            count = T
         else:
-            j = i - n_up
-            p = j // (DOWN_BLOCKS * K_SPLITS)
-            r = j % (DOWN_BLOCKS * K_SPLITS)
-            _down_block(h_ptr, d_ptr, w_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr, ds_ptr, ready + p,
-                        p, r % DOWN_BLOCKS, r // DOWN_BLOCKS, slots * K_SPLITS, N, T, first, E,
-                        D, I, IS, k_chunk, UP_BLOCKS, stride_hp, stride_de, stride_dd,
-                        stride_dsd, stride_ys, stride_yp, stride_ot,
-                        TOPK, BLOCK_P, BLOCK_M, DOWN_BLOCK_N, DOWN_BLOCK_K, K_SPLITS, SHARED,
-                        MODE, True, BLOCK_T, DOT_PRECISION, True, PREFETCH)
-        i = nxt
-    if last_to_arrive(exits, programs):
-        for s0 in range(0, slots, BLOCK_P):
-            s = s0 + tl.arange(0, BLOCK_P)
-            tl.store(ready + s, tl.zeros([BLOCK_P], dtype=tl.int32), mask=s < slots)
-        tl.store(ticket, 0)
-        tl.store(exits, 0)
+            k_hi = tl.minimum(k_lo + k_chunk, I)
+            d_rows = d_ptr + e.to(tl.int64) * stride_de + n.to(tl.int64)[:, None] * stride_dd
+        for c0 in range(0, count, BLOCK_M):
+            pair, tok, rvalid = _rows_of(same, rank, c0, count, shared, N, T, TOPK, BLOCK_M,
+                                         BLOCK_P)
+            h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_hp                 # [BM, 1]
+            acc = _acc_init(BLOCK_M, BLOCK_N, BLOCK_K, MODE)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                kmask = kk < k_hi
+                wd = _w_tile(d_rows, kk, nmask, kmask, MODE)
+                ht = _row_tile(h_rows, kk, rvalid, kmask, BLOCK_N, MODE)
+                acc = _acc_step(acc, ht, wd, MODE, DOT_PRECISION)
+            wgt = tl.load(w_ptr + pair, mask=rvalid & (pair < N), other=1.0).to(tl.float32)
+            y = _acc_done(acc, MODE) * wgt[:, None]                   # shared pairs: weight 1
+            tl.store(y_ptr + ks * stride_ys + pair.to(tl.int64)[:, None] * stride_yp
+                     + n[None, :], y, mask=rvalid[:, None] & nmask[None, :])
+    if FUSED_COMBINE:
+        # Every program of this feature block counts itself (leaders after their stores); the
+        # last to arrive sums the block for every token (partials read through L2, .cg).
+        # Which program sums does not change the result: the order of the sum is fixed.
+        cnt = cnt_ptr + nb
+        if last_to_arrive(cnt, tl.num_programs(0) * tl.num_programs(2)):
+            _combine(y_ptr, ids_ptr, out_ptr, N, T, first, E, n, nmask, stride_ys, stride_yp,
+                     stride_ot, TOPK, K_SPLITS, SHARED, True, BLOCK_T, BLOCK_N)
+            tl.store(cnt, 0)
 
 
 @triton.jit(do_not_specialize=["N", "T", "first"])
@@ -431,12 +312,7 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, N, T, first, E, D, stride_ys, strid
 # -- launch configuration -------------------------------------------------------------------------
 
 MOE_TUNABLES = ("mode", "BLOCK_M", "up_BLOCK_N", "up_BLOCK_K", "down_BLOCK_N", "down_BLOCK_K",
-                "K_SPLITS", "FUSED_COMBINE", "QUEUE", "num_warps", "num_stages")
-# One queued launch (_queued_kernel) instead of two, by default up to this many rows (tokens).
-# Its grid: this many warps per SM (8 // num_warps programs), at most: one wave at the kernel's
-# occupancy (it takes ~240-250 registers a thread: 8 warps fill an SM's register file)
-QUEUE_ROWS = 1
-QUEUE_WARPS_PER_SM = 8
+                "K_SPLITS", "FUSED_COMBINE", "num_warps", "num_stages")
 
 
 def _feature_block(width: int, experts: int, lo: int, target: int) -> int:
@@ -457,9 +333,7 @@ def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype:
     of both operands and the FMA; tl.dot streams the same bytes in ~6x fewer), feature blocks
     narrowed until ~4 programs per SM can stream, split-K of the down projection while its
     programs fall short of that, the k-sum fused into the down launch. shared: the shared
-    experts' virtual experts (shared_pieces), counted with the experts that can be hit.
-    QUEUE: gate/up and down as one queued launch (up to QUEUE_ROWS rows; needs the fused
-    k-sum)."""
+    experts' virtual experts (shared_pieces), counted with the experts that can be hit."""
     cfg = dict(config or {})
     unknown = set(cfg) - set(MOE_TUNABLES)
     if unknown:
@@ -495,16 +369,12 @@ def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype:
     programs = hit * -(-dim // down_bn)
     splits = cfg.pop("K_SPLITS", 2 if few else max(1, min(8, pow2(-(-target // programs)))))
     bk = 128 if deep else bk
-    fused = cfg.pop("FUSED_COMBINE", True)
-    queue = cfg.pop("QUEUE", fused and T <= QUEUE_ROWS)
-    if queue and not fused:
-        raise ValueError("MoE decode tunables: QUEUE needs FUSED_COMBINE (its k-sum is fused)")
     return dict(MODE=MODES[mode], BLOCK_M=block_m,
                 up=dict(BLOCK_N=up_bn, BLOCK_K=cfg.pop("up_BLOCK_K", bk)),
                 down=dict(BLOCK_N=down_bn, BLOCK_K=cfg.pop("down_BLOCK_K", bk)),
-                K_SPLITS=splits, FUSED_COMBINE=fused, QUEUE=queue,
-                num_warps=cfg.pop("num_warps", 8 if queue else 4),
-                num_stages=cfg.pop("num_stages", 4 if deep or queue else
+                K_SPLITS=splits, FUSED_COMBINE=cfg.pop("FUSED_COMBINE", True),
+                num_warps=cfg.pop("num_warps", 4),
+                num_stages=cfg.pop("num_stages", 4 if deep else
                                    2 if dtype == torch.float32 else 3))
 
 
@@ -548,36 +418,18 @@ def moe_decode(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
                   num_stages=cfg["num_stages"])
     rows = N + S * T                                      # pairs, then shared (s, t) pairs
     h = torch.empty((rows, I), dtype=x.dtype, device=x.device)
-    splits, c1, c2 = cfg["K_SPLITS"], cfg["up"], cfg["down"]
-    y = torch.empty((splits, rows, D), dtype=torch.float32, device=x.device)
-    k_chunk = triton.cdiv(triton.cdiv(I, splits), c2["BLOCK_K"]) * c2["BLOCK_K"]
-    blocks = triton.cdiv(D, c2["BLOCK_N"])
-    up_blocks = triton.cdiv(I, c1["BLOCK_N"])
-    block_t = min(16, pow2(T))
-    if cfg["QUEUE"]:
-        slots = N + S
-        items = slots * (up_blocks + blocks * splits)
-        counters = arrival_counters(x.device, blocks + 2 + slots)
-        # the first `grid` items are handed out by program id, so every program must be resident
-        # at once: one wave (the interpreter runs one program at a time)
-        per_sm = max(1, QUEUE_WARPS_PER_SM // cfg["num_warps"])
-        resident = per_sm * sm_count_of(x.device) if compiled_on(x.device) else 1
-        grid = min(items, resident)
-        run_kernel(_queued_kernel, (grid,), x, gate, up, down, w_flat, ids_flat, h, y, out,
-                   counters, gs, us, ds, N, T, first, E, D, I, IS, k_chunk, up_blocks, blocks,
-                   x.stride(0), gate.stride(0), gate.stride(1), up.stride(0), up.stride(1),
-                   gs.stride(0), us.stride(0), h.stride(0), down.stride(0), down.stride(1),
-                   ds.stride(0), y.stride(0), y.stride(1), out.stride(0),
-                   UP_BLOCK_N=c1["BLOCK_N"], UP_BLOCK_K=c1["BLOCK_K"],
-                   DOWN_BLOCK_N=c2["BLOCK_N"], DOWN_BLOCK_K=c2["BLOCK_K"], K_SPLITS=splits,
-                   SHARED=S, BLOCK_T=block_t, PREFETCH=compiled_on(x.device, 9), **common)
-        return out
-    run_kernel(_gate_up_kernel, (N + S, up_blocks),
+    c1 = cfg["up"]
+    run_kernel(_gate_up_kernel, (N + S, triton.cdiv(I, c1["BLOCK_N"])),
                x, gate, up, ids_flat, h, gs, us, N, T, first, E, D, I, IS, x.stride(0),
                gate.stride(0), gate.stride(1), up.stride(0), up.stride(1),
                gs.stride(0), us.stride(0), h.stride(0), **common, **c1)
+    splits, c2 = cfg["K_SPLITS"], cfg["down"]
+    y = torch.empty((splits, rows, D), dtype=torch.float32, device=x.device)
+    k_chunk = triton.cdiv(triton.cdiv(I, splits), c2["BLOCK_K"]) * c2["BLOCK_K"]
+    blocks = triton.cdiv(D, c2["BLOCK_N"])
     fused = cfg["FUSED_COMBINE"]
     counters = arrival_counters(x.device, blocks) if fused else y
+    block_t = min(16, pow2(T))
     run_kernel(_down_kernel, (N + S, blocks, splits),
                h, down, w_flat, ids_flat, y, out, counters, ds, N, T, first, E, D, I, IS,
                k_chunk, h.stride(0), down.stride(0), down.stride(1), ds.stride(0),
