@@ -107,8 +107,8 @@ def test_kv_row_appends_to_the_pool(dtype, cache_dtype):
 def test_absorb_and_kv_row_in_one_launch(T, split, append, dtype):
     """mla_absorb_kv_row_triton: W_UK's absorption (skinny GEMM programs, one K split or
     several: the arrival counters indexed by the GEMM's own blocks) and the kv rows (the
-    programs after them) of one grid give the two launches' tensors bitwise (the absorbed q in
-    fp32 on a GPU: within rounding), the append included, and the counters are reset."""
+    programs after them) of one grid give the two launches' tensors bitwise (fp32 on a GPU:
+    within rounding), the append included, and the counters are reset."""
     from helix.layers import skinny_gemm as sg
     g = torch.Generator().manual_seed(T)
     H, nope, V, Dl, Dr = 4, 64, 16, 48, 16
@@ -134,15 +134,14 @@ def test_absorb_and_kv_row_in_one_launch(T, split, append, dtype):
                 got = (sg.absorb_q_triton(args[0], args[1], cfg),
                        *fmla.mla_kv_row_triton(*args[2:], *rest, *tail))
             outs.append([t.cpu() for t in got] + [pool.cpu()])
-    (qa, *rows_a), (qb, *rows_b) = outs
-    for a, b in zip(rows_a, rows_b):
-        assert torch.equal(a, b)
-    if ON_GPU and dtype == torch.float32:
-        # two compiled kernels sum fp32 products in their own order (FMA, not tensor cores);
-        # measured on the H200: bitwise at T = 1, 2, not at T = 3 with 2 K splits
-        torch.testing.assert_close(qa, qb, rtol=1e-5, atol=1e-5)
-    else:
-        assert torch.equal(qa, qb)
+    for a, b in zip(*outs):
+        if ON_GPU and dtype == torch.float32:
+            # compiled, the one launch runs the kv rows at the GEMM's num_warps, so the norm's
+            # fp32 sum of squares takes another reduction order than _kv_row_kernel's (on the
+            # H200: not bitwise at T = 3 with 2 K splits); 16-bit outputs round that away
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(a, b)
     ref = torch.einsum("thn,hnc->thc", q[..., :nope].float(), w_kv[:, :nope].float())
     torch.testing.assert_close(outs[0][0].float(), ref, rtol=2e-3, atol=2e-3)
     from helix.triton_util import arrival_counters
