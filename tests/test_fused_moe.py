@@ -228,8 +228,12 @@ def test_decode_config_validated():
     c = md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132, shared=2)
     assert c["up"]["BLOCK_N"] == 32 and c["down"]["BLOCK_N"] == 128 and c["K_SPLITS"] == 2
     assert c["MODE"] == md.MODES["dot"] and c["up"]["BLOCK_K"] == 64 and c["num_stages"] == 3
+    # two rows: the same down tiles, 1 K split once 2 would not fit one wave of the down launch
+    # (14 experts x 16 blocks x 2 > 2 x 132); Qwen3-235B's shape at one row likewise
     c = md.moe_decode_config(2, 6, 64, 1408, 2048, torch.bfloat16, 132, shared=2)
-    assert c["down"]["BLOCK_N"] == 128 and c["K_SPLITS"] == 2 and c["num_stages"] == 4
+    assert c["down"]["BLOCK_N"] == 128 and c["K_SPLITS"] == 1 and c["num_stages"] == 4
+    c = md.moe_decode_config(1, 8, 128, 1536, 4096, torch.bfloat16, 132)
+    assert c["down"]["BLOCK_N"] == 128 and c["K_SPLITS"] == 1
     # several rows: 128-element K tiles over 4 stages, feature blocks from the programs rule
     c = md.moe_decode_config(8, 6, 64, 1408, 2048, torch.bfloat16, 132)
     assert c["up"]["BLOCK_K"] == c["down"]["BLOCK_K"] == 128 and c["num_stages"] == 4
@@ -503,6 +507,10 @@ def test_kernels_compile_for_sm90(tmp_path):
     decode = records[8:]
     assert all(r["local_loads"] == 0 for r in decode), decode               # no spills
     assert all((r["hmma"] > 0) == (r["constexprs"]["MODE"] == 2) for r in decode), decode
+    # the down launch on tensor cores holds DOWN_CTAS_PER_SM programs an SM, no more (registers)
+    down = next(r for r in decode if r["kernel"] == "_down_kernel" and r["constexprs"]["MODE"] == 2)
+    per_cta = down["registers"] * 32 * down["num_warps"]
+    assert per_cta * md.DOWN_CTAS_PER_SM <= 65536 < per_cta * (md.DOWN_CTAS_PER_SM + 1), down
     # the down launch's fused k-sum (the interpreter runs programs one at a time, so its memory
     # ordering is checked in the PTX): a CTA barrier between the partial stores and the one
     # acq_rel GPU-scope atomic; the summing program reads the partials through L2 (.cg)

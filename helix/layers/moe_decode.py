@@ -48,6 +48,9 @@ from helix.triton_util import (arrival_counters, last_to_arrive, pdl_sync, pow2,
                                prefetching, run_kernel)
 
 MAX_PAIRS = 128              # T * k up to this runs here (decode buckets); more: fused_moe's v1
+# Programs of the down launch an SM holds on tensor cores with 16-bit weights: it takes 255
+# registers a thread at 4 warps (the sm_90 compile check in tests/test_fused_moe.py)
+DOWN_CTAS_PER_SM = 2
 MODES = {"fma": 0, "dot": 2}
 
 
@@ -359,6 +362,11 @@ def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype:
     # blocks over 2 K splits (batch 1 x 1K 3.109 -> 2.812 ms, 1 x 32K 3.455 -> 3.175; batch
     # 2 x 1K 3.701 -> 3.581); from 4 rows the rule below is as fast (4 x 1K) or faster (8 x 32K).
     # Only while those blocks still give every SM a program (not: one expert of a narrow D).
+    # The 2 K splits only while their programs fit one wave of the down launch (DOWN_CTAS_PER_SM
+    # an SM); past it 1 (step_small.md, the session of 2026-12-03, fifth: Qwen3-235B's shape at
+    # one row, 8 experts x 32 blocks, down 260 -> 228 us a step, the step 1.668 -> 1.618 ms at
+    # 1 x 32K; DeepSeek-V2-Lite at two rows 733 -> 672 us, 2.876 -> 2.778 ms at 2 x 1K; its one
+    # row, 256 programs, stays at 2 splits: 454 against 517 us).
     tuned = mode == "dot" and dtype.itemsize == 2
     wide = 32 if tuned and T == 1 else None
     deep = tuned and T > 1
@@ -367,7 +375,9 @@ def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype:
     down_bn = cfg.pop("down_BLOCK_N", 128 if few else
                       min(cap, _feature_block(dim, hit, lo, target)))
     programs = hit * -(-dim // down_bn)
-    splits = cfg.pop("K_SPLITS", 2 if few else max(1, min(8, pow2(-(-target // programs)))))
+    one_wave = programs * 2 <= DOWN_CTAS_PER_SM * sm_count
+    splits = cfg.pop("K_SPLITS", (2 if one_wave else 1) if few else
+                     max(1, min(8, pow2(-(-target // programs)))))
     bk = 128 if deep else bk
     return dict(MODE=MODES[mode], BLOCK_M=block_m,
                 up=dict(BLOCK_N=up_bn, BLOCK_K=cfg.pop("up_BLOCK_K", bk)),
