@@ -48,8 +48,9 @@ from helix.triton_util import (arrival_counters, last_to_arrive, pdl_sync, pow2,
                                prefetching, run_kernel)
 
 MAX_PAIRS = 128              # T * k up to this runs here (decode buckets); more: fused_moe's v1
-# Programs of the down launch an SM holds on tensor cores with 16-bit weights: it takes 255
-# registers a thread at 4 warps (the sm_90 compile check in tests/test_fused_moe.py)
+# Programs of the down launch an SM holds on tensor cores with 16-bit weights: it takes 243
+# registers a thread at 4 warps, 128-wide blocks (the sm_90 compile check in
+# tests/test_fused_moe.py holds it between 2 and 3 programs' worth of the register file)
 DOWN_CTAS_PER_SM = 2
 MODES = {"fma": 0, "dot": 2}
 
