@@ -313,6 +313,21 @@ def test_pool_is_sized_from_memory_and_too_large_requests_are_refused(caplog, mo
     assert any("KV pool:" in r.message for r in caplog.records)
 
 
+def test_cuda_memory_cached_by_the_allocator_counts_as_free(monkeypatch):
+    """An engine built after another was closed in the same process: the blocks the caching
+    allocator kept (reserved, not allocated) are the new engine's to take, though the driver
+    counts them in use."""
+    from helix.runtime.memory import available_bytes
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (10 * gib, 100 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 70 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 30 * gib)
+    # 90 % of 100 GiB, less what is in use: 90 used by the driver's count, 40 of it cached
+    assert available_bytes(torch.device("cuda", 0), 0.9, 1) == 90 * gib - (90 - 40) * gib
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 30 * gib)   # nothing cached
+    assert available_bytes(torch.device("cuda", 0), 0.9, 1) == 0
+
+
 def test_no_room_for_the_kv_cache_is_a_clear_error():
     with pytest.raises(ConfigError, match="no memory left for the KV cache"):
         LLM("tiny-llama", Layout(), RuntimeConfig(memory_utilization=1e-9))

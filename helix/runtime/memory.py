@@ -66,10 +66,15 @@ def activation_reserve(cfg: ModelConfig, layout: Layout, runtime: RuntimeConfig)
 
 def available_bytes(device: torch.device, utilization: float, ranks_here: int) -> int:
     """Memory this rank may still fill: device memory (CUDA) or the machine's available RAM
-    shared by its ranks (CPU), times the utilization."""
+    shared by its ranks (CPU), times the utilization. On CUDA the blocks this process's caching
+    allocator holds but no tensor uses count as free: the driver reports them in use, yet new
+    tensors take them (an engine built after another was closed in the same process, as in
+    `helix sweep` or a benchmark comparing configurations, would otherwise find its
+    predecessor's memory gone)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return int(total * utilization) - (total - free)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(total * utilization) - (total - free - cached)
     avail = _mem_available()
     return int(avail * utilization / max(1, ranks_here))
 
