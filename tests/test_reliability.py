@@ -313,6 +313,21 @@ def test_pool_is_sized_from_memory_and_too_large_requests_are_refused(caplog, mo
     assert any("KV pool:" in r.message for r in caplog.records)
 
 
+def test_close_releases_the_weights_and_the_kv_cache():
+    """A closed LLM still referenced (the name of a `with` block lives on) holds no weights and
+    no KV cache, so the next engine of the process has their memory; it refuses more work."""
+    import gc
+    import weakref
+    with LLM("tiny-llama", Layout(), RT) as llm:
+        assert llm.generate([A], greedy(3))[0] == alone(A, 3)
+        refs = [weakref.ref(next(llm.engine.model.parameters())),
+                weakref.ref(llm.engine.caches[0][0])]
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    with pytest.raises(HelixError, match="closed"):
+        llm.generate([A], greedy(3))
+
+
 def test_cuda_memory_cached_by_the_allocator_counts_as_free(monkeypatch):
     """An engine built after another was closed in the same process: the blocks the caching
     allocator kept (reserved, not allocated) are the new engine's to take, though the driver

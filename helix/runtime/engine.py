@@ -388,7 +388,8 @@ class Engine:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Free the graphs (before any process group is destroyed)."""
+        """Free the graphs (before any process group is destroyed), the weights and the KV
+        cache."""
         if self.inflight is not None and self.dead is None:   # its tokens are never reported
             if self.inflight.event is not None:
                 try:
@@ -400,6 +401,11 @@ class Engine:
             if graphs is not None:
                 graphs.close()
         self.graphs = self.prefill_graphs = None
+        # the weights and the KV cache go now, not with the last reference to the engine (an
+        # engine built next in the same process would otherwise find their memory taken)
+        self.model = None
+        self.caches = []
+        self.last_logits = None
 
     def kv_tokens(self) -> int:
         """KV positions this rank has stored for the run's requests (layer 0), live or finished."""
