@@ -29,7 +29,6 @@ Times are CUDA-graph replays with L2 flushed (a)-(c), or the engine's step (d).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -440,7 +439,6 @@ def bench_steps(args, copy_bw) -> list[dict]:
                                  top_kernels=_rounded(table), critical_kernels=_rounded(critical)))
                 print(json.dumps(recs[-1]), flush=True)
         del llm
-        gc.collect()                # reference cycles would keep this engine's memory held
         if cuda:
             torch.cuda.empty_cache()
     set_kernels("after")
