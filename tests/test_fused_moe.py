@@ -164,25 +164,6 @@ def test_decode_kernels_add_shared_experts(T, Is, config, dtype):
     assert md.shared_pieces((gs, us, ds), 24) == -(-Is // 24)
 
 
-@pytest.mark.parametrize("config", [dict(mode="dot", **WIDE),
-                                    dict(mode="dot", K_SPLITS=2, **WIDE)], ids=["ks1", "ks2"])
-def test_early_weight_requests_same_result(config):
-    """up_EARLY / down_EARLY (weights asked of L2 before the PDL wait; the down launch reads the
-    routing before it): bitwise the result without, routed pairs of this rank and others plus
-    shared pieces. On sm_90 the requests are issued; elsewhere only the early routing read."""
-    E, first, k, T = 6, 6, 4, 3
-    dtype = torch.bfloat16 if ON_GPU else torch.float32
-    x, gate, up, down, weights, ids = _problem(T, 40, 24, E, k, first, 18, dtype, seed=41)
-    ids[0, :2] = 7
-    shared = _shared_shard(2 * 24 - 5, 40, dtype, seed=3)
-    plain = md.moe_decode(x, gate, up, down, weights, ids, first, config, shared=shared)
-    early = md.moe_decode(x, gate, up, down, weights, ids, first,
-                          dict(config, up_EARLY=2, down_EARLY=1), shared=shared)
-    assert torch.equal(plain, early)
-    ref = _reference(x, gate, up, down, weights, ids, first) + _shared_reference(x, *shared)
-    _check(early, ref, x, dtype)
-
-
 def test_shared_experts_only_on_the_decode_kernels():
     x, gate, up, down, weights, ids = _problem(2, 32, 16, 4, 2, 0, 4, torch.float32, seed=4)
     shared = _shared_shard(16, 32, torch.float32, seed=1)

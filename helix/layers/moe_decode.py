@@ -56,18 +56,13 @@ MODES = {"fma": 0, "dot": 2}
 
 
 @triton.jit
-def _pair_group(ids_ptr, p, N, first, E, BLOCK_P: tl.constexpr, FROM_L2: tl.constexpr = False):
+def _pair_group(ids_ptr, p, N, first, E, BLOCK_P: tl.constexpr):
     """-> (lead, e, same [BP], rank [BP], count): whether pair p is the first pair of its local
-    expert e, which pairs share e, each one's rank among them, how many. FROM_L2: the ids are
-    read through L2 (.cg), as before a PDL wait."""
+    expert e, which pairs share e, each one's rank among them, how many."""
     q = tl.arange(0, BLOCK_P)
     qmask = q < N
-    if FROM_L2:
-        key = tl.load(ids_ptr + q, mask=qmask, other=-1, cache_modifier=".cg") - first
-        e = tl.load(ids_ptr + p, cache_modifier=".cg") - first
-    else:
-        key = tl.load(ids_ptr + q, mask=qmask, other=-1) - first
-        e = tl.load(ids_ptr + p) - first
+    key = tl.load(ids_ptr + q, mask=qmask, other=-1) - first
+    e = tl.load(ids_ptr + p) - first
     same = qmask & (key >= 0) & (key < E) & (key == e)
     lead = tl.min(tl.where(same, q, BLOCK_P), axis=0) == p       # non-local p: same is empty
     ones = same.to(tl.int32)
@@ -164,7 +159,7 @@ def _gate_up_kernel(
     stride_hp,                             # h [N + S*T, I], unit stride along I
     TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EARLY_TILES: tl.constexpr = 0, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     p = tl.program_id(0)
     shared = p >= N                        # a shared virtual expert (programs N .. N + S - 1)
@@ -173,19 +168,11 @@ def _gate_up_kernel(
     s_mask = (n < I) & (fr < IS)
     gs_rows = gs_ptr + fr * stride_gsi                                  # [BN]
     us_rows = us_ptr + fr * stride_usi
-    # weights: L2 may fetch them before the wait (a shared expert's rows are known; a routed
-    # program learns its expert from the previous launch, after the wait): all of each row in
-    # the PDL_PREFETCH mode, else its first EARLY_TILES K tiles
-    wb = gs_ptr.dtype.element_ty.primitive_bitwidth // 8
-    if prefetching(PDL):
+    if prefetching(PDL):                   # weights: L2 may fetch them before the wait
         if shared:
-            prefetch_l2(gs_rows, D * wb, s_mask)
-            prefetch_l2(us_rows, D * wb, s_mask)
-    elif EARLY_TILES > 0:
-        if PDL:
-            if shared:
-                prefetch_l2(gs_rows, tl.minimum(D, EARLY_TILES * BLOCK_K) * wb, s_mask)
-                prefetch_l2(us_rows, tl.minimum(D, EARLY_TILES * BLOCK_K) * wb, s_mask)
+            row_bytes = D * (gs_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            prefetch_l2(gs_rows, row_bytes, s_mask)
+            prefetch_l2(us_rows, row_bytes, s_mask)
     pdl_sync(PDL)
     lead, e, same, rank, count = _pair_group(ids_ptr, tl.minimum(p, N - 1), N, first, E,
                                              BLOCK_P)
@@ -262,7 +249,7 @@ def _down_kernel(
     TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, K_SPLITS: tl.constexpr, SHARED: tl.constexpr, MODE: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EARLY_TILES: tl.constexpr = 0, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     p = tl.program_id(0)
     shared = p >= N
@@ -274,31 +261,13 @@ def _down_kernel(
     c_lo = (p - N) * I                     # shared virtual expert s: shard columns [s*I, +I)
     s_hi = tl.minimum(tl.minimum(k_lo + k_chunk, I), IS - c_lo)
     ds_rows = ds_ptr + n.to(tl.int64) * stride_dsd + c_lo                       # [BN]
-    if EARLY_TILES > 0:
-        # The routing is the router's output, two launches back. A program of this launch
-        # runs only once every gate/up program has passed its own wait, i.e. after the router
-        # finished: its ids are read through L2 before this launch's wait, and the program
-        # asks L2 for its first EARLY_TILES K tiles of weights, which then stream under the
-        # gate/up launch's tail.
-        lead, e, same, rank, count = _pair_group(ids_ptr, tl.minimum(p, N - 1), N, first, E,
-                                                 BLOCK_P, True)
-        if PDL:
-            wb = ds_ptr.dtype.element_ty.primitive_bitwidth // 8
-            k_end = tl.where(shared, s_hi, tl.minimum(k_lo + k_chunk, I))
-            early = tl.minimum(k_end - k_lo, EARLY_TILES * BLOCK_K) * wb
-            rows = tl.where(shared, ds_rows,
-                            d_ptr + e.to(tl.int64) * stride_de + n.to(tl.int64) * stride_dd)
-            prefetch_l2(rows + k_lo, early, nmask & (lead | shared))
-        pdl_sync(PDL)
-    else:
-        if prefetching(PDL):               # weights: L2 may fetch them before the wait
-            if shared:
-                prefetch_l2(ds_rows + k_lo,
-                            (s_hi - k_lo) * (ds_ptr.dtype.element_ty.primitive_bitwidth // 8),
-                            nmask)
-        pdl_sync(PDL)
-        lead, e, same, rank, count = _pair_group(ids_ptr, tl.minimum(p, N - 1), N, first, E,
-                                                 BLOCK_P)
+    if prefetching(PDL):                   # weights: L2 may fetch them before the wait
+        if shared:
+            prefetch_l2(ds_rows + k_lo,
+                        (s_hi - k_lo) * (ds_ptr.dtype.element_ty.primitive_bitwidth // 8), nmask)
+    pdl_sync(PDL)
+    lead, e, same, rank, count = _pair_group(ids_ptr, tl.minimum(p, N - 1), N, first, E,
+                                             BLOCK_P)
     if lead | shared:
         if shared:
             k_hi = s_hi
@@ -347,13 +316,7 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, N, T, first, E, D, stride_ys, strid
 # -- launch configuration -------------------------------------------------------------------------
 
 MOE_TUNABLES = ("mode", "BLOCK_M", "up_BLOCK_N", "up_BLOCK_K", "down_BLOCK_N", "down_BLOCK_K",
-                "K_SPLITS", "FUSED_COMBINE", "num_warps", "num_stages", "up_EARLY", "down_EARLY")
-# K tiles of each weight row a program asks L2 for before its PDL wait (0: none): the gate/up
-# launch's shared-expert programs (their rows are known; a routed program learns its expert
-# after the wait), every program of the down launch (it reads the routing, two launches
-# back, before the wait). Under measurement: off.
-UP_EARLY_TILES = 0
-DOWN_EARLY_TILES = 0
+                "K_SPLITS", "FUSED_COMBINE", "num_warps", "num_stages")
 
 
 def _feature_block(width: int, experts: int, lo: int, target: int) -> int:
@@ -418,10 +381,8 @@ def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype:
                      max(1, min(8, pow2(-(-target // programs)))))
     bk = 128 if deep else bk
     return dict(MODE=MODES[mode], BLOCK_M=block_m,
-                up=dict(BLOCK_N=up_bn, BLOCK_K=cfg.pop("up_BLOCK_K", bk),
-                        EARLY_TILES=cfg.pop("up_EARLY", UP_EARLY_TILES)),
-                down=dict(BLOCK_N=down_bn, BLOCK_K=cfg.pop("down_BLOCK_K", bk),
-                          EARLY_TILES=cfg.pop("down_EARLY", DOWN_EARLY_TILES)),
+                up=dict(BLOCK_N=up_bn, BLOCK_K=cfg.pop("up_BLOCK_K", bk)),
+                down=dict(BLOCK_N=down_bn, BLOCK_K=cfg.pop("down_BLOCK_K", bk)),
                 K_SPLITS=splits, FUSED_COMBINE=cfg.pop("FUSED_COMBINE", True),
                 num_warps=cfg.pop("num_warps", 4),
                 num_stages=cfg.pop("num_stages", 4 if deep else
