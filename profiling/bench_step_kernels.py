@@ -387,6 +387,25 @@ def _legacy_forward(self, x):
     return legacy_router(x, self.weight, self.e_score_correction_bias, self.spec)
 
 
+def _replay_ms(llm, n: int = 20) -> float | None:
+    """The step's graph alone: n back-to-back replays of the bucket the engine ran last (its
+    static inputs as that step left them: the same rows again, no host work, no input copies,
+    no token read-back), ms a replay. step_ms - replay_ms is what a step costs outside its
+    graph."""
+    graphs = getattr(llm.engine, "graphs", None)
+    runner = graphs.runner if graphs is not None else None
+    if runner is None or not runner.use_graphs or runner.last_bucket is None:
+        return None
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        runner.replay(runner.last_bucket)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def bench_steps(args, copy_bw) -> list[dict]:
     from helix.commands import profile as prof_cmd
     from helix.commands import trace_tables as tt
@@ -423,6 +442,7 @@ def bench_steps(args, copy_bw) -> list[dict]:
                 for _ in range(4):
                     llm.step()
                 walls = [llm.step().seconds for _ in range(steps)]
+                replay_ms = _replay_ms(llm) if cuda else None
                 events = prof_cmd._profiled(llm, 3, cuda, None)
                 ops, per_step = prof_cmd._ops_of_steps(events, 3)
                 table = tt.kernel_table(ops, 3)
@@ -431,9 +451,11 @@ def bench_steps(args, copy_bw) -> list[dict]:
                     llm.step()
                 floor_ms = _floor_bytes(llm, batch, context) / copy_bw * 1e3
                 step_ms = 1e3 * statistics.median(walls)
-                recs.append(dict(part="step", mode=mode, moe_config=moe, batch=batch,
+                recs.append(dict(part="step", model=args.step_model, mode=mode, moe_config=moe,
+                                 batch=batch,
                                  context=context,
                                  step_ms=step_ms, floor_ms=floor_ms, vs_floor=step_ms / floor_ms,
+                                 replay_ms=replay_ms,
                                  kernel_ms=sum(o.dur for o in ops) / 3e3,
                                  kernels_per_step=len(ops) / 3, engine_build_s=build_s,
                                  top_kernels=_rounded(table), critical_kernels=_rounded(critical)))
@@ -492,14 +514,17 @@ def summary(records: list[dict]) -> str:
                 f"{r['time_us']:7.1f} {r['floor_frac']:.2f}" for r in row))
     steps = [r for r in records if r["part"] == "step"]
     if steps:
-        lines.append("(d) DeepSeek-V2-Lite step: mode batch context | step ms, floor ms, x floor,"
-                     " kernels/step")
+        models = ", ".join(dict.fromkeys(r.get("model", "deepseek-v2-lite") for r in steps))
+        lines.append(f"(d) {models} step: mode batch context | step ms, floor ms, x floor,"
+                     " kernels/step, graph replay ms")
         for r in steps:
             moe = r.get("moe_config")
             label = r["mode"] + (" " + json.dumps(moe, separators=(",", ":")) if moe else "")
+            replay = r.get("replay_ms")
             lines.append(f"  {label:>6} {r['batch']:>2} {r['context']:>7} | "
                          f"{r['step_ms']:7.3f} {r['floor_ms']:7.3f} {r['vs_floor']:5.2f}x "
-                         f"{r['kernels_per_step']:7.0f}")
+                         f"{r['kernels_per_step']:7.0f} "
+                         + (f"{replay:7.3f}" if replay is not None else "      -"))
     for r in (r for r in records if r["part"] == "greedy"):
         lines.append(f"(e) greedy {r['vocab']} batch {r['batch']} {r['path']}: "
                      f"{r['time_us']:.1f} us{'' if r['correct'] else ' WRONG'}")

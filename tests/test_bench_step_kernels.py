@@ -44,11 +44,12 @@ def test_bench_runs_on_cpu(monkeypatch, tmp_path, capsys):
     assert all(r["rel_err"] < 2e-2 for r in recs if r["part"] == "moe" and r["variant"] != "v1")
     steps = [r for r in recs if r["part"] == "step"]
     assert all(r["kernels_per_step"] > 0 and r["floor_ms"] > 0 for r in steps)
+    assert all(r["model"] == "tiny-deepseek-v3" and r["replay_ms"] is None for r in steps)
     assert [(r["mode"], r["batch"]) for r in steps] == [("before", 1), ("before", 1),
                                                         ("before", 8), ("after", 1),
                                                         ("after", 1), ("after", 8)]
     text = capsys.readouterr().out
-    assert "(a) router" in text and "(d) DeepSeek-V2-Lite step" in text
+    assert "(a) router" in text and "(d) tiny-deepseek-v3 step" in text
 
 
 def test_kernel_switch(monkeypatch):
