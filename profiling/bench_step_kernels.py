@@ -42,7 +42,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from helix import triton_util  # noqa: E402
-from helix.attention import gluon_mla, triton_backend, triton_mla, triton_mla_few  # noqa: E402
+from helix.attention import (gluon_mla, triton_backend, triton_decode, triton_mla,  # noqa: E402
+                             triton_mla_few)
 from helix.layers import fused_mla  # noqa: E402
 from helix.layers import fused_moe as fm  # noqa: E402
 from helix.layers import fused_qk_norm  # noqa: E402
@@ -297,7 +298,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-noonetile", "after-nogluon", "after-gluon-nopdl", "after-gluon-kv-late",
               "after-few-batch1", "after-attn-7a34bf8", "after-torch-argmax",
               "after-gemv-nosplit", "after-ffd0c4b", "after-gluon-nofew", "after-skinny-big",
-              "after-noqknorm")
+              "after-noqknorm", "after-gqa-twolaunch", "after-gqa-nofuse")
 
 
 def set_kernels(mode: str) -> None:
@@ -331,7 +332,10 @@ def set_kernels(mode: str) -> None:
     'after-gluon-nofew': few-heads launches on the seesaw Gluon variant, not "few"
     (triton_backend.GLUON_FEW_VARIANT None); 'after-skinny-big': the skinny kernel for weights of
     any size past the GEMV's rows (skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS at the 64M bound);
-    'after-noqknorm': Qwen3's q / k norms and ropes as four launches (fused_qk_norm.FUSE off)."""
+    'after-noqknorm': Qwen3's q / k norms and ropes as four launches (fused_qk_norm.FUSE off);
+    'after-gqa-twolaunch': GQA decode splits merged by a second launch and sized from the block
+    table alone (triton_decode.FUSED_MERGE and LIVE_MIN_CHUNK off: the GQA decode of b840cd1);
+    'after-gqa-nofuse': the second launch, splits of >= GQA_MIN_TOKENS live tokens."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -342,6 +346,8 @@ def set_kernels(mode: str) -> None:
     triton_backend.GLUON_VARIANT = "simple" if mode == "after-gluon-simple" else _GLUON_VARIANT
     triton_backend.GLUON_FEW_VARIANT = None if mode == "after-gluon-nofew" else _GLUON_FEW
     fused_qk_norm.FUSE = mode != "after-noqknorm"
+    triton_decode.FUSED_MERGE = mode not in ("after-gqa-twolaunch", "after-gqa-nofuse")
+    triton_decode.LIVE_MIN_CHUNK = mode != "after-gqa-twolaunch"
     skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS = (skinny_gemm.MAX_WEIGHT_ELEMENTS
                                               if mode == "after-skinny-big" else _SKINNY_BOUND)
     triton_util.PDL = _PDL and mode not in ("after-nopdl", "after-nopdl-cublas")

@@ -118,6 +118,14 @@ def test_kernel_switch(monkeypatch):
     assert skinny_gemm.NORM_IN_GEMV and skinny_gemm.GEMV
     assert triton_util.FLAGS == triton_util.PDL_MODES["full"]
     assert fused_mla.FUSE_ABSORB and skinny_gemm.GEMV and skinny_gemm.GEMV_EARLY
+    from helix.attention import triton_decode
+    assert triton_decode.FUSED_MERGE and triton_decode.LIVE_MIN_CHUNK
+    bench.set_kernels("after-gqa-twolaunch")       # the GQA decode of b840cd1
+    assert not triton_decode.FUSED_MERGE and not triton_decode.LIVE_MIN_CHUNK
+    bench.set_kernels("after-gqa-nofuse")
+    assert not triton_decode.FUSED_MERGE and triton_decode.LIVE_MIN_CHUNK
+    bench.set_kernels("after")
+    assert triton_decode.FUSED_MERGE and triton_decode.LIVE_MIN_CHUNK
     with pytest.raises(SystemExit):
         bench.set_kernels("later")
 

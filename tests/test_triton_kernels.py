@@ -89,10 +89,14 @@ GQA_CASES = [  # (B, Hq, Hkv, d, page, lens, splits, block_n)
 ]
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "two-launch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", GQA_CASES, ids=lambda c: f"B{c[0]}-hq{c[1]}-hkv{c[2]}-d{c[3]}"
                          f"-p{c[4]}-s{c[6]}")
-def test_gqa_decode(case, dtype):
+def test_gqa_decode(case, dtype, fused, monkeypatch):
+    """Against the torch reference; the splits merged in the split launch (its last program of
+    a (batch, KV head)) or by the second kernel."""
+    monkeypatch.setattr(triton_decode, "FUSED_MERGE", fused)
     B, hq, hkv, d, page, lens, splits, block_n = case
     gen = torch.Generator().manual_seed(B * 1000 + sum(lens))
     P = 40
@@ -108,6 +112,51 @@ def test_gqa_decode(case, dtype):
     _lse_close(lse, rl)
     empty = meta.kv_lens == 0
     assert torch.all(lse[empty] == float("-inf")) and torch.all(o[empty] == 0)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "two-launch"])
+def test_gqa_short_sequences_in_a_wide_table(fused, monkeypatch):
+    """Default splits from a wide block table (the static count of a graph bucket: 8 at 132
+    SMs) over short and empty sequences: splits keep >= GQA_MIN_TOKENS live tokens, the ones
+    past them are empty and skipped by the merge; the arrival counters are all zero after each
+    launch, and a second launch gives bitwise the same result."""
+    from helix.triton_util import arrival_counters
+    monkeypatch.setattr(triton_decode, "FUSED_MERGE", fused)
+    monkeypatch.setattr(triton_decode, "sm_count_of", lambda device: 132)
+    gen = torch.Generator().manual_seed(7)
+    page, hkv, group, d = 16, 2, 4, 32
+    lens = [300, 0, 129, 1024]
+    meta = _decode_meta(lens, page, 300, gen)
+    bt = torch.cat([meta.block_tables, torch.randint(0, 300, (4, 96 - meta.block_tables.shape[1]),
+                                                     generator=gen).int().to(DEV)], dim=1)
+    assert triton_decode.gqa_num_splits(4, hkv, bt.shape[1] * page, torch.device(DEV)) == 8
+    k = torch.randn(300, page, hkv, d, generator=gen).to(DEV)
+    v = torch.randn(300, page, hkv, d, generator=gen).to(DEV)
+    q = torch.randn(4, hkv * group, d, generator=gen).to(DEV)
+    o, lse = triton_decode.gqa_decode(q, k, v, bt, meta.kv_lens, 0.3)
+    assert int(arrival_counters(torch.device(DEV), 8).abs().sum()) == 0
+    ro, rl = TorchAttention().attend_gqa(q, k, v, meta, 0.3)
+    _close(o, ro, torch.float32)
+    _lse_close(lse, rl)
+    o2, lse2 = triton_decode.gqa_decode(q, k, v, bt, meta.kv_lens, 0.3)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+def test_gqa_merge_in_the_split_launch_only_for_small_tiles(monkeypatch):
+    """The one-launch merge is taken while pow2(group) x splits x pow2(d) <= its tile bound;
+    past it the second kernel merges (Qwen3-235B's group of 16 at 8 splits)."""
+    seen = []
+    monkeypatch.setattr(triton_decode, "run_kernel",
+                        lambda k, grid, *a, **kw: seen.append((k.fn.__name__, kw.get("FUSED"))))
+    monkeypatch.setattr(triton_decode, "reduce_splits", lambda *a: seen.append(("merge", None)))
+    k = torch.empty(4, 16, 2, 128, device="meta", dtype=torch.bfloat16)
+    lens = torch.empty(1, dtype=torch.int32, device="meta")
+    bt = torch.empty(1, 4, dtype=torch.int32, device="meta")
+    for hq, splits in ((8, 16), (32, 8), (8, 1)):
+        q = torch.empty(1, hq, 128, device="meta", dtype=torch.bfloat16)
+        triton_decode.gqa_decode(q, k, k, bt, lens, 0.1, num_splits=splits)
+    assert seen == [("_gqa_split_kernel", True), ("_gqa_split_kernel", False), ("merge", None),
+                    ("_gqa_split_kernel", False)]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -729,6 +778,11 @@ def test_kernels_compile_for_sm90(tmp_path):
     for r in records:
         assert r["shared_bytes"] <= SM90_SMEM_LIMIT, r
         assert r["stack_bytes"] <= 64, r                  # no real register spills
+    # the GQA launch merges its splits itself (Llama-70B rank, 8 splits) and still holds 4
+    # programs an SM (<= 128 registers a thread at 4 warps): choose_num_splits' one wave
+    gqa = [r for r in records
+           if r["case"] == "gqa-llama70b" and r["kernel"] == "_gqa_split_kernel"]
+    assert gqa and gqa[0]["constexprs"]["FUSED"] and gqa[0]["registers"] <= 128, gqa
     mla = [r for r in records
            if r["case"] == "mla-deepseek-v3" and r["kernel"] == "_mla_split_kernel"]
     assert mla and mla[0]["hgmma"] > 0, mla                # tensor cores through wgmma

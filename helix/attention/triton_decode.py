@@ -5,10 +5,17 @@ GROUP = Hq / Hkv query heads of that KV head: Q [BLOCK_G >= 16, d] x K^T [d, BLO
 cores, online softmax in the exp2 domain, P [BLOCK_G, BLOCK_N] x V [BLOCK_N, d]. It writes a
 normalized partial O and its LSE per split (or, with one split, the final O and LSE directly).
 
-With several splits, stage 2 (triton_splits.reduce_splits) merges the partials exactly (LSE
-weights) in a second kernel, one program per (batch, query head). (A one-launch merge through
-per-(batch, kv head) arrival counters was built and measured no faster on an H200, and up to
-15 % slower at 64 splits: profiling/results/gqa_fused_merge_h200.json; it was removed.)
+With several splits the partials are merged exactly (LSE weights, triton_splits.lse_merge):
+- in the same launch (FUSED_MERGE) when the group's partials are one small tile: the last
+  program of a (batch, KV head) to arrive (an arrival counter) merges all GROUP heads over the
+  splits that hold tokens in one load. Inside a decode step that saves the merge launch, a
+  dependent launch of its own (Llama-3.1-8B at 8 x 1K: profiling/results/step_small.md);
+- else in a second kernel (triton_splits.reduce_splits), one program per (batch, query head):
+  a single program would read many partials one head after another (measured up to 15 % slower
+  alone at 64 splits: profiling/results/gqa_fused_merge_h200.json).
+With the default split count (static: from the block table's width) a split holds at least
+GQA_MIN_TOKENS tokens of the live length, so a short sequence in a wide table uses few splits;
+the programs past them write an empty partial and the merge skips them.
 
 All metadata (block tables, local lengths) is read on the device; splits and block sizes are
 constexpr picked from static sizes, so a launch is CUDA-graph capturable and never syncs.
@@ -20,9 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, reduce_splits,
-                                           sm_count_of, split_range, split_workspace, token_rows)
-from helix.triton_util import pdl_sync, run_kernel
+from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, live_splits,
+                                           lse_weights, reduce_splits, sm_count_of, split_range,
+                                           split_workspace, token_rows)
+from helix.triton_util import arrival_counters, last_to_arrive, pdl_sync, pow2, run_kernel
 
 __all__ = ["choose_num_splits", "gqa_decode", "gqa_num_splits"]
 
@@ -36,10 +44,13 @@ def _gqa_split_kernel(
     stride_btb,                            # block_tables [B, max_pages] int32
     stride_ob, stride_oh, stride_os,       # o: [B, Hq, S, d] partials, or [B, Hq, d] (S = 1)
     stride_lb, stride_lh,                  # lse: [B, Hq, S] partials, or [B, Hq] (S = 1)
+    fo_ptr, flse_ptr, cnt_ptr,             # FUSED: o [B, Hq, d], lse [B, Hq], counters [B*Hkv]
+    stride_fob, stride_foh, stride_flb,
     HEAD_DIM,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SAME_LAYOUT: tl.constexpr,
+    SAME_LAYOUT: tl.constexpr, MIN_CHUNK: tl.constexpr = 0, FUSED: tl.constexpr = False,
+    BLOCK_GM: tl.constexpr = 1, BLOCK_S: tl.constexpr = 1, BLOCK_DC: tl.constexpr = 16,
     PDL: tl.constexpr = False,
 ):
     pdl_sync(PDL)
@@ -58,7 +69,7 @@ def _gqa_split_kernel(
     q = q.to(k_ptr.dtype.element_ty)
 
     kv_len = tl.load(lens_ptr + b)
-    start, end = split_range(kv_len, split, NUM_SPLITS, BLOCK_N)
+    start, end = split_range(kv_len, split, NUM_SPLITS, BLOCK_N, MIN_CHUNK)
     bt_row = bt_ptr + b * stride_btb
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
@@ -90,15 +101,42 @@ def _gqa_split_kernel(
     o_off = b * stride_ob + heads.to(tl.int64)[:, None] * stride_oh + split * stride_os
     tl.store(o_ptr + o_off + dcol[None, :], out, mask=gmask[:, None] & dmask[None, :])
     tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
+    if FUSED:
+        # the last of the NUM_SPLITS programs of (b, kv head) to arrive merges the group: its
+        # live splits' partials (written by this launch: read through L2) in one tile
+        cnt = cnt_ptr + b * tl.num_programs(0) + kvh
+        if last_to_arrive(cnt, NUM_SPLITS):
+            gm = tl.arange(0, BLOCK_GM)
+            hm = (kvh * GROUP + gm).to(tl.int64)
+            sidx = tl.arange(0, BLOCK_S)
+            rmask = (gm < GROUP)[:, None] & live_splits(kv_len, sidx, NUM_SPLITS, BLOCK_N,
+                                                        MIN_CHUNK)[None, :]      # [GM, S]
+            part_lse = tl.load(lse_ptr + b * stride_lb + hm[:, None] * stride_lh + sidx[None, :],
+                               mask=rmask, other=float("-inf"), cache_modifier=".cg")
+            w, merged_lse = lse_weights(part_lse)
+            hmask = gm < GROUP
+            rows = o_ptr + b * stride_ob + hm[:, None, None] * stride_oh + sidx[None, :, None] * \
+                stride_os                                                        # [GM, S, 1]
+            for d0 in tl.static_range(0, BLOCK_D, BLOCK_DC):    # column chunks: few registers
+                dc = d0 + tl.arange(0, BLOCK_DC)
+                dcm = dc < HEAD_DIM
+                part = tl.load(rows + dc[None, None, :],
+                               mask=rmask[:, :, None] & dcm[None, None, :], other=0.0,
+                               cache_modifier=".cg")                           # [GM, S, DC]
+                tl.store(fo_ptr + b * stride_fob + hm[:, None] * stride_foh + dc[None, :],
+                         tl.sum(w[:, :, None] * part, axis=1), mask=hmask[:, None] & dcm[None, :])
+            tl.store(flse_ptr + b * stride_flb + hm, merged_lse, mask=hmask)
+            tl.store(cnt, 0)
 
 
 
 def gqa_launch_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
     """Tiles and warps: BLOCK_N tokens per K/V tile (64 x 128 bf16 = 16 KB), the group padded to
     >= 16 rows for tl.dot. Memory-bound: 4 warps (several programs per SM), a 3-stage cp.async
-    pipeline. Llama-70B rank on sm_90 (profiling/kernel_resources.py), triton 3.6 / 3.9: 114 /
-    96 registers, no spills, 39 KB shared memory: 4 programs fit an SM, so every split launch that
-    choose_num_splits makes (< 4 x SM count programs) runs in one wave."""
+    pipeline. Llama-70B rank on sm_90 (profiling/kernel_resources.py), triton 3.6: 112
+    registers with the merge in the launch, no spills, 39 KB shared memory: 4 programs fit an SM,
+    so every split launch that choose_num_splits makes (< 4 x SM count programs) runs in one
+    wave (the sm_90 compile test holds the registers at <= 128)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 64 if block_d <= 128 else 32
     if dtype == torch.float32:          # fp32 dots run on FMA units: small tiles, no spills
@@ -112,6 +150,15 @@ def gqa_launch_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
 # with 16 of 256 (torch SDPA 14.9 us); other batches and contexts get the same split count as
 # with 256 or run within noise of it.
 GQA_MIN_TOKENS = 128
+# The merge in the split launch (module doc) while the group's partials, pow2(GROUP) x splits x
+# pow2(d) fp32, are at most this many elements (one tile of the merging program): Llama-3.1-8B
+# (group 4, d 128) up to 16 splits, Qwen3-235B's shape (group 16) up to 4. Module flags, read
+# per call (benches switch them): FUSED_MERGE, LIVE_MIN_CHUNK (default splits of at least
+# GQA_MIN_TOKENS live tokens).
+FUSED_MERGE = True
+FUSED_MERGE_ELEMENTS = 8192
+FUSED_MERGE_CHUNK = 1024     # ... merged in column chunks of this many elements (registers)
+LIVE_MIN_CHUNK = True
 
 
 def gqa_num_splits(batch: int, kv_heads: int, max_context: int, device: torch.device,
@@ -142,13 +189,19 @@ def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lse = torch.empty((B, Hq), dtype=torch.float32, device=q.device)
     if B == 0:
         return o, lse
+    min_chunk = 0
     if num_splits is None:
         num_splits = gqa_num_splits(B, Hkv, block_tables.shape[1] * page_size, q.device,
                                     min_tokens)
+        if LIVE_MIN_CHUNK and num_splits > 1:
+            min_chunk = GQA_MIN_TOKENS if min_tokens is None else min_tokens
     config = gqa_launch_config(d, group, k_cache.dtype)
     if block_n is not None:
         config["BLOCK_N"] = block_n
+    fused = (FUSED_MERGE and num_splits > 1
+             and pow2(group) * pow2(num_splits) * config["BLOCK_D"] <= FUSED_MERGE_ELEMENTS)
     o_ws, lse_ws, so, sl = split_workspace(o, lse, num_splits)   # 1 split: final O / LSE
+    counters = arrival_counters(q.device, B * Hkv) if fused else lse
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     run_kernel(
         _gqa_split_kernel, (Hkv, num_splits, B),
@@ -156,9 +209,16 @@ def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), *so, *sl, d,
+        block_tables.stride(0), *so, *sl, o, lse, counters, o.stride(0), o.stride(1),
+        lse.stride(0), d,
         GROUP=group, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
-        SAME_LAYOUT=k_cache.stride()[:2] == v_cache.stride()[:2], **config)
-    if num_splits > 1:
-        reduce_splits(o_ws, lse_ws, o, lse)
+        SAME_LAYOUT=k_cache.stride()[:2] == v_cache.stride()[:2], MIN_CHUNK=min_chunk,
+        FUSED=fused, BLOCK_GM=pow2(group) if fused else 1,
+        BLOCK_S=pow2(num_splits) if fused else 1,
+        BLOCK_DC=(min(config["BLOCK_D"], max(16, FUSED_MERGE_CHUNK // (pow2(group)
+                                                                    * pow2(num_splits))))
+                  if fused else 16), **config)
+    if num_splits > 1 and not fused:
+        reduce_splits(o_ws, lse_ws, o, lse,
+                      *((kv_lens, config["BLOCK_N"], min_chunk) if min_chunk else ()))
     return o, lse

@@ -125,6 +125,38 @@ def page_rows(page, t0, end, stride_page, stride_tok,
 
 
 @triton.jit
+def lse_weights(lse):
+    """The exact merge of split partials, the one rule every split kernel's merge uses:
+    lse [R, S] fp32 (-inf: a split with no token) -> (w [R, S], the merged lse [R], natural
+    log); the merged output is sum_s w[r, s] * O_s (lse_merge). A row whose splits are all
+    empty gets w = 0 (output 0) and lse = -inf."""
+    m = tl.max(lse, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe[:, None])                             # empty splits: 0
+    total = tl.sum(w, axis=1)
+    w = w / tl.where(total > 0, total, 1.0)[:, None]              # all empty: O = 0
+    out_lse = tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)),
+                       float("-inf"))
+    return w, out_lse
+
+
+@triton.jit
+def lse_merge(lse, part):
+    """lse [R, S], part [R, S, D] fp32 (each split's normalized output; 0 where empty) ->
+    (out [R, D] fp32, lse [R] fp32): lse_weights' merge."""
+    w, out_lse = lse_weights(lse)
+    return tl.sum(w[:, :, None] * part, axis=1), out_lse
+
+
+@triton.jit
+def live_splits(kv_len, sidx, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr = 0):
+    """Which of the split indices `sidx` hold tokens of a sequence of kv_len (split_range's
+    chunks): the splits a merge reads (past them a split kernel wrote nothing, or -inf)."""
+    start, _ = split_range(kv_len, sidx, num_splits, BLOCK_N, MIN_CHUNK)
+    return (sidx < num_splits) & (start < kv_len)
+
+
+@triton.jit
 def _reduce_splits_kernel(
     ows_ptr, lws_ptr,          # o_ws [R, S, D] fp32, lse_ws [R, S] fp32 (R = B * H rows)
     o_ptr, lse_ptr,            # o [B, H, D] (any float dtype), lse [B, H] fp32
@@ -146,26 +178,18 @@ def _reduce_splits_kernel(
         # splits past the sequence's tokens (split_range's chunks with BLOCK_N = LIVE_BLOCK_N,
         # of at least LIVE_MIN_CHUNK tokens) hold no partials (their programs wrote nothing):
         # neither read nor counted
-        kv_len = tl.load(lens_ptr + b)
-        start, _ = split_range(kv_len, sidx, NUM_SPLITS, LIVE_BLOCK_N, LIVE_MIN_CHUNK)
-        smask = smask & (start < kv_len)
-    lse = tl.load(lws_ptr + row * NUM_SPLITS + sidx, mask=smask,
-                  other=float("-inf"))                            # [S], -inf = empty split
-    m = tl.max(lse, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_safe)                                      # empty splits: 0
-    total = tl.sum(w, axis=0)
-    w = w / tl.where(total > 0, total, 1.0)                       # all empty: O = 0
+        smask = live_splits(tl.load(lens_ptr + b), sidx, NUM_SPLITS, LIVE_BLOCK_N,
+                            LIVE_MIN_CHUNK)
+    lse = tl.load(lws_ptr + row * NUM_SPLITS + sidx[None, :], mask=smask[None, :],
+                  other=float("-inf"))                            # [1, S]
     dcol = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = dcol < D
-    part = tl.load(ows_ptr + (row * NUM_SPLITS + sidx[:, None]) * D + dcol[None, :],
-                   mask=smask[:, None] & dmask[None, :], other=0.0)          # [S, BLOCK_D]
-    out = tl.sum(w[:, None] * part, axis=0)
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + dcol, out, mask=dmask)
+    part = tl.load(ows_ptr + (row * NUM_SPLITS + sidx[None, :, None]) * D + dcol[None, None, :],
+                   mask=smask[None, :, None] & dmask[None, None, :], other=0.0)  # [1, S, BD]
+    out, out_lse = lse_merge(lse, part)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + dcol[None, :], out, mask=dmask[None, :])
     if tl.program_id(1) == 0:
-        out_lse = tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)),
-                           float("-inf"))
-        tl.store(lse_ptr + row, out_lse)
+        tl.store(lse_ptr + row + tl.arange(0, 1), out_lse)
 
 
 def split_workspace(o: torch.Tensor, lse: torch.Tensor, num_splits: int,
