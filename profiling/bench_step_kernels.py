@@ -298,7 +298,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-noonetile", "after-nogluon", "after-gluon-nopdl", "after-gluon-kv-late",
               "after-few-batch1", "after-attn-7a34bf8", "after-torch-argmax",
               "after-gemv-nosplit", "after-ffd0c4b", "after-gluon-nofew", "after-skinny-big",
-              "after-noqknorm", "after-gqa-twolaunch", "after-gqa-nofuse")
+              "after-noqknorm", "after-gqa-twolaunch")
 
 
 def set_kernels(mode: str) -> None:
@@ -333,9 +333,8 @@ def set_kernels(mode: str) -> None:
     (triton_backend.GLUON_FEW_VARIANT None); 'after-skinny-big': the skinny kernel for weights of
     any size past the GEMV's rows (skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS at the 64M bound);
     'after-noqknorm': Qwen3's q / k norms and ropes as four launches (fused_qk_norm.FUSE off);
-    'after-gqa-twolaunch': GQA decode splits merged by a second launch and sized from the block
-    table alone (triton_decode.FUSED_MERGE and LIVE_MIN_CHUNK off: the GQA decode of b840cd1);
-    'after-gqa-nofuse': the second launch, splits of >= GQA_MIN_TOKENS live tokens."""
+    'after-gqa-twolaunch': GQA decode splits always merged by a second launch
+    (triton_decode.FUSED_MERGE off: the GQA decode of b840cd1)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -346,8 +345,7 @@ def set_kernels(mode: str) -> None:
     triton_backend.GLUON_VARIANT = "simple" if mode == "after-gluon-simple" else _GLUON_VARIANT
     triton_backend.GLUON_FEW_VARIANT = None if mode == "after-gluon-nofew" else _GLUON_FEW
     fused_qk_norm.FUSE = mode != "after-noqknorm"
-    triton_decode.FUSED_MERGE = mode not in ("after-gqa-twolaunch", "after-gqa-nofuse")
-    triton_decode.LIVE_MIN_CHUNK = mode != "after-gqa-twolaunch"
+    triton_decode.FUSED_MERGE = mode != "after-gqa-twolaunch"
     skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS = (skinny_gemm.MAX_WEIGHT_ELEMENTS
                                               if mode == "after-skinny-big" else _SKINNY_BOUND)
     triton_util.PDL = _PDL and mode not in ("after-nopdl", "after-nopdl-cublas")

@@ -13,9 +13,8 @@ With several splits the partials are merged exactly (LSE weights, triton_splits.
 - else in a second kernel (triton_splits.reduce_splits), one program per (batch, query head):
   a single program would read many partials one head after another (measured up to 15 % slower
   alone at 64 splits: profiling/results/gqa_fused_merge_h200.json).
-With the default split count (static: from the block table's width) a split holds at least
-GQA_MIN_TOKENS tokens of the live length, so a short sequence in a wide table uses few splits;
-the programs past them write an empty partial and the merge skips them.
+Splits past a short sequence's tokens (the split count is static: from the block table's width)
+write an empty partial (LSE -inf); the one-launch merge does not read them.
 
 All metadata (block tables, local lengths) is read on the device; splits and block sizes are
 constexpr picked from static sizes, so a launch is CUDA-graph capturable and never syncs.
@@ -49,7 +48,7 @@ def _gqa_split_kernel(
     HEAD_DIM,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SAME_LAYOUT: tl.constexpr, MIN_CHUNK: tl.constexpr = 0, FUSED: tl.constexpr = False,
+    SAME_LAYOUT: tl.constexpr, FUSED: tl.constexpr = False,
     BLOCK_GM: tl.constexpr = 1, BLOCK_S: tl.constexpr = 1, BLOCK_DC: tl.constexpr = 16,
     PDL: tl.constexpr = False,
 ):
@@ -69,7 +68,7 @@ def _gqa_split_kernel(
     q = q.to(k_ptr.dtype.element_ty)
 
     kv_len = tl.load(lens_ptr + b)
-    start, end = split_range(kv_len, split, NUM_SPLITS, BLOCK_N, MIN_CHUNK)
+    start, end = split_range(kv_len, split, NUM_SPLITS, BLOCK_N)
     bt_row = bt_ptr + b * stride_btb
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
@@ -109,8 +108,8 @@ def _gqa_split_kernel(
             gm = tl.arange(0, BLOCK_GM)
             hm = (kvh * GROUP + gm).to(tl.int64)
             sidx = tl.arange(0, BLOCK_S)
-            rmask = (gm < GROUP)[:, None] & live_splits(kv_len, sidx, NUM_SPLITS, BLOCK_N,
-                                                        MIN_CHUNK)[None, :]      # [GM, S]
+            rmask = (gm < GROUP)[:, None] & live_splits(kv_len, sidx, NUM_SPLITS,
+                                                        BLOCK_N)[None, :]        # [GM, S]
             part_lse = tl.load(lse_ptr + b * stride_lb + hm[:, None] * stride_lh + sidx[None, :],
                                mask=rmask, other=float("-inf"), cache_modifier=".cg")
             w, merged_lse = lse_weights(part_lse)
@@ -152,13 +151,12 @@ def gqa_launch_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
 GQA_MIN_TOKENS = 128
 # The merge in the split launch (module doc) while the group's partials, pow2(GROUP) x splits x
 # pow2(d) fp32, are at most this many elements (one tile of the merging program): Llama-3.1-8B
-# (group 4, d 128) up to 16 splits, Qwen3-235B's shape (group 16) up to 4. Module flags, read
-# per call (benches switch them): FUSED_MERGE, LIVE_MIN_CHUNK (default splits of at least
-# GQA_MIN_TOKENS live tokens).
+# (group 4, d 128) up to 16 splits, Qwen3-235B's shape (group 16) up to 4. Module flag
+# FUSED_MERGE, read per call (benches switch it). On the H200, Llama-3.1-8B at 8 x 1K (8
+# splits): 4.934 -> 4.874-4.895 ms a step (profiling/results/step_small.md).
 FUSED_MERGE = True
 FUSED_MERGE_ELEMENTS = 8192
 FUSED_MERGE_CHUNK = 1024     # ... merged in column chunks of this many elements (registers)
-LIVE_MIN_CHUNK = True
 
 
 def gqa_num_splits(batch: int, kv_heads: int, max_context: int, device: torch.device,
@@ -189,12 +187,9 @@ def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lse = torch.empty((B, Hq), dtype=torch.float32, device=q.device)
     if B == 0:
         return o, lse
-    min_chunk = 0
     if num_splits is None:
         num_splits = gqa_num_splits(B, Hkv, block_tables.shape[1] * page_size, q.device,
                                     min_tokens)
-        if LIVE_MIN_CHUNK and num_splits > 1:
-            min_chunk = GQA_MIN_TOKENS if min_tokens is None else min_tokens
     config = gqa_launch_config(d, group, k_cache.dtype)
     if block_n is not None:
         config["BLOCK_N"] = block_n
@@ -212,13 +207,11 @@ def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_tables.stride(0), *so, *sl, o, lse, counters, o.stride(0), o.stride(1),
         lse.stride(0), d,
         GROUP=group, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
-        SAME_LAYOUT=k_cache.stride()[:2] == v_cache.stride()[:2], MIN_CHUNK=min_chunk,
-        FUSED=fused, BLOCK_GM=pow2(group) if fused else 1,
-        BLOCK_S=pow2(num_splits) if fused else 1,
+        SAME_LAYOUT=k_cache.stride()[:2] == v_cache.stride()[:2], FUSED=fused,
+        BLOCK_GM=pow2(group) if fused else 1, BLOCK_S=pow2(num_splits) if fused else 1,
         BLOCK_DC=(min(config["BLOCK_D"], max(16, FUSED_MERGE_CHUNK // (pow2(group)
                                                                     * pow2(num_splits))))
                   if fused else 16), **config)
     if num_splits > 1 and not fused:
-        reduce_splits(o_ws, lse_ws, o, lse,
-                      *((kv_lens, config["BLOCK_N"], min_chunk) if min_chunk else ()))
+        reduce_splits(o_ws, lse_ws, o, lse)
     return o, lse
