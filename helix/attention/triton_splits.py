@@ -6,7 +6,10 @@
   variants at most (splits are powers of two).
 - `token_rows`: the paged-KV row offsets (int64) of a block of tokens.
 - `split_range`: the token range [start, end) of one split.
-- `reduce_splits`: stage 2, the exact LSE merge of the per-split partials into O and LSE.
+- `lse_weights` / `lse_merge`: the exact LSE merge of per-split partials, written once: every
+  merge (the second launch below, the GQA kernel's own) uses it; `live_splits`: which splits of
+  a sequence hold tokens.
+- `reduce_splits`: stage 2, the merge as a second launch, one program per (batch, head).
 """
 
 from __future__ import annotations
