@@ -86,7 +86,8 @@ GQA_CASES = [  # (B, Hq, Hkv, d, page, lens, splits, block_n)
     (2, 16, 2, 24, 32, [95, 64], 3, 16),                     # d not a power of two, 3 splits
     (2, 4, 2, 32, 4, [13, 5], 2, 16),                        # pages smaller than the block
     (1, 8, 2, 16, 16, [0], 2, None),                         # everything empty
-]
+    (2, 16, 2, 40, 16, [70, 33], 4, 16),                     # group 8, d 40: the one-launch
+]                                                            # merge in 2 masked column chunks
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "two-launch"])
