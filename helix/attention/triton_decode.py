@@ -5,11 +5,12 @@ GROUP = Hq / Hkv query heads of that KV head: Q [BLOCK_G >= 16, d] x K^T [d, BLO
 cores, online softmax in the exp2 domain, P [BLOCK_G, BLOCK_N] x V [BLOCK_N, d]. It writes a
 normalized partial O and its LSE per split (or, with one split, the final O and LSE directly).
 
-With several splits the partials are merged exactly (LSE weights, triton_splits.lse_merge):
+With several splits the partials are merged exactly (LSE weights, triton_splits.lse_weights):
 - in the same launch (FUSED_MERGE) when the group's partials are one small tile: the last
   program of a (batch, KV head) to arrive (an arrival counter) merges all GROUP heads over the
-  splits that hold tokens in one load. Inside a decode step that saves the merge launch, a
-  dependent launch of its own (Llama-3.1-8B at 8 x 1K: profiling/results/step_small.md);
+  splits that hold tokens, in a few column chunks. Inside a decode step that saves the merge
+  launch, a dependent launch of its own (Llama-3.1-8B at 8 x 1K: profiling/results/
+  step_small.md);
 - else in a second kernel (triton_splits.reduce_splits), one program per (batch, query head):
   a single program would read many partials one head after another (measured up to 15 % slower
   alone at 64 splits: profiling/results/gqa_fused_merge_h200.json).
@@ -114,8 +115,8 @@ def _gqa_split_kernel(
                                mask=rmask, other=float("-inf"), cache_modifier=".cg")
             w, merged_lse = lse_weights(part_lse)
             hmask = gm < GROUP
-            rows = o_ptr + b * stride_ob + hm[:, None, None] * stride_oh + sidx[None, :, None] * \
-                stride_os                                                        # [GM, S, 1]
+            rows = (o_ptr + b * stride_ob + hm[:, None, None] * stride_oh
+                    + sidx[None, :, None] * stride_os)                          # [GM, S, 1]
             for d0 in tl.static_range(0, BLOCK_D, BLOCK_DC):    # column chunks: few registers
                 dc = d0 + tl.arange(0, BLOCK_DC)
                 dcm = dc < HEAD_DIM
