@@ -108,13 +108,13 @@ def _gqa_split_kernel(
         if last_to_arrive(cnt, NUM_SPLITS):
             gm = tl.arange(0, BLOCK_GM)
             hm = (kvh * GROUP + gm).to(tl.int64)
+            hmask = gm < GROUP
             sidx = tl.arange(0, BLOCK_S)
-            rmask = (gm < GROUP)[:, None] & live_splits(kv_len, sidx, NUM_SPLITS,
-                                                        BLOCK_N)[None, :]        # [GM, S]
+            rmask = hmask[:, None] & live_splits(kv_len, sidx, NUM_SPLITS,
+                                                 BLOCK_N)[None, :]               # [GM, S]
             part_lse = tl.load(lse_ptr + b * stride_lb + hm[:, None] * stride_lh + sidx[None, :],
                                mask=rmask, other=float("-inf"), cache_modifier=".cg")
             w, merged_lse = lse_weights(part_lse)
-            hmask = gm < GROUP
             rows = (o_ptr + b * stride_ob + hm[:, None, None] * stride_oh
                     + sidx[None, :, None] * stride_os)                          # [GM, S, 1]
             for d0 in tl.static_range(0, BLOCK_D, BLOCK_DC):    # column chunks: few registers
