@@ -298,7 +298,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-noonetile", "after-nogluon", "after-gluon-nopdl", "after-gluon-kv-late",
               "after-few-batch1", "after-attn-7a34bf8", "after-torch-argmax",
               "after-gemv-nosplit", "after-ffd0c4b", "after-gluon-nofew", "after-skinny-big",
-              "after-noqknorm", "after-gqa-twolaunch")
+              "after-noqknorm", "after-gqa-twolaunch", "after-gqa-waves1", "after-gqa-waves05")
 
 
 def set_kernels(mode: str) -> None:
@@ -334,7 +334,9 @@ def set_kernels(mode: str) -> None:
     any size past the GEMV's rows (skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS at the 64M bound);
     'after-noqknorm': Qwen3's q / k norms and ropes as four launches (fused_qk_norm.FUSE off);
     'after-gqa-twolaunch': GQA decode splits always merged by a second launch
-    (triton_decode.FUSED_MERGE off: the GQA decode of b840cd1)."""
+    (triton_decode.FUSED_MERGE off: the GQA decode of b840cd1); 'after-gqa-waves1' /
+    'after-gqa-waves05': GQA split counts aimed at 1 / 0.5 waves of programs, not 2
+    (triton_decode.GQA_WAVES)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -346,6 +348,8 @@ def set_kernels(mode: str) -> None:
     triton_backend.GLUON_FEW_VARIANT = None if mode == "after-gluon-nofew" else _GLUON_FEW
     fused_qk_norm.FUSE = mode != "after-noqknorm"
     triton_decode.FUSED_MERGE = mode != "after-gqa-twolaunch"
+    triton_decode.GQA_WAVES = {"after-gqa-waves1": 1.0,
+                               "after-gqa-waves05": 0.5}.get(mode, _GQA_WAVES)
     skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS = (skinny_gemm.MAX_WEIGHT_ELEMENTS
                                               if mode == "after-skinny-big" else _SKINNY_BOUND)
     triton_util.PDL = _PDL and mode not in ("after-nopdl", "after-nopdl-cublas")
@@ -384,6 +388,7 @@ _SKINNY = skinny_gemm.ENABLED
 _GEMV = skinny_gemm.GEMV
 _MLA_GLUON = os.environ.get("HELIX_MLA_GLUON")
 _GLUON_MAX_SPLITS = gluon_mla.MAX_SPLITS
+_GQA_WAVES = triton_decode.GQA_WAVES
 _FEW_FROM_BATCH = triton_backend.GLUON_FEW_HEADS_FROM_BATCH
 
 

@@ -150,6 +150,9 @@ def gqa_launch_config(head_dim: int, group: int, dtype: torch.dtype) -> dict:
 # with 16 of 256 (torch SDPA 14.9 us); other batches and contexts get the same split count as
 # with 256 or run within noise of it.
 GQA_MIN_TOKENS = 128
+# Waves of programs the default split count aims at (choose_num_splits' `waves`; 4 programs fit
+# an SM). Module flag, read per call (benches switch it).
+GQA_WAVES = 2.0
 # The merge in the split launch (module doc) while the group's partials, pow2(GROUP) x splits x
 # pow2(d) fp32, are at most this many elements (one tile of the merging program): Llama-3.1-8B
 # (group 4, d 128) up to 16 splits, Qwen3-235B's shape (group 16) up to 4. Module flag
@@ -164,7 +167,8 @@ def gqa_num_splits(batch: int, kv_heads: int, max_context: int, device: torch.de
                    min_tokens: int | None = None) -> int:
     """The default split count of a launch (static sizes only: fixed per graph bucket)."""
     return choose_num_splits(batch, kv_heads, max_context, sm_count_of(device),
-                             min_tokens=GQA_MIN_TOKENS if min_tokens is None else min_tokens)
+                             min_tokens=GQA_MIN_TOKENS if min_tokens is None else min_tokens,
+                             waves=GQA_WAVES)
 
 
 def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
