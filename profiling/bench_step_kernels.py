@@ -298,7 +298,8 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-noonetile", "after-nogluon", "after-gluon-nopdl", "after-gluon-kv-late",
               "after-few-batch1", "after-attn-7a34bf8", "after-torch-argmax",
               "after-gemv-nosplit", "after-ffd0c4b", "after-gluon-nofew", "after-skinny-big",
-              "after-noqknorm", "after-gqa-twolaunch", "after-gqa-waves1", "after-gqa-waves05")
+              "after-noqknorm", "after-gqa-twolaunch", "after-gqa-waves1", "after-gqa-waves05",
+              "after-gqa-merge8192")
 
 
 def set_kernels(mode: str) -> None:
@@ -336,7 +337,8 @@ def set_kernels(mode: str) -> None:
     'after-gqa-twolaunch': GQA decode splits always merged by a second launch
     (triton_decode.FUSED_MERGE off: the GQA decode of b840cd1); 'after-gqa-waves1' /
     'after-gqa-waves05': GQA split counts aimed at 1 / 0.5 waves of programs, not 2
-    (triton_decode.GQA_WAVES)."""
+    (triton_decode.GQA_WAVES); 'after-gqa-merge8192': the one-launch GQA merge up to 8192
+    partial elements (triton_decode.FUSED_MERGE_ELEMENTS of 1efc800; now 4096)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -350,6 +352,7 @@ def set_kernels(mode: str) -> None:
     triton_decode.FUSED_MERGE = mode != "after-gqa-twolaunch"
     triton_decode.GQA_WAVES = {"after-gqa-waves1": 1.0,
                                "after-gqa-waves05": 0.5}.get(mode, _GQA_WAVES)
+    triton_decode.FUSED_MERGE_ELEMENTS = 8192 if mode == "after-gqa-merge8192" else _GQA_FUSED
     skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS = (skinny_gemm.MAX_WEIGHT_ELEMENTS
                                               if mode == "after-skinny-big" else _SKINNY_BOUND)
     triton_util.PDL = _PDL and mode not in ("after-nopdl", "after-nopdl-cublas")
@@ -389,6 +392,7 @@ _GEMV = skinny_gemm.GEMV
 _MLA_GLUON = os.environ.get("HELIX_MLA_GLUON")
 _GLUON_MAX_SPLITS = gluon_mla.MAX_SPLITS
 _GQA_WAVES = triton_decode.GQA_WAVES
+_GQA_FUSED = triton_decode.FUSED_MERGE_ELEMENTS
 _FEW_FROM_BATCH = triton_backend.GLUON_FEW_HEADS_FROM_BATCH
 
 

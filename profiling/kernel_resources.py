@@ -119,11 +119,11 @@ def production_launches(name: str):
     m = dict(device="meta")
     bf = torch.bfloat16
     with recorded_launches() as launches:
-        if name == "gqa-llama70b":             # 64 q / 8 kv heads, d 128, bf16, 8 splits
-            q = torch.empty(4, 64, 128, dtype=bf, **m)
+        if name == "gqa-llama70b":             # 64 q / 8 kv heads, d 128, bf16, 4 splits: the
+            q = torch.empty(4, 64, 128, dtype=bf, **m)           # splits merged in the launch
             kv = torch.empty(1024, 64, 8, 128, dtype=bf, **m)
             triton_decode.gqa_decode(q, kv, kv, torch.empty(4, 64, dtype=torch.int32, **m),
-                                     torch.empty(4, dtype=torch.int32, **m), 0.088, num_splits=8)
+                                     torch.empty(4, dtype=torch.int32, **m), 0.088, num_splits=4)
         elif name == "gqa-mqa-d256-fp16":      # 32 q / 1 kv head, d 256
             q = torch.empty(2, 32, 256, dtype=torch.float16, **m)
             kv = torch.empty(256, 16, 1, 256, dtype=torch.float16, **m)

@@ -124,6 +124,13 @@ def test_kernel_switch(monkeypatch):
     assert not triton_decode.FUSED_MERGE
     bench.set_kernels("after")
     assert triton_decode.FUSED_MERGE
+    default = (triton_decode.GQA_WAVES, triton_decode.FUSED_MERGE_ELEMENTS)
+    bench.set_kernels("after-gqa-waves1")           # GQA splits aimed at one wave
+    assert triton_decode.GQA_WAVES == 1.0
+    bench.set_kernels("after-gqa-merge8192")        # the one-launch merge's bound of 1efc800
+    assert triton_decode.FUSED_MERGE_ELEMENTS == 8192 and triton_decode.GQA_WAVES == default[0]
+    bench.set_kernels("after")
+    assert (triton_decode.GQA_WAVES, triton_decode.FUSED_MERGE_ELEMENTS) == default == (2.0, 4096)
     with pytest.raises(SystemExit):
         bench.set_kernels("later")
 

@@ -144,8 +144,9 @@ def test_gqa_short_sequences_in_a_wide_table(fused, monkeypatch):
 
 
 def test_gqa_merge_in_the_split_launch_only_for_small_tiles(monkeypatch):
-    """The one-launch merge is taken while pow2(group) x splits x pow2(d) <= its tile bound;
-    past it the second kernel merges (Qwen3-235B's group of 16 at 8 splits)."""
+    """The one-launch merge is taken while pow2(group) x splits x pow2(d) <= its tile bound
+    (Llama-3.1-8B's group of 4 at 8 splits); past it the second kernel merges (a Llama-70B rank's
+    group of 8 at 8 splits, Qwen3-235B's group of 16 at 8)."""
     seen = []
     monkeypatch.setattr(triton_decode, "run_kernel",
                         lambda k, grid, *a, **kw: seen.append((k.fn.__name__, kw.get("FUSED"))))
@@ -153,11 +154,11 @@ def test_gqa_merge_in_the_split_launch_only_for_small_tiles(monkeypatch):
     k = torch.empty(4, 16, 2, 128, device="meta", dtype=torch.bfloat16)
     lens = torch.empty(1, dtype=torch.int32, device="meta")
     bt = torch.empty(1, 4, dtype=torch.int32, device="meta")
-    for hq, splits in ((8, 16), (32, 8), (8, 1)):
+    for hq, splits in ((8, 8), (16, 8), (32, 8), (8, 1)):
         q = torch.empty(1, hq, 128, device="meta", dtype=torch.bfloat16)
         triton_decode.gqa_decode(q, k, k, bt, lens, 0.1, num_splits=splits)
     assert seen == [("_gqa_split_kernel", True), ("_gqa_split_kernel", False), ("merge", None),
-                    ("_gqa_split_kernel", False)]
+                    ("_gqa_split_kernel", False), ("merge", None), ("_gqa_split_kernel", False)]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -781,7 +782,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     for r in records:
         assert r["shared_bytes"] <= SM90_SMEM_LIMIT, r
         assert r["stack_bytes"] <= 64, r                  # no real register spills
-    # the GQA launch merges its splits itself (Llama-70B rank, 8 splits) and still holds 4
+    # the GQA launch merges its splits itself (Llama-70B rank, 4 splits) and still holds 4
     # programs an SM (<= 128 registers a thread at 4 warps): choose_num_splits' one wave
     gqa = [r for r in records
            if r["case"] == "gqa-llama70b" and r["kernel"] == "_gqa_split_kernel"]

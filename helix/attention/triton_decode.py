@@ -155,11 +155,14 @@ GQA_MIN_TOKENS = 128
 GQA_WAVES = 2.0
 # The merge in the split launch (module doc) while the group's partials, pow2(GROUP) x splits x
 # pow2(d) fp32, are at most this many elements (one tile of the merging program): Llama-3.1-8B
-# (group 4, d 128) up to 16 splits, Qwen3-235B's shape (group 16) up to 4. Module flag
-# FUSED_MERGE, read per call (benches switch it). On the H200, Llama-3.1-8B at 8 x 1K (8
-# splits): 4.934 -> 4.874-4.895 ms a step (profiling/results/step_small.md).
+# (group 4, d 128) up to 8 splits, a Llama-70B rank (group 8) up to 4, Qwen3-235B's shape (group
+# 16) up to 2. Module flag FUSED_MERGE, read per call (benches switch it). On the H200,
+# Llama-3.1-8B at 8 x 1K (8 splits, 4096 elements): 4.934 -> 4.874-4.895 ms a step
+# (profiling/results/step_small.md). At 8192 elements (8 chunks merged one after another by one
+# program) the second launch is faster: the Llama-70B rank at 8 splits, 1 x 1K 15.4 -> 10.6 us,
+# 8 x 1K 31.2 -> 24.3, 8 x 32K 264.4 -> 258.9 (step_small/gqa_fused_elems*_1efc800_h200.*).
 FUSED_MERGE = True
-FUSED_MERGE_ELEMENTS = 8192
+FUSED_MERGE_ELEMENTS = 4096
 FUSED_MERGE_CHUNK = 1024     # ... merged in column chunks of this many elements (registers)
 
 
