@@ -14,9 +14,9 @@ DeepSeek-V2-Lite steps, old kernels against new, with the copy rate measured in 
       triton_mla_few's variants; fraction of the KV-read floor.
   (d) whole DeepSeek-V2-Lite decode steps (27 layers, bf16, graphs, synthetic prefix), batch 1
       x 1K / 32K / 128K and 8 x 32K: step time, kernels per step, the top kernels, the
-      weight + KV read floor; "before" (previous router, MoE v1, triton_mla), "after" (the
-      new kernels' defaults) and optionally "after-nofew" (no few-heads kernel: Gluon on
-      sm_90, else triton_mla) and "after-v1moe" (fused_moe v1 for the experts).
+      step's roofline floor (helix.sweep.floor_fields: helix.perf.cost at rates measured in
+      the same run, the floor `helix sweep` records); "before" (previous router, MoE v1,
+      triton_mla), "after" (the new kernels' defaults) and the other modes of set_kernels.
   (e) the greedy token: torch.argmax against sampling_ops' chunked kernel, [B, V] fp32 logits
       of DeepSeek-V2-Lite's and Llama-3's vocabularies.
 
@@ -269,28 +269,6 @@ def bench_mla(args, flush, copy_bw) -> list[dict]:
     return recs
 
 
-def _floor_bytes(llm, batch: int, context: int) -> float:
-    """Bytes one decode step must read: every parameter except the embedding table (batch rows)
-    and the routed experts (only the expected hit ones), plus the KV of batch x context."""
-    cfg = llm.cfg
-    model = llm.engine.model
-    total = routed = 0
-    for name, p in model.named_parameters():
-        n = p.numel() * p.element_size()
-        if "embed_tokens" in name:
-            n = batch * p.shape[-1] * p.element_size()
-        elif name.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj")):
-            routed += n
-            continue
-        total += n
-    E, k = cfg.num_experts, cfg.experts_per_token
-    hit_frac = 1 - (1 - k / E) ** batch if E else 0.0
-    # a token's KV bytes: each cache is [pages, page, per-token dims...] (MLA: the latent row;
-    # GQA: heads x head dim)
-    kv = sum(c.element_size() * c[0, 0].numel() for caches in llm.engine.caches for c in caches)
-    return total + routed * hit_frac + batch * context * kv
-
-
 STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-gluon-simple", "after-nopdl", "after-cublas", "after-nopdl-cublas",
               "after-pdl-wait", "after-pdl-early", "after-pdl-prefetch", "after-noabsorbrow",
@@ -419,12 +397,13 @@ def _replay_ms(llm, n: int = 20) -> float | None:
     return start.elapsed_time(end) / n
 
 
-def bench_steps(args, copy_bw) -> list[dict]:
+def bench_steps(args) -> list[dict]:
     from helix.commands import profile as prof_cmd
     from helix.commands import trace_tables as tt
     from helix.config import Layout
+    from helix.perf.rates import measure
     from helix.runtime.sampling import SamplingParams
-    from helix.sweep import Sweep, open_llm
+    from helix.sweep import Sweep, floor_fields, open_llm
     recs = []
     mid = args.step_contexts[len(args.step_contexts) // 2]
     points = [(1, c) for c in args.step_contexts] + [(b, mid) for b in args.step_batches]
@@ -439,6 +418,7 @@ def bench_steps(args, copy_bw) -> list[dict]:
                                seed=0),
                   decode_steps=2 * steps + 4, warmup_steps=3,
                   max_batch_tokens=max(b * c for b, c in points))
+    rates = measure(DEVICE, sweep.runtime["dtype"])     # the sweep's floor at this run's rates
     runs = [(mode, moe) for mode in args.step_modes for moe in args.step_moe_configs]
     for mode, moe in runs:
         set_kernels(mode)
@@ -462,12 +442,13 @@ def bench_steps(args, copy_bw) -> list[dict]:
                 critical = tt.critical_table(per_step)
                 while llm.has_unfinished():
                     llm.step()
-                floor_ms = _floor_bytes(llm, batch, context) / copy_bw * 1e3
                 step_ms = 1e3 * statistics.median(walls)
+                floor = floor_fields(llm, Layout(), batch, context, step_ms, rates)
                 recs.append(dict(part="step", model=args.step_model, mode=mode, moe_config=moe,
                                  batch=batch,
                                  context=context,
-                                 step_ms=step_ms, floor_ms=floor_ms, vs_floor=step_ms / floor_ms,
+                                 step_ms=step_ms, floor_ms=floor["floor_ms"],
+                                 vs_floor=floor["floor_ratio"], rates=floor["rates"],
                                  replay_ms=replay_ms,
                                  kernel_ms=sum(o.dur for o in ops) / 3e3,
                                  kernels_per_step=len(ops) / 3, engine_build_s=build_s,
@@ -582,7 +563,7 @@ def main(argv: list[str] | None = None) -> None:
     for part, fn in (("a", lambda: bench_router(args, flush)),
                      ("b", lambda: bench_moe(args, flush, copy_bw)),
                      ("c", lambda: bench_mla(args, flush, copy_bw)),
-                     ("d", lambda: bench_steps(args, copy_bw)),
+                     ("d", lambda: bench_steps(args)),
                      ("e", lambda: bench_greedy(args, copy_bw))):
         if part in parts:
             t = time.perf_counter()

@@ -160,18 +160,29 @@ def test_step_moe_overrides_reach_every_moe_decode_launch(monkeypatch):
     assert md.moe_decode_config(1, 6, 64, 1408, 2048, torch.bfloat16, 132) == default
 
 
-def test_floor_counts_every_per_token_kv_dim():
-    """The step floor's KV bytes per token: a GQA cache [pages, page, heads, d] counts
-    heads x d (not d alone), an MLA cache [pages, page, Dl + Dr] its row; parameters whole,
-    the embedding table by rows read, routed experts by the expected hit fraction."""
-    from types import SimpleNamespace
-    model = torch.nn.Module()
-    model.embed_tokens = torch.nn.Embedding(10, 4)
-    model.proj = torch.nn.Linear(4, 3, bias=False)
-    gqa = [torch.empty(2, 16, 8, 128, dtype=torch.bfloat16)] * 2         # k and v
-    mla = [torch.empty(2, 16, 576, dtype=torch.bfloat16)]
-    llm = SimpleNamespace(cfg=SimpleNamespace(num_experts=0, experts_per_token=0),
-                          engine=SimpleNamespace(model=model, caches=[gqa, mla]))
-    params = 3 * 4 * 4 + 2 * 4 * 4                                   # proj, 2 embedding rows
-    per_token = 2 * (2 * 8 * 128) + 2 * 576
-    assert bench._floor_bytes(llm, 2, 100) == params + 2 * 100 * per_token
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs the real bench")
+def test_step_floor_is_the_sweeps(monkeypatch, tmp_path):
+    """Part (d)'s floor is helix sweep's (helix.sweep.floor_fields at rates measured in the
+    run), not a rule of its own: every step record carries that call's floor and rates."""
+    import helix.sweep as sweep_mod
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(bench, "L2Flush", lambda: None)
+    seen = []
+    real = sweep_mod.floor_fields
+
+    def recorded(llm, layout, batch, context, step_ms, rates):
+        out = real(llm, layout, batch, context, step_ms, rates)
+        seen.append((batch, context, out))
+        return out
+
+    monkeypatch.setattr(sweep_mod, "floor_fields", recorded)
+    out = tmp_path / "r.json"
+    bench.main(["--out", str(out), "--parts", "d", "--step-contexts", "32", "--step-steps", "2",
+                "--step-modes", "after", "--step-model", "tiny-deepseek-v3",
+                "--step-layers", "2"])
+    steps = [r for r in json.loads(out.read_text())["records"] if r["part"] == "step"]
+    assert [(r["batch"], r["context"]) for r in steps] == [(b, c) for b, c, _ in seen]
+    for r, (_, _, f) in zip(steps, seen):
+        assert r["floor_ms"] == f["floor_ms"] > 0 and r["vs_floor"] == f["floor_ratio"]
+        assert r["rates"] == f["rates"] and r["rates"]["device"] == "cpu"
