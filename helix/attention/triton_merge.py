@@ -6,8 +6,9 @@ The kernels move raw integer words (int16 for 2-byte dtypes, int32 for fp32), so
 NaN payloads included, survives.
 
 merge_received: recv [n, T, h, d + c] (partial i from KVP rank i) -> o [T, h, d]:
-L = logsumexp_i LSE_i, O = sum_i exp(LSE_i - L) O_i. NaN / +inf LSE count as -inf; a -inf
-partial contributes exactly nothing and all-empty rows give O = 0.
+L = logsumexp_i LSE_i, O = sum_i exp(LSE_i - L) O_i (triton_splits.lse_weights, the rule every
+split merge uses). NaN / +inf LSE count as -inf; a -inf partial contributes exactly nothing and
+all-empty rows give O = 0.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 
 from helix.attention.merge import lse_cols
+from helix.attention.triton_splits import lse_weights
 from helix.triton_util import pdl_sync, run_kernel
 
 _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
@@ -84,31 +86,27 @@ def _lse_of(words_ptr, row, hmask, D: tl.constexpr, C: tl.constexpr, WORD_BITS: 
 @triton.jit(do_not_specialize=["T"])
 def _merge_kernel(recv_ptr, words_ptr, o_ptr, T, HN, stride_ot, stride_oh,
                   N: tl.constexpr, D: tl.constexpr, C: tl.constexpr, WORD_BITS: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  PDL: tl.constexpr = False):
     pdl_sync(PDL)
     # recv [N, T, HN, D + C] (as floats and as words) -> o [T, HN, D]
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < HN
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    for i in tl.static_range(N):
-        m = tl.maximum(m, _lse_of(words_ptr, ((i * T + t) * HN + h) * (D + C), hmask, D, C,
-                                  WORD_BITS))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for i in tl.static_range(N):
-        total += tl.exp(_lse_of(words_ptr, ((i * T + t) * HN + h) * (D + C), hmask, D, C,
-                                WORD_BITS) - m_safe)
-    lse_ref = tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), 0.0)
+    ranks = tl.arange(0, BLOCK_N)
+    # every rank's LSE of these heads at once [BLOCK_H, BLOCK_N] -> the split-merge weights
+    rows = ((ranks[None, :] * T + t) * HN + h[:, None]) * (D + C)
+    lse = _lse_of(words_ptr, rows, hmask[:, None] & (ranks < N)[None, :], D, C, WORD_BITS)
+    w, _ = lse_weights(lse)                       # -inf (empty, NaN, +inf) partials: weight 0
     for d0 in range(0, D, BLOCK_D):
         dcol = d0 + tl.arange(0, BLOCK_D)
         msk = hmask[:, None] & (dcol < D)[None, :]
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for i in tl.static_range(N):
+        for i in tl.static_range(N):              # stream the partials one rank at a time
             row = ((i * T + t) * HN + h) * (D + C)
-            w = tl.exp(_lse_of(words_ptr, row, hmask, D, C, WORD_BITS) - lse_ref)   # -inf -> 0
+            w_i = tl.sum(tl.where(ranks[None, :] == i, w, 0.0), axis=1)
             part = tl.load(recv_ptr + row[:, None] + dcol[None, :], mask=msk, other=0.0)
-            acc += w[:, None] * part.to(tl.float32)
+            acc += w_i[:, None] * part.to(tl.float32)
         tl.store(o_ptr + t * stride_ot + h[:, None] * stride_oh + dcol[None, :], acc, mask=msk)
 
 
@@ -125,5 +123,6 @@ def merge_received(recv: torch.Tensor, d: int) -> torch.Tensor:
     run_kernel(
         _merge_kernel, (T, triton.cdiv(h, block_h)), recv, recv.view(_WORDS[recv.element_size()]),
         o, T, h, o.stride(0), o.stride(1), N=n, D=d, C=c, WORD_BITS=32 // c, BLOCK_H=block_h,
-        BLOCK_D=min(256, triton.next_power_of_2(d)), num_warps=4)
+        BLOCK_N=triton.next_power_of_2(n), BLOCK_D=min(256, triton.next_power_of_2(d)),
+        num_warps=4)
     return o
