@@ -274,6 +274,9 @@ def _logits_chunked(x_rows, w_rows, r_rows, o_rows, rmask, emask, nw_ptr, y_ptr,
 _RULES = {"none": 0, "max": 1, "top2": 2}
 ONE_TILE = True               # module flag, read per call (benches switch it): D in one tile
 MAX_FUSED_ROWS = 8            # route_fused_triton: at most this many rows (decode buckets)
+# The largest [BLOCK_T, BLOCK_E, BLOCK_D] tile the ONE_TILE path takes (module flag, benches
+# switch it); past 8192 elements the launch uses 8 warps (registers per thread as at 8192).
+ONE_TILE_ELEMENTS = 8192
 
 
 def _select_meta(spec: RouteSpec, E: int, block_t: int) -> tuple[dict, int, int]:
@@ -320,9 +323,11 @@ def fused_launch_config(T: int, E: int, D: int) -> dict:
     else 1024-wide chunks or less."""
     block_e = max(1, min(16, pow2(E) // 64))
     block_t = pow2(T)
-    one = ONE_TILE and pow2(D) * block_t * block_e <= 8192
+    tile = pow2(D) * block_t * block_e
+    one = ONE_TILE and tile <= ONE_TILE_ELEMENTS
     block_d = pow2(D) if one else max(64, min(1024, pow2(D), 8192 // (block_t * block_e)))
-    return dict(BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=block_d, num_warps=4)
+    return dict(BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=block_d,
+                num_warps=8 if one and tile > 8192 else 4)
 
 
 def _route_fused(x, weight, bias, spec, config, w, ids, add_norm=None):
