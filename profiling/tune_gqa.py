@@ -117,7 +117,8 @@ def bench_shape(args, shape: str, copy: float, flush) -> list[dict]:
                       (lse - ref_lse).abs().max().item())
             us = run_variant(v, lambda: graph_time_us(fn, args.iters, flush))
         except Exception as exc:    # a variant that does not compile (shared memory)
-            print(f"{shape} {v}: {type(exc).__name__}: {(str(exc) or '-').splitlines()[0][:120]}")
+            print(f"{shape} {v}: {type(exc).__name__}: "
+                  f"{(str(exc) or '-').splitlines()[0][:120]}")
             continue
         splits = v["num_splits"] or triton_decode.gqa_num_splits(B, hkv, ctx, q.device)
         rec = dict(batch=B, context=ctx, heads=hq, kv_heads=hkv, head_dim=d, page_size=page,
