@@ -109,11 +109,13 @@ FUSED = [MODES[1], MODES[2], MODES[4], MODES[6]]
 
 
 def test_fused_launch_config_takes_d_in_one_tile_where_it_fits():
-    """DeepSeek-V2-Lite (64 experts, D 2048) at 1-4 rows and Qwen3 (128, 4096) at one: one
-    tile; DeepSeek-V3 (256, 7168) and 8 rows of V2-Lite: chunks."""
+    """DeepSeek-V2-Lite (64 experts, D 2048) at 1-8 rows and Qwen3 (128, 4096) at 1-2: one
+    tile (8 warps past 8K elements); DeepSeek-V3 (256, 7168) and 4 rows of Qwen3: chunks."""
     cfg = tr.fused_launch_config
-    assert [cfg(T, 64, 2048)["BLOCK_D"] for T in (1, 4, 8)] == [2048, 2048, 1024]
-    assert cfg(1, 128, 4096)["BLOCK_D"] == 4096 and cfg(2, 128, 4096)["BLOCK_D"] == 1024
+    assert [cfg(T, 64, 2048)["BLOCK_D"] for T in (1, 4, 8)] == [2048, 2048, 2048]
+    assert [cfg(T, 64, 2048)["num_warps"] for T in (1, 4, 8)] == [4, 4, 8]
+    assert cfg(1, 128, 4096)["BLOCK_D"] == 4096 and cfg(2, 128, 4096)["BLOCK_D"] == 4096
+    assert cfg(4, 128, 4096)["BLOCK_D"] == 1024 and cfg(4, 128, 4096)["num_warps"] == 4
     assert cfg(1, 256, 7168)["BLOCK_D"] == 1024
 
 
@@ -282,9 +284,10 @@ _COMPILE_SCRIPT = textwrap.dedent("""
             tr.route_fused_triton(torch.empty(T, D, dtype=torch.bfloat16, **m),
                                   torch.empty(E, D, dtype=wdt, **m), b, spec)
         bf = dict(dtype=torch.bfloat16, **m)
-        tr.route_add_norm_triton(torch.empty(1, 2048, **bf), torch.empty(1, 2048, **bf),
-                                 torch.empty(2048, **bf), 1e-6, torch.empty(64, 2048, **m), None,
-                                 tr.RouteSpec(6, False, 1, 1, "none", False, 1.0))
+        for T in (1, 8):      # DeepSeek-V2-Lite: one tile at 4 and at 8 warps
+            tr.route_add_norm_triton(torch.empty(T, 2048, **bf), torch.empty(T, 2048, **bf),
+                                     torch.empty(2048, **bf), 1e-6, torch.empty(64, 2048, **m),
+                                     None, tr.RouteSpec(6, False, 1, 1, "none", False, 1.0))
         tr.route_select_triton(torch.empty(64, 256, **m), torch.empty(256, **m),
                                tr.RouteSpec(8, True, 8, 4, "top2", True, 2.5), torch.bfloat16)
     print(json.dumps([compile_sm90(k, a, kw) for k, a, kw in launches]))
@@ -293,17 +296,18 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.sm90
 def test_router_kernels_compile_for_sm90(tmp_path):
-    """DeepSeek-V3 (batch 8) and Qwen3 (batch 1) routers compile for sm_90 without spills, and
+    """DeepSeek-V3 (batch 8), Qwen3 (batch 1) and DeepSeek-V2-Lite (batch 1 and 8: one tile at
+    4 and 8 warps) routers compile for sm_90 without spills, and
     the fused launch orders its workspace (the interpreter runs programs one at a time, so
     this is checked in the PTX): a CTA barrier between the logits stores and the one
     acq_rel GPU-scope atomic, and the last program reads the logits through L2 (.cg)."""
     res = sm90_compile.run(tmp_path, ["-c", _COMPILE_SCRIPT], timeout=600, fp_fusion=True)
     recs = json.loads(res.stdout.strip().splitlines()[-1])
-    assert [r["kernel"] for r in recs] == ["_route_fused_kernel"] * 3 + ["_route_select_kernel"]
+    assert [r["kernel"] for r in recs] == ["_route_fused_kernel"] * 4 + ["_route_select_kernel"]
     for r in recs:
         assert r["stack_bytes"] == 0 and r["local_loads"] == 0, r
     ptxs = [p.read_text() for p in (tmp_path / "cache").rglob("_route_fused_kernel.ptx")]
-    assert len(ptxs) == 3                  # DeepSeek-V3, Qwen3, and V2-Lite with the norm
+    assert len(ptxs) == 4            # DeepSeek-V3, Qwen3, V2-Lite with the norm at 1 and 8 rows
     for ptx in ptxs:
         lines = [ln.strip() for ln in ptx.splitlines()]
         atoms = [i for i, ln in enumerate(lines) if "atom." in ln]

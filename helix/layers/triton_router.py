@@ -276,7 +276,10 @@ ONE_TILE = True               # module flag, read per call (benches switch it): 
 MAX_FUSED_ROWS = 8            # route_fused_triton: at most this many rows (decode buckets)
 # The largest [BLOCK_T, BLOCK_E, BLOCK_D] tile the ONE_TILE path takes (module flag, benches
 # switch it); past 8192 elements the launch uses 8 warps (registers per thread as at 8192).
-ONE_TILE_ELEMENTS = 8192
+# DeepSeek-V2-Lite at 8 rows (8 x 2048): one tile instead of two passes of two 1024-wide chunks;
+# on the H200 the whole 8 x 1K step went 5.541 -> 5.481 ms, batch 1 unchanged (same process,
+# profiling/results/step_small/router16k_dsv2_009a278_h200.*).
+ONE_TILE_ELEMENTS = 16384
 
 
 def _select_meta(spec: RouteSpec, E: int, block_t: int) -> tuple[dict, int, int]:
@@ -317,10 +320,10 @@ def route_select_triton(logits: torch.Tensor, bias: torch.Tensor | None, spec: R
 
 
 def fused_launch_config(T: int, E: int, D: int) -> dict:
-    """Experts per program so ~64-128 programs stream the router weight (E x D) and each
-    program's tile [BLOCK_T, BLOCK_E, BLOCK_D] stays <= 8K elements: all of D in one tile
-    where that fits (the kernel's ONE_TILE path: DeepSeek-V2-Lite at 1-4 rows, Qwen3 at one),
-    else 1024-wide chunks or less."""
+    """Experts per program so ~64-128 programs stream the router weight (E x D); all of D in
+    one tile [BLOCK_T, BLOCK_E, BLOCK_D] where that is <= ONE_TILE_ELEMENTS (the kernel's
+    ONE_TILE path: DeepSeek-V2-Lite at 1-8 rows, Qwen3 at 1-2), else chunks of <= 8K elements
+    (1024 wide or less)."""
     block_e = max(1, min(16, pow2(E) // 64))
     block_t = pow2(T)
     tile = pow2(D) * block_t * block_e
