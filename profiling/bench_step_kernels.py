@@ -277,7 +277,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-few-batch1", "after-attn-7a34bf8", "after-torch-argmax",
               "after-gemv-nosplit", "after-ffd0c4b", "after-gluon-nofew", "after-skinny-big",
               "after-noqknorm", "after-gqa-twolaunch", "after-gqa-waves1", "after-gqa-waves05",
-              "after-gqa-merge8192", "after-router-onetile16k")
+              "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend")
 
 
 def set_kernels(mode: str) -> None:
@@ -317,8 +317,10 @@ def set_kernels(mode: str) -> None:
     'after-gqa-waves05': GQA split counts aimed at 1 / 0.5 waves of programs, not 2
     (triton_decode.GQA_WAVES); 'after-gqa-merge8192': the one-launch GQA merge up to 8192
     partial elements (triton_decode.FUSED_MERGE_ELEMENTS of 1efc800; now 4096);
-    'after-router-onetile16k': the fused router's one-tile path up to 16384 elements
-    (triton_router.ONE_TILE_ELEMENTS; 8 x 2048 rows of DeepSeek-V2-Lite at batch 8)."""
+    'after-router-onetile8k': the fused router's one-tile path only up to 8192 elements
+    (triton_router.ONE_TILE_ELEMENTS of 009a278; now 16384: 8 x 2048 rows of DeepSeek-V2-Lite
+    at batch 8 in one tile); 'after-noropeappend': GQA's KV append as a launch of its own
+    after the rotation (fused_qk_norm.FUSE_APPEND off)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -343,7 +345,8 @@ def set_kernels(mode: str) -> None:
     skinny_gemm.GEMV = _GEMV and mode not in ("before", "after-nogemv", "after-noonetile")
     skinny_gemm.GEMV_EARLY = mode != "after-gemv-late"
     tr.ONE_TILE = mode not in ("before", "after-router-chunked", "after-noonetile")
-    tr.ONE_TILE_ELEMENTS = 16384 if mode == "after-router-onetile16k" else 8192
+    tr.ONE_TILE_ELEMENTS = 8192 if mode == "after-router-onetile8k" else 16384
+    fused_qk_norm.FUSE_APPEND = mode not in ("before", "after-noropeappend")
     skinny_gemm.NORM_IN_GEMV = mode not in ("before", "after-nonormgemv")
     start = mode == "after-attn-7a34bf8"
     gluon_mla.PDL = mode != "after-gluon-nopdl" and not start

@@ -131,6 +131,104 @@ def test_qwen3_attention_takes_the_fused_launch(monkeypatch):
     assert {(qw, kw) for _, _, qw, kw in calls} == norms
 
 
+def _pools(hk, d, dtype, pages=6, page=4):
+    """A K and a V pool [pages, page, hk, d], NaN everywhere (what no launch writes stays NaN)."""
+    return (torch.full((pages, page, hk, d), float("nan"), dtype=dtype, device=DEV),
+            torch.full((pages, page, hk, d), float("nan"), dtype=dtype, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("norm", [False, True], ids=["rope", "qk-norm-rope"])
+@pytest.mark.parametrize("hq,hk,d", [(8, 2, 16), (5, 3, 8)])
+def test_rope_append_equals_the_rotation_then_the_append(dtype, interleave, norm, hq, hk, d):
+    """One launch (q rotated; rotated k and v into the caches at their slots, -1 skipped)
+    against the two launches it replaces: the rotation (qk_norm_rope's kernel with the norms,
+    fused_ops' rope kernel without) and triton_append.append_kv_pair. Bitwise: the same
+    arithmetic. q / k / v are views of one qkv row; heads do not fill the last block."""
+    from helix.attention import triton_append
+    from helix.layers import fused_ops
+    T = 5
+    qkv = _rand(T, (hq + 2 * hk) * d, dtype=dtype, seed=hq + d, scale=3.0)
+    q, k, v = (t.view(T, -1, d) for t in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+    _, _, qw, kw = _case(dtype, hq, hk, d, seed=7)
+    if not norm:
+        qw = kw = None
+    cos, sin = _tables(64, d // 2)
+    pos = torch.tensor([9, 2, 63, 2, 0], device=DEV)
+    slots = torch.tensor([3, -1, 22, 0, 9], device=DEV)        # row 1: another rank's position
+    kc, vc = _pools(hk, d, dtype)
+    got_q = fq.rope_append(q, k, v, qw, kw, EPS, cos, sin, pos, interleave, kc, vc, slots)
+    if norm:
+        want_q, want_k = fq.qk_norm_rope_triton(q, k, qw, kw, EPS, cos, sin, pos, interleave)
+    else:
+        want_q = fused_ops.rope_triton(q, cos, sin, pos, interleave)
+        want_k = fused_ops.rope_triton(k, cos, sin, pos, interleave)
+    want_kc, want_vc = _pools(hk, d, dtype)
+    triton_append.append_kv_pair(want_kc, want_vc, want_k, v, slots)
+    assert got_q.shape == q.shape and got_q.is_contiguous()
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(kc.nan_to_num(7.0), want_kc.nan_to_num(7.0))     # NaN: not written
+    assert torch.equal(vc.nan_to_num(7.0), want_vc.nan_to_num(7.0))
+    flat_k = kc.view(-1, hk, d)
+    assert torch.isnan(flat_k).all(dim=(1, 2)).sum().item() == kc.shape[0] * kc.shape[1] - 4
+    assert torch.equal(flat_k[22], want_k[2]) and torch.equal(vc.view(-1, hk, d)[9], v[4])
+
+
+def test_rope_append_dispatch():
+    """rope_append_fits: CUDA, FUSE_APPEND, one dtype, unit-stride heads, the caches of k's
+    heads; anything else takes the rotation and the backend's append."""
+    q, k, qw, kw = _case(torch.bfloat16, 4, 2, 16)
+    v = k.clone()
+    kc, vc = _pools(2, 16, torch.bfloat16)
+    with mock.patch.object(fq, "use_triton", lambda t: True):
+        assert fq.rope_append_fits(q, k, v, kc, vc) and fq.rope_append_fits(q, k, v, kc, vc, qw, kw)
+        assert not fq.rope_append_fits(q, k, v, kc, vc, qw.float(), kw)
+        assert not fq.rope_append_fits(q, k, v.float(), kc, vc)
+        assert not fq.rope_append_fits(q, k, v, kc[:, :, :1], vc[:, :, :1])
+        assert not fq.rope_append_fits(q, k, v, kc.transpose(0, 1), vc.transpose(0, 1))
+        with mock.patch.object(fq, "FUSE_APPEND", False):
+            assert not fq.rope_append_fits(q, k, v, kc, vc)
+    with mock.patch.object(fq, "use_triton", lambda t: False):
+        assert not fq.rope_append_fits(q, k, v, kc, vc)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3-moe"])
+def test_attention_folds_the_append_into_the_rotation(model, monkeypatch):
+    """GQAAttention without context parallelism: one rope_append a layer and forward pass, no
+    append launch, and the same greedy tokens and KV as the rotation + append path (on CPU the
+    kernel runs in the interpreter: use_triton patched for this module only; on a GPU, eager
+    steps so every launch is a Python call)."""
+    from helix import LLM, Layout, RuntimeConfig, SamplingParams
+    from helix.attention.backend import AttentionBackend
+    from helix.layers import attention_gqa
+
+    real, real_pair = attention_gqa.rope_append, AttentionBackend.append_kv_pair
+
+    def run(fused):
+        calls, appends = [], []
+        monkeypatch.setattr(fq, "use_triton", lambda t: True)
+        monkeypatch.setattr(fq, "FUSE_APPEND", fused)
+        monkeypatch.setattr(attention_gqa, "rope_append",
+                            lambda *a: calls.append(a[0].shape) or real(*a))
+        monkeypatch.setattr(AttentionBackend, "append_kv_pair",
+                            lambda self, *a: appends.append(1) or real_pair(self, *a))
+        runtime = RuntimeConfig(device=DEV, page_size=4, max_batch=2, cuda_graphs=False)
+        with LLM(model, Layout(), runtime) as llm:
+            out = llm.generate([[5, 17, 42, 3], [9, 8, 7]],
+                               SamplingParams(max_new_tokens=4, ignore_eos=True))
+            layers = llm.cfg.num_layers
+            kv = [c.clone() for layer in llm.engine.caches for c in layer]
+        return out, calls, appends, layers, kv
+
+    got, calls, appends, layers, kv = run(True)
+    want, no_calls, want_appends, _, want_kv = run(False)
+    assert got == want and not no_calls and want_appends
+    assert len(calls) >= 4 * layers and len(calls) % layers == 0 and not appends
+    for a, b in zip(kv, want_kv):
+        torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=1e-6)
+
+
 _COMPILE = textwrap.dedent("""
     import json, sys
     from unittest import mock
@@ -146,6 +244,14 @@ _COMPILE = textwrap.dedent("""
             fq.qk_norm_rope_triton(q, k, e(128, dt=dt), e(128, dt=dt), 1e-6,
                                    e(8192, 64, dt=torch.float32), e(8192, 64, dt=torch.float32),
                                    e(4, dt=torch.int64), False)
+        # rope_append, bf16: Llama-3.1-8B (32 q, 8 kv, no norms) and Qwen3-235B's rank
+        for hq, hk, norm in ((32, 8, False), (64, 4, True)):
+            qkv = e(4, (hq + 2 * hk) * 128)
+            q, k, v = (t.view(4, -1, 128) for t in qkv.split([hq * 128, hk * 128, hk * 128], 1))
+            w = e(128) if norm else None
+            fq.rope_append(q, k, v, w, w, 1e-6, e(8192, 64, dt=torch.float32),
+                           e(8192, 64, dt=torch.float32), e(4, dt=torch.int64), False,
+                           e(64, 16, hk, 128), e(64, 16, hk, 128), e(4, dt=torch.int64))
     json.dump([compile_sm90(k, a, kw) for k, a, kw in got], open(sys.argv[1], "w"))
 """)
 
@@ -154,11 +260,11 @@ _COMPILE = textwrap.dedent("""
 def test_compiles_for_sm90(tmp_path):
     """Compiled for sm_90 (no GPU needed): no spills, and compiled without FMA contraction (the
     rotation's products and sums are rounded separately, as the torch formula does; the FFMAs
-    left are those of the correctly rounded sqrt and division)."""
+    left are those of the correctly rounded sqrt and division); rope_append's launches too."""
     out = tmp_path / "records.json"
     sm90_compile.run(tmp_path, ["-c", _COMPILE, str(out)])
     recs = json.loads(out.read_text())
-    assert len(recs) == 2
+    assert len(recs) == 4
     for r in recs:
         assert r["kernel"] == "_qk_norm_rope_kernel" and r["local_loads"] == 0
         assert r["stack_bytes"] == 0 and r["fp_fusion"] is False, r

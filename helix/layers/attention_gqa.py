@@ -16,7 +16,7 @@ from helix.config import ModelConfig
 from helix.layers.attention_input import NormedInput
 from helix.layers.cp_attention import ContextParallel
 from helix.layers.exchange import KVPExchange
-from helix.layers.fused_qk_norm import qk_norm_rope
+from helix.layers.fused_qk_norm import qk_norm_rope, rope_append, rope_append_fits
 from helix.layers.hopb import overlapped
 from helix.layers.linear import MergedColumnLinear, RowShardLinear
 from helix.layers.norm import RMSNorm
@@ -82,33 +82,45 @@ class GQAAttention(NormedInput, nn.Module):
         [R] their global positions -> [T, D] replicated."""
         cp = meta.cp
         R = y.shape[0]
+        k_cache, v_cache = cache
+        slots = meta.slots
         with phase("qkv"):
             q, k, v = y.split(self.qkv_proj.sizes, dim=-1)              # one GEMM, three views
             q = q.view(R, self.hq, self.d)
             k = k.view(R, self.hkv, self.d)
             v = v.view(R, self.hkv, self.d)
-            if self.qk_norm:      # both norms and both rotations: one launch
-                rope = self.rope
-                q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight,
-                                    self.q_norm.eps, rope.cos, rope.sin, pos, rope.adjacent_pairs)
+            rope = self.rope
+            qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            # without context parallelism the rows' KV goes to the cache at meta.slots: the
+            # rotation's launch writes it (no append launch; under a graph, in the captured part)
+            appended = cp is None and rope_append_fits(q, k, v, k_cache, v_cache, qw, kw)
+            if appended:
+                q = rope_append(q, k, v, qw, kw, self.q_norm.eps if self.qk_norm else 0.0,
+                                rope.cos, rope.sin, pos, rope.adjacent_pairs, k_cache, v_cache,
+                                slots)
+            elif self.qk_norm:      # both norms and both rotations: one launch
+                q, k = qk_norm_rope(q, k, qw, kw, self.q_norm.eps, rope.cos, rope.sin, pos,
+                                    rope.adjacent_pairs)
             else:  # q and k are adjacent columns of the GEMM output: rotate both in one launch
                 qk = self.rope(q.as_strided((R, self.hq + self.hkv, self.d), q.stride()), pos)
                 q, k = qk.split([self.hq, self.hkv], dim=1)
-        k_cache, v_cache = cache
-        slots = meta.slots
+
+        def append():
+            if not appended:
+                backend.append_kv_pair(k_cache, v_cache, k, v, slots)  # owner rank only (slot -1)
 
         def attend_rows(a, b, m):
             return backend.attend_gqa(q[a:b], k_cache, v_cache, m, self.scale)
 
         if cp is None and meta.micro_batches > 1:                   # HOP-B (decode steps)
             with phase("attn"):
-                backend.append_kv_pair(k_cache, v_cache, k, v, slots)
+                append()
             o = overlapped(lambda a, b: attend_rows(a, b, meta.rows(a, b)),
                            lambda o, lse: self.exchange(o, lse, backend), T,
                            meta.micro_batches, q.device)
         elif cp is None:
             def attend():
-                backend.append_kv_pair(k_cache, v_cache, k, v, slots)  # owner rank only (slot -1)
+                append()
                 return attend_rows(0, T, meta)                         # local shard
 
             with phase("attn"):

@@ -4,8 +4,9 @@
 not enabled; otherwise the captured segment ends, fn runs eagerly at every replay, and capture
 continues. fn must only read tensors at fixed addresses (static inputs, earlier outputs) and
 return the tensors later code reads. Names in use: "attention" (partial attention, and the KV
-append where the layer does not fold it into an earlier launch: MLA's absorbed steps without
-context parallelism append in the captured kv-row kernel), "moe" (routed experts).
+append where the layer does not fold it into an earlier launch: without context parallelism
+MLA's absorbed steps append in the captured kv-row kernel, GQA in the captured rotation kernel,
+fused_qk_norm.rope_append), "moe" (routed experts).
 """
 
 from __future__ import annotations
