@@ -1,14 +1,15 @@
 """GQA decode launch variants at one model's decode shape, timed alone (issue 18: where the
-Llama-3.1-8B step's GQA launch loses at batch 8 x 1K).
+Llama-3.1-8B step's GQA launch loses at batch 8 x 1K, Qwen3's at batch 1).
 
     python profiling/tune_gqa.py --shapes 8x1024,1x32768 --out gqa_tune.json
 
 Shape per launch: --heads / --kv-heads / --head-dim (default Llama-3.1-8B: 32 / 8 / 128), bf16,
 a paged pool of --page-size tokens a page (default the engine's, RuntimeConfig.page_size).
 Each variant (split count, BLOCK_N, warps, pipeline stages, the merge in the split launch or a
-second launch) is checked against the default variant's output, then timed as a CUDA-graph
-replay with L2 flushed (profiling.roofline.graph_time_us). The copy bandwidth is measured in the
-same run; floor = the KV bytes read once at that rate.
+second launch, the one-launch merge's bound and column chunk) is checked against the default
+variant's output, then timed as a CUDA-graph replay with L2 flushed
+(profiling.roofline.graph_time_us). The copy bandwidth is measured in the same run; floor = the
+KV bytes read once at that rate.
 """
 
 from __future__ import annotations
@@ -35,18 +36,21 @@ def _ints(text: str) -> list[int]:
 def variants(args) -> list[dict]:
     """Every combination of the listed knobs; 0 / None = the library's choice."""
     out = []
-    for splits, bn, warps, stages, fused in itertools.product(
+    for splits, bn, warps, stages, fused, elems, chunk in itertools.product(
             _ints(args.splits), _ints(args.block_n), _ints(args.warps), _ints(args.stages),
-            args.fused.split(",")):
+            args.fused.split(","), _ints(args.merge_elements), _ints(args.merge_chunk)):
         out.append(dict(num_splits=splits or None, block_n=bn or None, num_warps=warps or None,
-                        num_stages=stages or None, fused=fused == "1"))
+                        num_stages=stages or None, fused=fused == "1",
+                        merge_elements=elems or None, merge_chunk=chunk or None))
     return out
 
 
 def run_variant(v: dict, call):
-    """call() under the variant's module settings (the launch config and FUSED_MERGE)."""
+    """call() under the variant's module settings (the launch config, FUSED_MERGE and its
+    bounds)."""
     base_config = triton_decode.gqa_launch_config
-    base_fused = triton_decode.FUSED_MERGE
+    base = (triton_decode.FUSED_MERGE, triton_decode.FUSED_MERGE_ELEMENTS,
+            triton_decode.FUSED_MERGE_CHUNK)
 
     def config(*a, **k):
         c = base_config(*a, **k)
@@ -58,11 +62,14 @@ def run_variant(v: dict, call):
 
     triton_decode.gqa_launch_config = config
     triton_decode.FUSED_MERGE = v["fused"]
+    triton_decode.FUSED_MERGE_ELEMENTS = v["merge_elements"] or base[1]
+    triton_decode.FUSED_MERGE_CHUNK = v["merge_chunk"] or base[2]
     try:
         return call()
     finally:
         triton_decode.gqa_launch_config = base_config
-        triton_decode.FUSED_MERGE = base_fused
+        (triton_decode.FUSED_MERGE, triton_decode.FUSED_MERGE_ELEMENTS,
+         triton_decode.FUSED_MERGE_CHUNK) = base
 
 
 def main(argv=None):
@@ -78,6 +85,10 @@ def main(argv=None):
     p.add_argument("--warps", default="0", help="comma list, 0: gqa_launch_config's")
     p.add_argument("--stages", default="0", help="comma list, 0: gqa_launch_config's")
     p.add_argument("--fused", default="1,0", help="1: merge in the split launch, 0: two launches")
+    p.add_argument("--merge-elements", default="0",
+                   help="comma list of FUSED_MERGE_ELEMENTS bounds, 0: the library's")
+    p.add_argument("--merge-chunk", default="0",
+                   help="comma list of FUSED_MERGE_CHUNK sizes, 0: the library's")
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args(argv)
 
@@ -127,7 +138,8 @@ def bench_shape(args, shape: str, copy: float, flush) -> list[dict]:
                    gbps=round(kv_bytes / us / 1e3, 1))
         records.append(rec)
         print(f"{shape:>9} splits {splits:3d} bn {v['block_n'] or '-':>3} "
-              f"w {v['num_warps'] or '-'} s {v['num_stages'] or '-'} fused {int(v['fused'])} | "
+              f"w {v['num_warps'] or '-'} s {v['num_stages'] or '-'} fused {int(v['fused'])} "
+              f"elems {v['merge_elements'] or '-'} chunk {v['merge_chunk'] or '-'} | "
               f"{us:8.2f} us  floor {rec['floor_us']:7.2f}  {rec['gbps']:7.1f} GB/s  "
               f"err {err:.1e}", flush=True)
     return records
