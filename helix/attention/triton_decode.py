@@ -32,7 +32,7 @@ from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, live_s
                                            split_workspace, token_rows)
 from helix.triton_util import arrival_counters, last_to_arrive, pdl_sync, pow2, run_kernel
 
-__all__ = ["choose_num_splits", "gqa_decode", "gqa_num_splits"]
+__all__ = ["choose_num_splits", "gqa_decode", "gqa_launches", "gqa_num_splits"]
 
 
 @triton.jit(do_not_specialize=["stride_btb"])   # block-table width: varies per step
@@ -175,6 +175,23 @@ def gqa_num_splits(batch: int, kv_heads: int, max_context: int, device: torch.de
                              waves=GQA_WAVES)
 
 
+def merge_in_launch(group: int, num_splits: int, block_d: int) -> bool:
+    """Whether a launch of num_splits splits merges them itself (FUSED_MERGE's bound)."""
+    return (FUSED_MERGE and num_splits > 1
+            and pow2(group) * pow2(num_splits) * block_d <= FUSED_MERGE_ELEMENTS)
+
+
+def gqa_launches(batch: int, heads: int, kv_heads: int, head_dim: int, max_context: int,
+                 sm_count: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Kernels one gqa_decode call launches (default splits for a block table of max_context
+    positions): the split launch, and the merge's where the splits are several and not merged
+    in it. helix.perf.cost counts a decode step's kernels with it."""
+    splits = choose_num_splits(batch, kv_heads, max_context, sm_count,
+                               min_tokens=GQA_MIN_TOKENS, waves=GQA_WAVES)
+    block_d = gqa_launch_config(head_dim, heads // kv_heads, dtype)["BLOCK_D"]
+    return 1 if splits == 1 or merge_in_launch(heads // kv_heads, splits, block_d) else 2
+
+
 def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                num_splits: int | None = None, block_n: int | None = None,
@@ -202,8 +219,7 @@ def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     config = gqa_launch_config(d, group, k_cache.dtype)
     if block_n is not None:
         config["BLOCK_N"] = block_n
-    fused = (FUSED_MERGE and num_splits > 1
-             and pow2(group) * pow2(num_splits) * config["BLOCK_D"] <= FUSED_MERGE_ELEMENTS)
+    fused = merge_in_launch(group, num_splits, config["BLOCK_D"])
     o_ws, lse_ws, so, sl = split_workspace(o, lse, num_splits)   # 1 split: final O / LSE
     counters = arrival_counters(q.device, B * Hkv) if fused else lse
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"

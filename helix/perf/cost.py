@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from helix.attention.triton_decode import gqa_launches
 from helix.config import Layout, ModelConfig
 from helix.kv.ownership import KVSharding
 from helix.layers.attention_gqa import kv_head_range
@@ -142,6 +143,7 @@ def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size
         o_dim = lora
         o_w = hm * v * lora + hm * v * D                 # W_UV of the merged heads, o_proj shard
         o_kern = 2                                       # W_UV absorption, GEMM
+        att_kern = 2                                     # splits, merge
     else:
         d = cfg.head_dim
         kv0, kv1 = kv_head_range(cfg, lay.tpa, 0)
@@ -151,19 +153,21 @@ def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size
         norm_kernels = _norm_alone(B, (hq + 2 * hkv) * d, D)
         proj = Phase("attn_proj", cfg.num_layers, norm + (proj_w + extra) * es, 2 * B * proj_w,
                      norm_kernels + 2)
-        # (add + norm), QKV GEMM, rope (Qwen3: the q / k norms in the same launch,
-        # helix.layers.fused_qk_norm)
+        # (add + norm), QKV GEMM, rope and the KV append (Qwen3: the q / k norms in the same
+        # launch, helix.layers.fused_qk_norm.rope_append)
         pos_bytes = 2 * hkv * d * es
         att_flops = 2 * B * hq * t_local * (d + d)
         o_dim = d
         o_w = hm * d * D
         o_kern = 1                                       # GEMM (split-K summed in it)
+        att_kern = gqa_launches(B, hq, hkv, d, t_local, SM_COUNT)   # splits (+ their merge)
     exchange = ((Collective("all_to_all", lay.kvp, B * hq * (o_dim * es + LSE_BYTES)),)
                 if lay.kvp > 1 else ())
-    # (append: MLA's is in the latent-row launch), split-KV attention, split reduction; Helix
-    # adds the pack and the merge
+    # split-KV attention and its reduction (the append rides in an earlier launch: MLA's
+    # latent-row launch, GQA's rotation); Helix adds the pack and the merge. The split count:
+    # a block table as wide as the context (the benches' engines)
     att = Phase("attention", cfg.num_layers, B * t_local * pos_bytes, att_flops,
-                (2 if cfg.is_mla else 3) + (2 if lay.kvp > 1 else 0), exchange)
+                att_kern + (2 if lay.kvp > 1 else 0), exchange)
     o_proj = Phase("o_proj", cfg.num_layers, o_w * es, 2 * B * o_w, o_kern,
                    _world_comm("all_reduce", n, B * D * es))
     return (proj, att, o_proj), pos_bytes, norm_kernels
