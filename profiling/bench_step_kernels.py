@@ -277,8 +277,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-few-batch1", "after-attn-7a34bf8", "after-torch-argmax",
               "after-gemv-nosplit", "after-ffd0c4b", "after-gluon-nofew", "after-skinny-big",
               "after-noqknorm", "after-gqa-twolaunch", "after-gqa-waves1", "after-gqa-waves05",
-              "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend",
-              "after-gemv-tile8k")
+              "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend")
 
 
 def set_kernels(mode: str) -> None:
@@ -321,9 +320,7 @@ def set_kernels(mode: str) -> None:
     'after-router-onetile8k': the fused router's one-tile path only up to 8192 elements
     (triton_router.ONE_TILE_ELEMENTS of 009a278; now 16384: 8 x 2048 rows of DeepSeek-V2-Lite
     at batch 8 in one tile); 'after-noropeappend': GQA's KV append as a launch of its own
-    after the rotation (fused_qk_norm.FUSE_APPEND off); 'after-gemv-tile8k': one-row GEMV tiles
-    of 8K elements whatever K (skinny_gemm.GEMV_NORM_TILE off: Llama's and Qwen3's 4096-wide
-    projections in 2-row tiles, their input norms launches of their own)."""
+    after the rotation (fused_qk_norm.FUSE_APPEND off)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -350,7 +347,6 @@ def set_kernels(mode: str) -> None:
     tr.ONE_TILE = mode not in ("before", "after-router-chunked", "after-noonetile")
     tr.ONE_TILE_ELEMENTS = 8192 if mode == "after-router-onetile8k" else 16384
     fused_qk_norm.FUSE_APPEND = mode not in ("before", "after-noropeappend")
-    skinny_gemm.GEMV_NORM_TILE = mode not in ("before", "after-gemv-tile8k")
     skinny_gemm.NORM_IN_GEMV = mode not in ("before", "after-nonormgemv")
     start = mode == "after-attn-7a34bf8"
     gluon_mla.PDL = mode != "after-gluon-nopdl" and not start

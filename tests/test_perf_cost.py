@@ -155,17 +155,18 @@ def test_gpu_rates_are_measured():
     assert 0.5 < r.read_bps / r.copy_bps < 2.0
 
 
-@pytest.mark.parametrize("record,batches", [("step_dsv2_2f97c1d_h200.json", (1, 8)),
-                                            ("step_llama_2f97c1d_h200.json", (1, 8)),
-                                            ("qknorm_qwen_ea8341f_h200.json", (1,))])
-def test_kernel_counts_match_the_profiled_steps(record, batches):
-    """The kernels a step launches (cost.Phase.kernels) against whole-model decode steps
-    profiled on the H200 (bench_step_kernels part d, graphs on): every kernel the profiler saw,
-    less the host staging copies. At one row DeepSeek-V2-Lite's input norms ride in its x
-    projection's GEMV (all but layer 0's) and Llama-3.1-8B's do not; Qwen3's q / k norms and
-    ropes are one launch (8 of its 94 layers). Not at 8 rows for Qwen3: its q and o projections
-    (33.5M elements) run on cuBLAS there (skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS), which added a
-    split-K reduce launch to each that the model does not count."""
+@pytest.mark.parametrize("record", ["crit_deepseek-v2-lite_f0e06e2_h200.json",
+                                    "ropeappend_llama_f1c926a_h200.json",
+                                    "ropeappend_qwen_f1c926a_h200.json"])
+def test_kernel_counts_match_the_profiled_steps(record):
+    """The kernels a step launches (cost.Phase.kernels) against whole-model decode steps at one
+    row profiled on the H200 (bench_step_kernels part d, graphs on, mode "after"): every
+    kernel the profiler saw, less the host staging copies. DeepSeek-V2-Lite's input norms ride
+    in its x projection's GEMV (all but layer 0's), Llama-3.1-8B's and Qwen3's do not; GQA's KV
+    append rides in the rotation's launch, its split merge in the split launch for Llama at
+    1K (8 splits of a 4-head group) and not for Qwen3 (16 heads). Not at 8 rows: projections
+    there run on cuBLAS (skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS), whose split-K reduce launches
+    the model does not count."""
     import json
     import os
     path = os.path.join(os.path.dirname(__file__), "..", "profiling", "results", "step_small",
@@ -175,11 +176,11 @@ def test_kernel_counts_match_the_profiled_steps(record, batches):
     layers = data["meta"]["args"]["step_layers"]
     seen = 0
     for r in data["records"]:
-        if r["mode"] != "after" or r["batch"] not in batches:
+        if r["mode"] != "after" or r["batch"] != 1:
             continue
         launched = sum(k["calls_per_step"] for k in r["top_kernels"]
                        if not k["name"].startswith(("Memcpy", "Memset")))
         cfg = read_model_config(model, layers)[0]
         assert step_cost(cfg, Layout(), r["batch"], r["context"]).kernels == launched, r["batch"]
         seen += 1
-    assert seen >= 2
+    assert seen >= 1

@@ -72,11 +72,6 @@ GEMV_SPLIT_MAX_ELEMENTS = 32 << 20   # ... for weights up to this size (measured
 GEMV_TUNABLES = ("TILE", "BLOCK_N", "num_warps")
 NORM_IN_GEMV = True            # add_norm_linear: the input norm in the GEMV's launch
 NORM_MIN_ROWS = 4              # ... where a program's weight tile has at least this many rows
-# One-row tiles of at least NORM_MIN_ROWS weight rows of one K range (8 warps past 8192
-# elements: the registers a thread holds stay those of the 8K tile), so K up to GEMV_MAX_K
-# (Llama-3.1-8B's and Qwen3's 4096) takes the input norm in the GEMV's launch too.
-# Module flag, read per call (benches switch it).
-GEMV_NORM_TILE = True
 
 if HAS_TRITON:
     from helix.layers.fused_ops import _added, _normed, _rstd
@@ -241,21 +236,17 @@ def gemv_config(T: int, N: int, K: int, groups: int, sm_count: int,
     a power of two; past GEMV_MAX_K, K in SPLIT_K = cdiv(K, GEMV_MAX_K) equal ranges, each a
     tile) and TILE = 8192 / rows elements (measured on the H200 in a chain of
     DeepSeek-V2-Lite's projections: the best of 4K-32K tiles and 4 or 8 warps at 1 and at 2
-    rows, profiling/results/gemv.md), at one row at least NORM_MIN_ROWS rows of a K range
-    (GEMV_NORM_TILE: 16K elements on 8 warps for K of 4096), its feature rows halved (down to
-    1) until the launch has a program per SM. DeepSeek-V2-Lite at one row, 132 SMs: the x
-    projection 3648 x 2048 -> 912 programs of 4 rows, o_proj 2048 x 2048 -> 512 of 4, W_UV 16
-    heads of 128 x 512 -> 256 of 8, kv_a 576 x 2048 alone -> 144 of 4."""
+    rows, profiling/results/gemv.md), its feature rows halved (down to 1) until the launch has
+    a program per SM. DeepSeek-V2-Lite at one row, 132 SMs: the x projection 3648 x 2048 ->
+    912 programs of 4 rows, o_proj 2048 x 2048 -> 512 of 4, W_UV 16 heads of 128 x 512 ->
+    256 of 8, kv_a 576 x 2048 alone -> 144 of 4."""
+    cfg = dict(TILE=8192 // pow2(T), BLOCK_N=None, num_warps=4)
     unknown = set(config or {}) - set(GEMV_TUNABLES)
     if unknown:
         raise ValueError(f"unknown GEMV tunables {sorted(unknown)}; known: {GEMV_TUNABLES}")
+    cfg.update(config or {})
     split = -(-K // GEMV_MAX_K)
     block_k = pow2(-(-K // split))
-    tile = 8192 // pow2(T)
-    if GEMV_NORM_TILE and T == 1:
-        tile = max(tile, NORM_MIN_ROWS * block_k)
-    cfg = dict(TILE=tile, BLOCK_N=None, num_warps=4 if tile <= 8192 else 8)
-    cfg.update(config or {})
     if cfg["BLOCK_N"] is None:
         bn = max(1, cfg["TILE"] // block_k)
         while bn > 1 and -(-N // bn) * groups * split < sm_count:
