@@ -5,8 +5,9 @@ The busiest rank is rank 0: KVP rank 0 owns at least as many positions as any ot
 (ownership rule), and every rank reads the same weight shards. Phases, in step order:
 
   embed      token ids -> h: embedding rows (+ all-reduce over the world)
-  attn_proj  input norm, q/k/v (GQA) or q_a/q_b/kv_a and the W_UK absorption (MLA), rope   x layers
-  attention  KV append + partial attention over the local KV shard (+ the KVP all-to-all)  x layers
+  attn_proj  input norm, q/k/v (GQA) or q_a/q_b/kv_a and the W_UK absorption (MLA), rope and
+             the KV append (in the rope launch; MLA: the latent-row launch)            x layers
+  attention  partial attention over the local KV shard (+ the KVP all-to-all)          x layers
   o_proj     (MLA: W_UV of the merged heads) row-parallel o_proj (+ all-reduce)            x layers
   ffn        dense FFN shard (+ all-reduce)                                          x dense layers
   moe        router, the local experts the step's tokens hit, shared experts (+ all-reduce)
