@@ -340,6 +340,38 @@ def test_fused_router_bf16_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_add_norm_router_one_tile_on_8_warps_gpu():
+    """DeepSeek-V2-Lite's router at 8 rows on the GPU: one [8, 2048] tile on 8 warps
+    (ONE_TILE_ELEMENTS), the add + norm in the launch, against fused_ops' add + RMS norm, then
+    F.linear and route_torch (fp32 router weights, as the model's): the new residual bitwise,
+    the normed rows to an ulp of rstd (the sum of squares in another order), the ids where the
+    top-k is separated by more than the logits' accumulation order, the weights to fp32
+    rounding."""
+    from helix.layers.fused_ops import add_rms_norm
+    spec = tr.RouteSpec(6, False, 1, 1, "none", False, 1.0)
+    assert tr.fused_launch_config(8, 64, 2048) == dict(BLOCK_T=8, BLOCK_E=1, BLOCK_D=2048,
+                                                      num_warps=8)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 2048, generator=g).bfloat16().cuda()
+    res = torch.randn(8, 2048, generator=g).bfloat16().cuda()
+    nw = (1 + 0.1 * torch.randn(2048, generator=g)).bfloat16().cuda()
+    w = (torch.randn(64, 2048, generator=g) / 45).cuda()
+    y, h, kw, kids = tr.route_add_norm_triton(x, res, nw, 1e-6, w, None, spec)
+    ry, rh = add_rms_norm(x, res, nw, 1e-6)
+    assert torch.equal(h, rh) and (y == ry).float().mean().item() >= 0.99
+    torch.testing.assert_close(y.float(), ry.float(), rtol=1.6e-2, atol=1.6e-2)
+    logits = F.linear(ry.float(), w)
+    rw, rids = rt.route_torch(logits, None, spec)
+    top = logits.sort(-1, descending=True).values
+    separated = (top[:, 5] - top[:, 6]) > 1e-3
+    assert separated.sum() >= 6
+    assert torch.equal(kids[separated], rids[separated])
+    torch.testing.assert_close(kw[separated].float(), rw[separated].float(), rtol=1e-4,
+                               atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("model", ["tiny-deepseek-v3", "tiny-qwen3-moe"])
 def test_captured_decode_with_the_norm_in_the_router(model, monkeypatch):
     """Whole captured decodes: the post-attention norm inside the router's launch against the
