@@ -797,3 +797,33 @@ def test_kernels_compile_for_sm90(tmp_path):
     bodies = 2 if triton_mla.mla_launch_config(128, 512, 64, torch.bfloat16)["USE_TMA"] else 1
     qk = sum(n for shape, n in mla[0]["hgmma_shapes"].items() if not shape.startswith("64x256"))
     assert qk == 36 * bodies and "64x256x16" in mla[0]["hgmma_shapes"], mla
+
+
+@pytest.mark.parametrize("B,hq,hkv,d,ctx,want", [
+    (1, 8, 2, 16, 64, 1),          # one split
+    (1, 16, 1, 16, 1024, 1),       # 4 splits merged in the split launch
+    (1, 32, 1, 64, 1024, 2),       # 32 x 4 x 64 partial elements: the merge's own launch
+    (3, 4, 4, 16, 16, 1)])
+def test_gqa_launches_counts_what_gqa_decode_launches(B, hq, hkv, d, ctx, want, monkeypatch):
+    """helix.perf.cost's kernel count for GQA decode (triton_decode.gqa_launches) is the
+    number of kernels gqa_decode launches at its default splits for a block table of ctx
+    positions: 1 (one split, or the merge in the split launch) or 2."""
+    page = 16
+    launched = []
+    real = triton_decode.run_kernel
+    monkeypatch.setattr(triton_decode, "run_kernel",
+                        lambda k, *a, **kw: launched.append(k) or real(k, *a, **kw))
+    real_reduce = triton_decode.reduce_splits
+    monkeypatch.setattr(triton_decode, "reduce_splits",
+                        lambda *a, **kw: launched.append("reduce") or real_reduce(*a, **kw))
+    g = torch.Generator().manual_seed(B * ctx)
+    pages = B * ctx // page
+    k = torch.randn(pages, page, hkv, d, generator=g).to(DEV)
+    v = torch.randn(pages, page, hkv, d, generator=g).to(DEV)
+    q = torch.randn(B, hq, d, generator=g).to(DEV)
+    bt = torch.arange(pages, dtype=torch.int32).view(B, -1).to(DEV)
+    lens = torch.full((B,), ctx, dtype=torch.int32).to(DEV)
+    triton_decode.gqa_decode(q, k, v, bt, lens, d ** -0.5)
+    sm = triton_decode.sm_count_of(q.device)
+    assert len(launched) == want
+    assert triton_decode.gqa_launches(B, hq, hkv, d, ctx, sm, torch.float32) == want
