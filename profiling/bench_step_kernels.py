@@ -345,7 +345,7 @@ def set_kernels(mode: str) -> None:
     skinny_gemm.GEMV = _GEMV and mode not in ("before", "after-nogemv", "after-noonetile")
     skinny_gemm.GEMV_EARLY = mode != "after-gemv-late"
     tr.ONE_TILE = mode not in ("before", "after-router-chunked", "after-noonetile")
-    tr.ONE_TILE_ELEMENTS = 8192 if mode == "after-router-onetile8k" else 16384
+    tr.ONE_TILE_ELEMENTS = 8192 if mode == "after-router-onetile8k" else _ONE_TILE_ELEMENTS
     fused_qk_norm.FUSE_APPEND = mode not in ("before", "after-noropeappend")
     skinny_gemm.NORM_IN_GEMV = mode not in ("before", "after-nonormgemv")
     start = mode == "after-attn-7a34bf8"
@@ -373,6 +373,7 @@ _PDL = triton_util.PDL
 _FLAGS = triton_util.FLAGS
 _SKINNY = skinny_gemm.ENABLED
 _GEMV = skinny_gemm.GEMV
+_ONE_TILE_ELEMENTS = tr.ONE_TILE_ELEMENTS          # the library default (16384)
 _MLA_GLUON = os.environ.get("HELIX_MLA_GLUON")
 _GLUON_MAX_SPLITS = gluon_mla.MAX_SPLITS
 _GQA_WAVES = triton_decode.GQA_WAVES

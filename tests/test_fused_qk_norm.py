@@ -196,6 +196,9 @@ def test_rope_append_dispatch():
         assert not fq.rope_append_fits(q, k, v, kc.transpose(0, 1), vc.transpose(0, 1))
         with mock.patch.object(fq, "FUSE_APPEND", False):
             assert not fq.rope_append_fits(q, k, v, kc, vc)
+        with mock.patch.object(fq, "FUSE", False):     # the norms as launches of their own
+            assert not fq.rope_append_fits(q, k, v, kc, vc, qw, kw)
+            assert fq.rope_append_fits(q, k, v, kc, vc)
     with mock.patch.object(fq, "use_triton", lambda t: False):
         assert not fq.rope_append_fits(q, k, v, kc, vc)
 

@@ -167,10 +167,12 @@ FUSED_MERGE_ELEMENTS = 4096
 FUSED_MERGE_CHUNK = 1024     # ... merged in column chunks of this many elements (registers)
 
 
-def gqa_num_splits(batch: int, kv_heads: int, max_context: int, device: torch.device,
+def gqa_num_splits(batch: int, kv_heads: int, max_context: int, device: torch.device | int,
                    min_tokens: int | None = None) -> int:
-    """The default split count of a launch (static sizes only: fixed per graph bucket)."""
-    return choose_num_splits(batch, kv_heads, max_context, sm_count_of(device),
+    """The default split count of a launch (static sizes only: fixed per graph bucket) on
+    `device` (or a GPU of that many SMs)."""
+    sm_count = device if isinstance(device, int) else sm_count_of(device)
+    return choose_num_splits(batch, kv_heads, max_context, sm_count,
                              min_tokens=GQA_MIN_TOKENS if min_tokens is None else min_tokens,
                              waves=GQA_WAVES)
 
@@ -186,8 +188,7 @@ def gqa_launches(batch: int, heads: int, kv_heads: int, head_dim: int, max_conte
     """Kernels one gqa_decode call launches (default splits for a block table of max_context
     positions): the split launch, and the merge's where the splits are several and not merged
     in it. helix.perf.cost counts a decode step's kernels with it."""
-    splits = choose_num_splits(batch, kv_heads, max_context, sm_count,
-                               min_tokens=GQA_MIN_TOKENS, waves=GQA_WAVES)
+    splits = gqa_num_splits(batch, kv_heads, max_context, sm_count)
     block_d = gqa_launch_config(head_dim, heads // kv_heads, dtype)["BLOCK_D"]
     return 1 if splits == 1 or merge_in_launch(heads // kv_heads, splits, block_d) else 2
 

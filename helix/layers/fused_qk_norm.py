@@ -156,10 +156,17 @@ def qk_norm_rope_triton(q, k, q_w, k_w, eps, cos, sin, pos, interleave):
     return qo, ko
 
 
+def _operands_fit(q, k, q_w, k_w) -> bool:
+    """The kernel's operands: CUDA (fused_ops.use_triton), q / k (and the norm weights, when
+    given) in one dtype, unit stride in d, d even."""
+    return (use_triton(q) and q.dtype == k.dtype
+            and (q_w is None or q.dtype == q_w.dtype == k_w.dtype)
+            and q.stride(2) == 1 and k.stride(2) == 1 and q.shape[-1] % 2 == 0)
+
+
 def fits(q, k, q_w, k_w) -> bool:
     """Whether qk_norm_rope takes the kernel."""
-    return (FUSE and use_triton(q) and q.dtype == k.dtype == q_w.dtype == k_w.dtype
-            and q.stride(2) == 1 and k.stride(2) == 1 and q.shape[-1] % 2 == 0)
+    return FUSE and _operands_fit(q, k, q_w, k_w)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor,
@@ -173,15 +180,12 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch
 
 
 def rope_append_fits(q, k, v, k_cache, v_cache, q_w=None, k_w=None) -> bool:
-    """Whether rope_append takes the one launch: CUDA (fused_ops.use_triton), FUSE_APPEND,
-    q / k / v in one dtype (the norm weights too), unit stride in d, contiguous caches of k's
-    heads [P, page, HK, d]."""
-    HK, d = k.shape[1:]
-    return (FUSE_APPEND and use_triton(q) and q.dtype == k.dtype == v.dtype
-            and (q_w is None or q.dtype == q_w.dtype == k_w.dtype)
-            and q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and d % 2 == 0
-            and v.shape == k.shape and k_cache.shape == v_cache.shape
-            and tuple(k_cache.shape[2:]) == (HK, d)
+    """Whether rope_append takes the one launch: FUSE_APPEND (and FUSE with the norms), the
+    kernel's operands (_operands_fit), v like k, contiguous caches of k's heads [P, page, HK,
+    d]."""
+    return (FUSE_APPEND and (q_w is None or FUSE) and _operands_fit(q, k, q_w, k_w)
+            and v.dtype == k.dtype and v.shape == k.shape and v.stride(2) == 1
+            and k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == k.shape[1:]
             and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
