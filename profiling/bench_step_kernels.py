@@ -47,6 +47,7 @@ from helix.attention import (gluon_mla, triton_backend, triton_decode, triton_ml
 from helix.layers import fused_mla  # noqa: E402
 from helix.layers import fused_moe as fm  # noqa: E402
 from helix.layers import fused_qk_norm  # noqa: E402
+from helix.layers import gluon_moe  # noqa: E402
 from helix.layers import moe_decode as md  # noqa: E402
 from helix.layers import router as rt  # noqa: E402
 from helix.layers import skinny_gemm  # noqa: E402
@@ -277,7 +278,8 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-few-batch1", "after-attn-7a34bf8", "after-torch-argmax",
               "after-gemv-nosplit", "after-ffd0c4b", "after-gluon-nofew", "after-skinny-big",
               "after-noqknorm", "after-gqa-twolaunch", "after-gqa-waves1", "after-gqa-waves05",
-              "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend")
+              "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend",
+              "after-nomoerow")
 
 
 def set_kernels(mode: str) -> None:
@@ -320,7 +322,8 @@ def set_kernels(mode: str) -> None:
     'after-router-onetile8k': the fused router's one-tile path only up to 8192 elements
     (triton_router.ONE_TILE_ELEMENTS of 009a278; now 16384: 8 x 2048 rows of DeepSeek-V2-Lite
     at batch 8 in one tile); 'after-noropeappend': GQA's KV append as a launch of its own
-    after the rotation (fused_qk_norm.FUSE_APPEND off)."""
+    after the rotation (fused_qk_norm.FUSE_APPEND off); 'after-nomoerow': one row's MoE on
+    moe_decode's two Triton launches, not gluon_moe's one launch (gluon_moe.ENABLED off)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -348,6 +351,7 @@ def set_kernels(mode: str) -> None:
     tr.ONE_TILE_ELEMENTS = 8192 if mode == "after-router-onetile8k" else _ONE_TILE_ELEMENTS
     fused_qk_norm.FUSE_APPEND = mode not in ("before", "after-noropeappend")
     skinny_gemm.NORM_IN_GEMV = mode not in ("before", "after-nonormgemv")
+    gluon_moe.ENABLED = mode not in ("before", "after-nomoerow")
     start = mode == "after-attn-7a34bf8"
     gluon_mla.PDL = mode != "after-gluon-nopdl" and not start
     gluon_mla.KV_EARLY = mode != "after-gluon-kv-late"

@@ -57,6 +57,46 @@ def record_launch(heads: int, page: int, variant: str, num_splits: int, batch: i
     return got[0]
 
 
+def record_moe_launch(topk: int = 6, experts: int = 64, inter: int = 1408, dim: int = 2048,
+                      shared: int = 2816, dtype=torch.bfloat16):
+    """(kernel, args, meta) of one gluon_moe.moe_row launch on CPU tensors (DeepSeek-V2-Lite's
+    MoE layer by default; shared 0: no shared experts)."""
+    from helix import triton_util
+    from helix.layers import gluon_moe
+    got = []
+
+    def record(kernel, grid, *args, **meta):
+        got.append((kernel, args, meta))
+        raise _Recorded
+
+    x = torch.zeros(1, dim, dtype=dtype)
+    gate = torch.zeros(experts, inter, dim, dtype=dtype)
+    down = torch.zeros(experts, dim, inter, dtype=dtype)
+    sh = ((torch.zeros(shared, dim, dtype=dtype), torch.zeros(shared, dim, dtype=dtype),
+           torch.zeros(dim, shared, dtype=dtype)) if shared else None)
+    ids = torch.arange(topk, dtype=torch.int32).view(1, topk)
+    w = torch.ones(1, topk)
+    with mock.patch.object(triton_util, "run_kernel", record), \
+            mock.patch.object(gluon_moe, "unsupported", lambda *a, **k: None):
+        try:
+            gluon_moe.moe_row(x, gate, gate, down, w, ids, 0, sh)
+        except _Recorded:
+            pass
+    return got[0]
+
+
+def check_moe(pdl: int = 1, **shape) -> dict:
+    """gluon_moe's launch compiled for sm_90: its resources, or its full error text."""
+    rec = dict(variant="moe_row", pdl=pdl, **shape)
+    try:
+        kernel, args, meta = record_moe_launch(**shape)
+        meta["PDL"] = pdl
+        rec.update(ok=True, **compile_sm90(kernel, args, meta))
+    except Exception:  # noqa: BLE001 - the point is to report any failure in full
+        rec.update(ok=False, error=traceback.format_exc())
+    return rec
+
+
 def compile_sm90(kernel, args, meta) -> dict:
     """triton.compile of one recorded Gluon launch for sm_90, with the JIT's specialisation."""
     import triton

@@ -48,36 +48,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-# triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 renamed it async_load and made
-# the old name raise
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-# the partition's threads meet: gl.thread_barrier in 3.6, gl.barrier in 3.9
-_sync_threads = getattr(gl, "thread_barrier", None) or gl.barrier
+from helix.gluon_util import gdc as _gdc
+from helix.gluon_util import pdl_wait as _pdl_wait
+from helix.gluon_util import sync_threads as _sync_threads
+from helix.gluon_util import tma_load as _tma_load
 
 D_LATENT = gl.constexpr(512)
 D_ROPE = gl.constexpr(64)
 HALF = gl.constexpr(256)         # one consumer warpgroup's columns of O (SEESAW)
 CHUNK = gl.constexpr(64)         # the K step of QK^T over the latent: one 128-byte swizzle atom
-
-
-@gluon.jit
-def _gdc(asm: gl.constexpr):
-    """One grid-dependency-control instruction (griddepcontrol.wait / .launch_dependents)."""
-    gl.inline_asm_elementwise(asm + " // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
-def _pdl_wait(PDL: gl.constexpr):
-    """helix.triton_util.pdl_sync's rule for a partition that reads the previous kernel's
-    output (Q) or writes (O, LSE): wait for it, and let the next kernel launch (before the wait
-    with PDL_EARLY, after it otherwise). Nothing with PDL = 0."""
-    if PDL & 2:
-        _gdc("griddepcontrol.launch_dependents;")
-        _gdc("griddepcontrol.wait;")
-    elif PDL:
-        _gdc("griddepcontrol.wait;")
-        _gdc("griddepcontrol.launch_dependents;")
 
 
 @gluon.jit

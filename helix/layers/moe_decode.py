@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from helix.attention.triton_splits import sm_count_of
+from helix.layers import gluon_moe
 from helix.triton_util import (arrival_counters, last_to_arrive, pdl_sync, pow2, prefetch_l2,
                                prefetching, run_kernel)
 
@@ -389,6 +390,13 @@ def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype:
                                    2 if dtype == torch.float32 else 3))
 
 
+def row_launch(x, gate, up, down, shared) -> bool:
+    """Whether one row takes gluon_moe's single persistent launch (sm_90, its shapes; module
+    flag gluon_moe.ENABLED) instead of the two launches here."""
+    return (gluon_moe.ENABLED and x.is_cuda and gluon_moe.unsupported(x, gate, up, down, shared)
+            is None and gluon_moe.available(x.device))
+
+
 def shared_pieces(shared, inter: int) -> int:
     """The virtual experts a shared-expert shard (gate_s [Is, D], ...) is cut into: cdiv(Is, I)."""
     return 0 if shared is None else -(-shared[0].shape[0] // inter)
@@ -403,6 +411,8 @@ def moe_decode(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
     rank's shard of the shared experts, added for every token (weight 1). Every weight has a
     unit stride along its reduction axis (D for gate / up, I or Is for down)."""
     T, D = x.shape
+    if T == 1 and row_launch(x, gate, up, down, shared):
+        return gluon_moe.moe_row(x, gate, up, down, weights, ids, first, shared)
     E, I, _ = gate.shape
     k = ids.shape[1]
     N = T * k

@@ -1,0 +1,48 @@
+"""Gluon (triton.experimental.gluon) helpers shared by the Hopper kernels written in it: the
+absorbed-MLA decode (helix.attention.gluon_mla_kernel, gluon_mla_few_kernel) and the one-row
+MoE (helix.layers.gluon_moe_kernel). Written against triton 3.6's Gluon (the GPU machine's);
+the names that 3.9 renamed are resolved here once.
+
+- `tma_load`: `tma.async_copy_global_to_shared` in 3.6, `tma.async_load` in 3.9 (where the old
+  name raises).
+- `sync_threads`: the partition's threads meet (`gl.thread_barrier` in 3.6, `gl.barrier` in 3.9).
+- `gdc`: one grid-dependency-control instruction; `pdl_wait`: helix.triton_util.pdl_sync's rule
+  (wait for the previous kernel, let the next one launch) for a partition that reads the
+  previous kernel's output or writes its own.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import tma
+
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+sync_threads = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+@gluon.jit
+def gdc(asm: gl.constexpr):
+    """One grid-dependency-control instruction (griddepcontrol.wait / .launch_dependents)."""
+    gl.inline_asm_elementwise(asm + " // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def pdl_wait(PDL: gl.constexpr):
+    """Wait for the previous kernel and let the next kernel launch (before the wait with
+    PDL_EARLY, bit 2; after it otherwise). Nothing with PDL = 0."""
+    if PDL & 2:
+        gdc("griddepcontrol.launch_dependents;")
+        gdc("griddepcontrol.wait;")
+    elif PDL:
+        gdc("griddepcontrol.wait;")
+        gdc("griddepcontrol.launch_dependents;")
+
+
+@gluon.jit
+def grid_wait(PDL: gl.constexpr):
+    """Only wait for the previous kernel (a partition that reads its output but leaves the
+    launch of the next kernel to another partition's pdl_wait)."""
+    if PDL:
+        gdc("griddepcontrol.wait;")

@@ -1,0 +1,135 @@
+"""On an sm_90 GPU: the one-row Gluon MoE launch (helix/layers/gluon_moe.py) against the fp32
+torch reference at DeepSeek-V2-Lite's and Qwen3-235B's expert shapes (fewer experts), with and
+without shared experts, with experts of other ranks among the top-k; repeated calls with new
+routing (its counters back to zero); a CUDA graph replayed with new routing; moe_decode taking
+it at one row; and a 2-layer DeepSeek-V2-Lite engine whose logits match the two Triton launches'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helix.layers import gluon_moe as gm
+from helix.layers import moe_decode as md
+
+pytestmark = pytest.mark.gpu
+needs_sm90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm_90 GPU")
+
+# (experts, top-k, I, shared width, D)
+SHAPES = {"dsv2lite": (16, 6, 1408, 2816, 2048), "qwen3": (16, 8, 1536, 0, 4096),
+          "small": (8, 3, 256, 512, 256)}
+
+
+def _case(name, seed=0):
+    E, k, inter, ws, dim = SHAPES[name]
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*s, scale=0.02):
+        return (torch.randn(*s, generator=gen) * scale).to("cuda", torch.bfloat16)
+
+    gate, up, down = rand(E, inter, dim), rand(E, inter, dim), rand(E, dim, inter)
+    shared = (rand(ws, dim), rand(ws, dim), rand(dim, ws)) if ws else None
+    x = rand(1, dim, scale=1.0)
+    return x, gate, up, down, shared, k
+
+
+def _routing(E, k, first, gen, foreign=0):
+    """ids [1, k] (int32): k distinct experts, `foreign` of them outside [first, first + E)."""
+    local = torch.randperm(E, generator=gen)[:k - foreign] + first
+    other = torch.arange(foreign) + first + E
+    ids = torch.cat([local, other])[torch.randperm(k, generator=gen)]
+    w = torch.rand(1, k, generator=gen)
+    return ids.view(1, k).int().cuda(), (w / w.sum()).cuda()
+
+
+def _check(out, ref):
+    err = (out.float() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= 1e-2 * scale, (err, scale)
+
+
+@needs_sm90
+def test_available():
+    assert gm.available(torch.device("cuda")), gm.why_unavailable(torch.device("cuda"))
+
+
+@needs_sm90
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("foreign", [0, 2])
+def test_matches_reference(name, foreign):
+    x, gate, up, down, shared, k = _case(name)
+    gen = torch.Generator().manual_seed(7)
+    first = 32
+    for _ in range(3):                    # new routing each call: the counters must be reset
+        ids, w = _routing(gate.shape[0], k, first, gen, foreign)
+        out = gm.moe_row(x, gate, up, down, w, ids, first, shared)
+        torch.cuda.synchronize()
+        _check(out, gm.reference(x, gate, up, down, w, ids, first, shared))
+    from helix import triton_util
+    assert int(triton_util.arrival_counters(x.device, 1).abs().sum()) == 0
+
+
+@needs_sm90
+def test_cuda_graph_replays_with_new_routing():
+    x, gate, up, down, shared, k = _case("dsv2lite", seed=3)
+    gen = torch.Generator().manual_seed(11)
+    ids, w = _routing(gate.shape[0], k, 0, gen)
+    gm.moe_row(x, gate, up, down, w, ids, 0, shared)       # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = gm.moe_row(x, gate, up, down, w, ids, 0, shared)
+    for _ in range(4):
+        new_ids, new_w = _routing(gate.shape[0], k, 0, gen)
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        _check(out, gm.reference(x, gate, up, down, w, ids, 0, shared))
+
+
+@needs_sm90
+def test_moe_decode_takes_the_row_launch_at_one_row(monkeypatch):
+    x, gate, up, down, shared, k = _case("dsv2lite", seed=5)
+    ids, w = _routing(gate.shape[0], k, 0, torch.Generator().manual_seed(2))
+    calls = []
+    real = gm.moe_row
+    monkeypatch.setattr(gm, "moe_row", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out = md.moe_decode(x, gate, up, down, w, ids, 0, shared=shared)
+    assert calls == [1]
+    monkeypatch.setattr(gm, "ENABLED", False)
+    two = md.moe_decode(x, gate, up, down, w, ids, 0, shared=shared)
+    assert calls == [1]
+    _check(out, gm.reference(x, gate, up, down, w, ids, 0, shared))
+    _check(two, gm.reference(x, gate, up, down, w, ids, 0, shared))
+
+
+def _engine_logits(enabled: bool, monkeypatch):
+    from helix import LLM, Layout, RuntimeConfig, SamplingParams
+    monkeypatch.setattr(gm, "ENABLED", enabled)
+    rt = RuntimeConfig(device="cuda", dtype="bfloat16", layers=2, seed=0, max_batch=1,
+                       max_context=256, page_size=64, attention_backend="triton",
+                       graph_buckets=(1,))
+    with LLM("deepseek-v2-lite", Layout(), rt) as llm:
+        llm.add_request([5, 17, 42, 3], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        logits = []
+        while llm.has_unfinished():
+            llm.step()
+            logits.append(llm.engine.last_logits.float().clone())
+    return logits
+
+
+@needs_sm90
+def test_engine_logits_match_the_two_launches(monkeypatch):
+    calls = []
+    real = gm.moe_row
+    monkeypatch.setattr(gm, "moe_row", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    row = _engine_logits(True, monkeypatch)
+    assert calls, "the engine never took the one-row launch"
+    two = _engine_logits(False, monkeypatch)
+    assert len(row) == len(two)
+    for a, b in zip(row, two):
+        assert (a - b).abs().max().item() <= 2e-2 * b.abs().max().item() + 1e-3
