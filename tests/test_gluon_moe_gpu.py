@@ -95,6 +95,7 @@ def test_cuda_graph_replays_with_new_routing():
 def test_moe_decode_takes_the_row_launch_at_one_row(monkeypatch):
     x, gate, up, down, shared, k = _case("dsv2lite", seed=5)
     ids, w = _routing(gate.shape[0], k, 0, torch.Generator().manual_seed(2))
+    assert gm.available(x.device)          # its self-check runs the launch too: before counting
     calls = []
     real = gm.moe_row
     monkeypatch.setattr(gm, "moe_row", lambda *a, **kw: calls.append(1) or real(*a, **kw))

@@ -31,6 +31,7 @@ import torch
 
 from helix import triton_util
 from helix.attention.triton_splits import sm_count_of
+from helix.triton_util import pow2
 
 BN = 32                      # features of a gate/up item, half those of a down item (box rows)
 BK = 128                     # K elements of a box (256 bytes; unswizzled: CUDA-core reads)
@@ -144,6 +145,7 @@ def moe_row(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.T
         moe_row_kernel, (p.programs,), x.reshape(-1), ids.reshape(-1), weights.reshape(-1),
         first, E, inter, dim, ws, *descs, items, chunk_slot, len(p.chunk_slot), p.blocks,
         p.programs, p.max_items, h, h.stride(0), y, y.stride(0), out, counters, TOPK=topk,
+        TK=max(2, pow2(topk)), XR=pow2(dim // BK), HR=pow2(CHUNK_TILES), CP=max(2, pow2(len(p.chunk_slot))),
         BN=BN, BK=BK, STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS)
     return out
 

@@ -43,34 +43,47 @@ ITEM_FIELDS = gl.constexpr(8)    # kind, slot, n0, k0, tiles, chunk, -, - (gluon
 
 @gluon.jit
 def _item(items_ptr, pid, it, L):
+    """Fields of a program's item `it` (kind -1 past its list: it may be L, a prefetch)."""
     base = items_ptr + (pid * L + it) * ITEM_FIELDS
-    return (gl.load(base), gl.load(base + 1), gl.load(base + 2), gl.load(base + 3),
-            gl.load(base + 4), gl.load(base + 5))
+    ok = it < L
+    return (gl.load(base, mask=ok, other=-1), gl.load(base + 1, mask=ok, other=0),
+            gl.load(base + 2, mask=ok, other=0), gl.load(base + 3, mask=ok, other=0),
+            gl.load(base + 4, mask=ok, other=0), gl.load(base + 5, mask=ok, other=0))
 
 
 @gluon.jit
-def _local(ids_ptr, slot, first, E, TOPK: gl.constexpr):
-    """(whether slot's expert is on this rank, its local index): a routed slot reads its id
-    (the router's output: only after the wait for it); the shared slot (TOPK) is local, 0."""
+def _pick(vec, idx, i):
+    """vec[i] of a small register vector (a masked sum: no memory round trip)."""
+    return gl.sum(gl.where(idx == i, vec, 0), axis=0)
+
+
+@gluon.jit
+def _local(ids, tk, slot, first, E, TOPK: gl.constexpr):
+    """(whether slot's expert is on this rank, its local index) from the router's ids (a
+    register vector over tk); the shared slot (TOPK) is local, index 0."""
     routed = slot < TOPK
-    q = gl.load(ids_ptr + gl.minimum(slot, TOPK - 1), mask=routed, other=0).to(gl.int32) - first
+    q = _pick(ids, tk, slot) - first
     return (routed & (q >= 0) & (q < E)) | (slot == TOPK), gl.where(routed, q, 0)
 
 
 @gluon.jit
-def _producer(args, TOPK: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-              STAGES: gl.constexpr, PDL: gl.constexpr):
-    (ring, ready, empty, items_ptr, ids_ptr, first, E, I, D, dg, du, dd, dgs, dus, dds,
+def _producer(args, TOPK: gl.constexpr, TK: gl.constexpr, BN: gl.constexpr,
+              BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+    (ring, ready, empty, xs, hs, xs2, hs2, items_ptr, ids_ptr, first, E, I, D, dg, du, dd, dgs, dus, dds,
      x_ptr, h_ptr, stride_h, wts_ptr, y_ptr, stride_y, out_ptr, cnt_ptr, chunk_slot_ptr,
      C, NB, G, L, IS) = args
     pid = gl.program_id(0)
     stage_bytes: gl.constexpr = 2 * BN * BK * 2
+    vec: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    tk = gl.arange(0, TK, layout=vec)
+    ids = gl.full([TK], -1, gl.int32, layout=vec)
     j = 0
     for it in range(L):
         kind, slot, n0, k0, tiles, chunk = _item(items_ptr, pid, it, L)
-        if slot < TOPK:
-            grid_wait(PDL)                # the router's ids (a no-op after the first)
-        local, e = _local(ids_ptr, slot, first, E, TOPK)
+        if slot < TOPK:               # the router's ids: only after waiting for it
+            grid_wait(PDL)
+            ids = gl.load(ids_ptr + tk, mask=tk < TOPK, other=-1).to(gl.int32)
+        local, e = _local(ids, tk, slot, first, E, TOPK)
         if (kind >= 0) & local:
             for t in range(tiles):
                 s = j % STAGES
@@ -98,9 +111,47 @@ def _producer(args, TOPK: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(args, TOPK: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-              STAGES: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
-    (ring, ready, empty, items_ptr, ids_ptr, first, E, I, D, dg, du, dd, dgs, dus, dds,
+def _stage(smem, ptr, k0, rows, limit, FROM_L2: gl.constexpr, num_warps: gl.constexpr):
+    """smem [R, BK] <- ptr[k0 + r * BK + c] for rows r < `rows` and k0 + r * BK + c < limit
+    (0 elsewhere), one load of all of them. FROM_L2: another program's stores (.cg)."""
+    R: gl.constexpr = smem.shape[0]
+    BK: gl.constexpr = smem.shape[1]
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    r = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(1, lay)), 1)
+    k = k0 + r * BK + gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(0, lay)), 0)
+    mask = (r < rows) & (k < limit)
+    if FROM_L2:
+        v = gl.load(ptr + k, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        v = gl.load(ptr + k, mask=mask, other=0.0)
+    smem.store(v)
+
+
+@gluon.jit
+def _tiles(ring, ready, empty, vs, j, tiles, tile: gl.constexpr, kcol: gl.constexpr,
+           BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """An item's tiles: (the two boxes' row sums against the activation rows vs [t, BK] in
+    shared memory, the ring position after them)."""
+    acc_a = gl.zeros([BN, BK], gl.float32, layout=tile)
+    acc_b = gl.zeros([BN, BK], gl.float32, layout=tile)
+    for t in range(tiles):
+        s = j % STAGES
+        v = gl.expand_dims(vs.index(t).load(kcol).to(gl.float32), 0)  # [1, BK]
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        a = ring.index(2 * s).load(tile).to(gl.float32)
+        b = ring.index(2 * s + 1).load(tile).to(gl.float32)
+        mbarrier.arrive(empty.index(s), count=1)
+        acc_a += a * v
+        acc_b += b * v
+        j += 1
+    return gl.sum(acc_a, axis=1), gl.sum(acc_b, axis=1), j
+
+
+@gluon.jit
+def _consumer(args, TOPK: gl.constexpr, TK: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+              STAGES: gl.constexpr, XR: gl.constexpr, HR: gl.constexpr, CP: gl.constexpr,
+              PDL: gl.constexpr, num_warps: gl.constexpr):
+    (ring, ready, empty, xs, hs, xs2, hs2, items_ptr, ids_ptr, first, E, I, D, dg, du, dd, dgs, dus, dds,
      x_ptr, h_ptr, stride_h, wts_ptr, y_ptr, stride_y, out_ptr, cnt_ptr, chunk_slot_ptr,
      C, NB, G, L, IS) = args
     pid = gl.program_id(0)
@@ -108,28 +159,24 @@ def _consumer(args, TOPK: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
     tile: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
     kcol: gl.constexpr = gl.SliceLayout(0, tile)
     frow: gl.constexpr = gl.SliceLayout(1, tile)
+    small: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [num_warps, 1], [1, 0])
     cols = gl.arange(0, BK, layout=kcol)
     rows = gl.arange(0, BN, layout=frow)
-    pdl_wait(PDL)                         # x (and the ids) are the previous kernel's output
+    tk = gl.arange(0, TK, layout=gl.SliceLayout(0, small))
+    pdl_wait(PDL)                         # x, the ids and weights: the previous kernel's output
+    ids = gl.load(ids_ptr + tk, mask=tk < TOPK, other=-1).to(gl.int32)
+    wts = gl.load(wts_ptr + tk, mask=tk < TOPK, other=0.0).to(gl.float32)
+    # x into shared memory once: [D / BK, BK], one row a tile
+    _stage(xs2, x_ptr, 0, D // BK, D, False, num_warps)
+    sync_threads()
     j = 0
+    nxt = _item(items_ptr, pid, 0, L)
     for it in range(L):
-        kind, slot, n0, k0, tiles, chunk = _item(items_ptr, pid, it, L)
-        local, e = _local(ids_ptr, slot, first, E, TOPK)
+        kind, slot, n0, k0, tiles, chunk = nxt
+        nxt = _item(items_ptr, pid, it + 1, L)      # its fields arrive under this item
+        local, e = _local(ids, tk, slot, first, E, TOPK)
         if (kind == 0) & local:
-            acc_a = gl.zeros([BN, BK], gl.float32, layout=tile)
-            acc_b = gl.zeros([BN, BK], gl.float32, layout=tile)
-            for t in range(tiles):
-                s = j % STAGES
-                v = gl.load(x_ptr + k0 + t * BK + cols).to(gl.float32)
-                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-                a = ring.index(2 * s).load(tile).to(gl.float32)
-                b = ring.index(2 * s + 1).load(tile).to(gl.float32)
-                mbarrier.arrive(empty.index(s), count=1)
-                acc_a += a * gl.expand_dims(v, 0)
-                acc_b += b * gl.expand_dims(v, 0)
-                j += 1
-            g = gl.sum(acc_a, axis=1)
-            u = gl.sum(acc_b, axis=1)
+            g, u, j = _tiles(ring, ready, empty, xs, j, tiles, tile, kcol, BN, BK, STAGES)
             hv = g / (1.0 + gl.exp(-g)) * u                               # silu(g) * u
             gl.store(h_ptr + slot * stride_h + n0 + rows, hv.to(h_ptr.dtype.element_ty))
             sync_threads()
@@ -141,32 +188,20 @@ def _consumer(args, TOPK: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                 need = width // BN                        # the slot's gate/up items
                 while gl.atomic_add(cnt_ptr + slot, 0, sem="acquire", scope="gpu") < need:
                     pass
-                if slot < TOPK:
-                    w = gl.load(wts_ptr + slot).to(gl.float32)
-                else:
-                    w = 1.0
-                acc_a = gl.zeros([BN, BK], gl.float32, layout=tile)
-                acc_b = gl.zeros([BN, BK], gl.float32, layout=tile)
-                for t in range(tiles):
-                    s = j % STAGES
-                    k = k0 + t * BK + cols
-                    v = gl.load(h_ptr + slot * stride_h + k, mask=k < width, other=0.0,
-                                cache_modifier=".cg").to(gl.float32)
-                    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-                    a = ring.index(2 * s).load(tile).to(gl.float32)
-                    b = ring.index(2 * s + 1).load(tile).to(gl.float32)
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc_a += a * gl.expand_dims(v, 0)
-                    acc_b += b * gl.expand_dims(v, 0)
-                    j += 1
+                # the chunk of h into shared memory (every reader of the last one has passed
+                # the barrier before the last arrival)
+                _stage(hs2, h_ptr + slot * stride_h, k0, tiles, width, True, num_warps)
+                sync_threads()
+                ya, yb, j = _tiles(ring, ready, empty, hs, j, tiles, tile, kcol, BN, BK, STAGES)
+                w = gl.where(slot < TOPK, _pick(wts, tk, slot), 1.0)
                 y_row = y_ptr + chunk * stride_y + n0 + rows
-                gl.store(y_row, gl.sum(acc_a, axis=1) * w)
-                gl.store(y_row + BN, gl.sum(acc_b, axis=1) * w)
+                gl.store(y_row, ya * w)
+                gl.store(y_row + BN, yb * w)
             # every chunk of the feature block counts in (non-local ones too); the last sums
             sync_threads()
             if gl.atomic_add(cnt_ptr + TOPK + 1 + nb, 1, sem="acq_rel", scope="gpu") == C - 1:
-                _combine(ids_ptr, first, E, y_ptr, stride_y, out_ptr, chunk_slot_ptr, n0, C,
-                         TOPK, BN, num_warps)
+                _combine(ids, first, E, y_ptr, stride_y, out_ptr, chunk_slot_ptr, n0, C,
+                         TOPK, TK, BN, CP, small)
                 gl.store(cnt_ptr + TOPK + 1 + nb, 0)
     # the last program to finish resets the slot counters (every wait on them has passed)
     sync_threads()
@@ -178,17 +213,20 @@ def _consumer(args, TOPK: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
 
 
 @gluon.jit
-def _combine(ids_ptr, first, E, y_ptr, stride_y, out_ptr, chunk_slot_ptr, n0, C,
-             TOPK: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
-    """out[n0 : n0 + 2 BN] = the sum of y over the chunks of local slots, in chunk order."""
-    lay: gl.constexpr = gl.BlockedLayout([2], [32], [num_warps], [0])
-    n = n0 + gl.arange(0, 2 * BN, layout=lay)
-    acc = gl.zeros([2 * BN], gl.float32, layout=lay)
-    for c in range(C):
-        local, e = _local(ids_ptr, gl.load(chunk_slot_ptr + c), first, E, TOPK)
-        if local:
-            acc += gl.load(y_ptr + c * stride_y + n, cache_modifier=".cg")
-    gl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty))
+def _combine(ids, first, E, y_ptr, stride_y, out_ptr, chunk_slot_ptr, n0, C,
+             TOPK: gl.constexpr, TK: gl.constexpr, BN: gl.constexpr, CP: gl.constexpr,
+             small: gl.constexpr):
+    """out[n0 : n0 + 2 BN] = the sum of y over the chunks of local slots (one tree order)."""
+    c = gl.arange(0, CP, layout=gl.SliceLayout(1, small))
+    tk = gl.arange(0, TK, layout=gl.SliceLayout(0, small))
+    n = n0 + gl.arange(0, 2 * BN, layout=gl.SliceLayout(0, small))
+    slot = gl.load(chunk_slot_ptr + c, mask=c < C, other=-1)
+    q = gl.sum(gl.where(gl.expand_dims(slot, 1) == gl.expand_dims(tk, 0),
+                        gl.expand_dims(ids, 0), 0), axis=1) - first
+    local = (slot == TOPK) | ((slot >= 0) & (slot < TOPK) & (q >= 0) & (q < E))
+    y = gl.load(y_ptr + gl.expand_dims(c, 1) * stride_y + gl.expand_dims(n, 0),
+                mask=gl.expand_dims(local, 1), other=0.0, cache_modifier=".cg")
+    gl.store(out_ptr + n, gl.sum(y, axis=0).to(out_ptr.dtype.element_ty))
 
 
 @gluon.jit
@@ -198,21 +236,30 @@ def moe_row_kernel(
                                            # shared gate, up [Is, D], shared down [D, Is]
     items_ptr, chunk_slot_ptr, C, NB, G, L,   # the plan: items [G, L, 8], each chunk's slot [C]
     h_ptr, stride_h, y_ptr, stride_y, out_ptr, cnt_ptr,
-    TOPK: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
-    num_warps: gl.constexpr, PDL: gl.constexpr = 0,
+    TOPK: gl.constexpr, TK: gl.constexpr, XR: gl.constexpr, HR: gl.constexpr,
+    CP: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = 0,
 ):
     dtype: gl.constexpr = dg.dtype
     ring = gl.allocate_shared_memory(dtype, [2 * STAGES, BN, BK], dg.layout)
+    # x, and a down item's chunk of h: a row of BK a tile, stored as [R, BK] and read a row at
+    # a time through a view with a one-dimensional layout
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    rows1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    xs2 = gl.allocate_shared_memory(dtype, [XR, BK], plain)
+    hs2 = gl.allocate_shared_memory(dtype, [HR, BK], plain)
+    xs = xs2._reinterpret(dtype, [XR, BK], rows1)
+    hs = hs2._reinterpret(dtype, [HR, BK], rows1)
     mbar: gl.constexpr = mbarrier.MBarrierLayout()
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbar)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbar)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    args = (ring, ready, empty, items_ptr, ids_ptr, first, E, I, D, dg, du, dd, dgs, dus, dds,
-            x_ptr, h_ptr, stride_h, wts_ptr, y_ptr, stride_y, out_ptr, cnt_ptr, chunk_slot_ptr,
-            C, NB, G, L, IS)
-    gl.warp_specialize([(_consumer, (args, TOPK, BN, BK, STAGES, PDL, num_warps)),
-                        (_producer, (args, TOPK, BN, BK, STAGES, PDL))],
+    args = (ring, ready, empty, xs, hs, xs2, hs2, items_ptr, ids_ptr, first, E, I, D, dg, du, dd, dgs,
+            dus, dds, x_ptr, h_ptr, stride_h, wts_ptr, y_ptr, stride_y, out_ptr, cnt_ptr,
+            chunk_slot_ptr, C, NB, G, L, IS)
+    gl.warp_specialize([(_consumer, (args, TOPK, TK, BN, BK, STAGES, XR, HR, CP, PDL,
+                                     num_warps)),
+                        (_producer, (args, TOPK, TK, BN, BK, STAGES, PDL))],
                        [1], [PRODUCER_REGS])
