@@ -6,6 +6,8 @@ the names that 3.9 renamed are resolved here once.
 - `tma_load`: `tma.async_copy_global_to_shared` in 3.6, `tma.async_load` in 3.9 (where the old
   name raises).
 - `sync_threads`: the partition's threads meet (`gl.thread_barrier` in 3.6, `gl.barrier` in 3.9).
+- `reinterpret`: a shared-memory view with another dtype / shape / layout
+  (`_reinterpret` in 3.6, `reinterpret` in 3.9).
 - `gdc`: one grid-dependency-control instruction; `pdl_wait`: helix.triton_util.pdl_sync's rule
   (wait for the previous kernel, let the next one launch) for a partition that reads the
   previous kernel's output or writes its own.
@@ -19,6 +21,21 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 sync_threads = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+@gluon.jit
+def _reinterpret_39(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    return smem.reinterpret(dtype, shape, layout)
+
+
+@gluon.jit
+def _reinterpret_36(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    return smem._reinterpret(dtype, shape, layout)
+
+
+# smem viewed with another dtype, shape or layout (the same bytes)
+reinterpret = (_reinterpret_39 if hasattr(gl.shared_memory_descriptor, "reinterpret")
+               else _reinterpret_36)
 
 
 @gluon.jit

@@ -36,7 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from helix.gluon_util import grid_wait, pdl_wait, sync_threads, tma_load
+from helix.gluon_util import grid_wait, pdl_wait, reinterpret, sync_threads, tma_load
 
 ITEM_FIELDS = gl.constexpr(8)    # kind, slot, n0, k0, tiles, chunk, -, - (gluon_moe.FIELDS)
 
@@ -248,8 +248,8 @@ def moe_row_kernel(
     rows1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     xs2 = gl.allocate_shared_memory(dtype, [XR, BK], plain)
     hs2 = gl.allocate_shared_memory(dtype, [HR, BK], plain)
-    xs = xs2._reinterpret(dtype, [XR, BK], rows1)
-    hs = hs2._reinterpret(dtype, [HR, BK], rows1)
+    xs = reinterpret(xs2, dtype, [XR, BK], rows1)
+    hs = reinterpret(hs2, dtype, [HR, BK], rows1)
     mbar: gl.constexpr = mbarrier.MBarrierLayout()
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbar)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbar)
