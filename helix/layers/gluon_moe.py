@@ -38,6 +38,7 @@ BK = 128                     # K elements of a box (256 bytes; unswizzled: CUDA-
 STAGES = 8                   # ring stages of two boxes: 128 KB of weights in flight an SM
 CHUNK_TILES = 6              # K tiles of a down item: 768 of DeepSeek-V2-Lite's 1408
 PRODUCER_REGS = 40
+MAXNREG = 0                  # registers a thread at launch (0: the compiler's count)
 NUM_WARPS = 4                # the consumer partition
 FIELDS = 8                   # int32 fields of an item (gluon_moe_kernel.ITEM_FIELDS)
 ENABLED = True
@@ -59,21 +60,22 @@ class Plan:
 
 
 @functools.lru_cache(maxsize=64)
-def plan(topk: int, inter: int, shared_width: int, dim: int, sm_count: int) -> Plan:
+def plan(topk: int, inter: int, shared_width: int, dim: int, sm_count: int, bn: int = BN,
+         chunk_tiles: int = CHUNK_TILES) -> Plan:
     """Items of one launch (module doc); slot topk is the shared experts (width shared_width,
-    0: none)."""
+    0: none); bn, chunk_tiles: BN and CHUNK_TILES (benches vary the module's)."""
     slots = ([topk] if shared_width else []) + list(range(topk))
     width = {s: shared_width if s == topk else inter for s in slots}
     k_tiles = dim // BK
-    blocks = dim // (2 * BN)
-    items = [(0, s, n0, 0, k_tiles, 0) for s in slots for n0 in range(0, width[s], BN)]
+    blocks = dim // (2 * bn)
+    items = [(0, s, n0, 0, k_tiles, 0) for s in slots for n0 in range(0, width[s], bn)]
     chunk_slot = []
     for s in slots:
-        for k0 in range(0, width[s], CHUNK_TILES * BK):
+        for k0 in range(0, width[s], chunk_tiles * BK):
             c = len(chunk_slot)
             chunk_slot.append(s)
-            tiles = min(CHUNK_TILES, -(-(width[s] - k0) // BK))
-            items += [(1, s, nb * 2 * BN, k0, tiles, c) for nb in range(blocks)]
+            tiles = min(chunk_tiles, -(-(width[s] - k0) // BK))
+            items += [(1, s, nb * 2 * bn, k0, tiles, c) for nb in range(blocks)]
     programs = min(sm_count, len(items))
     heap = [(0, p) for p in range(programs)]
     lists = [[] for _ in range(programs)]
@@ -134,7 +136,7 @@ def moe_row(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.T
     E, inter, dim = gate.shape
     topk = ids.shape[-1]
     ws = shared[0].shape[0] if shared is not None else 0
-    p = plan(topk, inter, ws, dim, sm_count_of(x.device))
+    p = plan(topk, inter, ws, dim, sm_count_of(x.device), BN, CHUNK_TILES)
     items, chunk_slot = _tables(p, topk, x.device)
     descs = _descriptors(gate, up, down, shared)
     h = torch.empty((topk + 1, max(inter, ws)), dtype=x.dtype, device=x.device)
@@ -145,8 +147,10 @@ def moe_row(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.T
         moe_row_kernel, (p.programs,), x.reshape(-1), ids.reshape(-1), weights.reshape(-1),
         first, E, inter, dim, ws, *descs, items, chunk_slot, len(p.chunk_slot), p.blocks,
         p.programs, p.max_items, h, h.stride(0), y, y.stride(0), out, counters, TOPK=topk,
-        TK=max(2, pow2(topk)), XR=pow2(dim // BK), HR=pow2(CHUNK_TILES), CP=max(2, pow2(len(p.chunk_slot))),
-        BN=BN, BK=BK, STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS)
+        TK=max(2, pow2(topk)), XR=pow2(dim // BK), HR=pow2(CHUNK_TILES),
+        CP=max(2, pow2(len(p.chunk_slot))), BN=BN, BK=BK, STAGES=STAGES,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS,
+        **({"maxnreg": MAXNREG} if MAXNREG else {}))
     return out
 
 

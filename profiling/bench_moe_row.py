@@ -1,0 +1,135 @@
+"""One token's MoE alone on the GPU: gluon_moe's one launch in its variants (module knobs)
+against moe_decode's two Triton launches, in the same process.
+
+    python profiling/bench_moe_row.py [--shape dsv2lite|qwen3] [--configs JSON] [--out f.json]
+
+Each case captures CALLS calls in one CUDA graph, each with its own routing (6 or 8 distinct
+experts of all E), replays it REPS times and reports us a call and the rate of the weight bytes
+the call reads (the hit experts and the shared experts) against the copy rate measured here.
+Configs: a JSON list of dicts of gluon_moe knobs (STAGES, BN, CHUNK_TILES, MAXNREG, NUM_WARPS,
+PRODUCER_REGS); {"two": true} is moe_decode's two launches. Every variant is checked against
+the fp32 reference before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from helix.layers import gluon_moe as gm  # noqa: E402
+from helix.layers import moe_decode as md  # noqa: E402
+
+SHAPES = {"dsv2lite": (64, 6, 1408, 2816, 2048), "qwen3": (128, 8, 1536, 0, 4096)}
+KNOBS = ("STAGES", "BN", "CHUNK_TILES", "MAXNREG", "NUM_WARPS", "PRODUCER_REGS")
+CALLS, REPS = 16, 10
+
+
+def copy_rate() -> float:
+    """Device-to-device copy of 1 GiB, GB/s (read + write counted)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        b.copy_(a)
+    e.record()
+    torch.cuda.synchronize()
+    return 2 * 10 * a.numel() / (s.elapsed_time(e) * 1e-3) / 1e9
+
+
+def build(shape: str):
+    E, k, inter, ws, dim = SHAPES[shape]
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*s):
+        return (torch.randn(*s, generator=gen) * 0.02).to("cuda", torch.bfloat16)
+
+    gate, up, down = rand(E, inter, dim), rand(E, inter, dim), rand(E, dim, inter)
+    shared = (rand(ws, dim), rand(ws, dim), rand(dim, ws)) if ws else None
+    x = rand(1, dim) * 50
+    routes = []
+    for _ in range(CALLS):
+        ids = torch.randperm(E, generator=gen)[:k].view(1, k).int().cuda()
+        w = torch.rand(1, k, generator=gen).cuda()
+        routes.append((ids, w / w.sum()))
+    nbytes = 2 * (3 * k * inter * dim + 3 * ws * dim)
+    return (x, gate, up, down, shared), routes, nbytes
+
+
+def run_case(cfg: dict, tensors, routes, nbytes: int, rate: float) -> dict:
+    x, gate, up, down, shared = tensors
+    saved = {n: getattr(gm, n) for n in KNOBS}
+    gm.ENABLED = not cfg.get("two", False)
+    for n in KNOBS:
+        if n in cfg:
+            setattr(gm, n, cfg[n])
+    try:
+        ids, w = routes[0]
+        out = md.moe_decode(x, gate, up, down, w, ids, 0, shared=shared)
+        ref = gm.reference(x, gate, up, down, w, ids, 0, shared)
+        err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
+        for ids, w in routes:                       # warm up / compile outside the capture
+            md.moe_decode(x, gate, up, down, w, ids, 0, shared=shared)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for ids, w in routes:
+                md.moe_decode(x, gate, up, down, w, ids, 0, shared=shared)
+        g.replay()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(REPS):
+            g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        us = s.elapsed_time(e) * 1e3 / (REPS * CALLS)
+        return dict(config=cfg, us=round(us, 2), rel_err=err, ok=err < 1e-2,
+                    tb_s=round(nbytes / (us * 1e-6) / 1e12, 3),
+                    of_copy=round(nbytes / (us * 1e-6) / 1e9 / rate, 3))
+    except Exception as ex:  # noqa: BLE001 - a variant that fails is reported, not fatal
+        return dict(config=cfg, error=f"{type(ex).__name__}: {str(ex)[:500]}")
+    finally:
+        for n, v in saved.items():
+            setattr(gm, n, v)
+        gm.ENABLED = True
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="dsv2lite", choices=sorted(SHAPES))
+    ap.add_argument("--configs", default='[{"two": true}, {}]')
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_moe_row: needs a CUDA GPU")
+    if not gm.available(torch.device("cuda")):
+        raise SystemExit(f"bench_moe_row: {gm.why_unavailable(torch.device('cuda'))}")
+    rate = copy_rate()
+    tensors, routes, nbytes = build(args.shape)
+    recs = []
+    for cfg in json.loads(args.configs):
+        rec = run_case(cfg, tensors, routes, nbytes, rate)
+        rec.update(shape=args.shape, weight_mb=round(nbytes / 1e6, 1), copy_gb_s=round(rate))
+        recs.append(rec)
+        print(json.dumps(rec), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(recs, f, indent=1)
+    print(f"\n{args.shape}: {nbytes / 1e6:.1f} MB a call, copy {rate:.0f} GB/s")
+    for r in recs:
+        print(f"  {json.dumps(r['config']):60} " + (f"{r['us']:8.2f} us  {r['of_copy']:.2f} x copy"
+                                                     f"  err {r['rel_err']:.1e}" if "us" in r
+                                                     else r["error"]))
+
+
+if __name__ == "__main__":
+    main()
