@@ -6,7 +6,7 @@ against moe_decode's two Triton launches, in the same process.
 Each case captures CALLS calls in one CUDA graph, each with its own routing (6 or 8 distinct
 experts of all E), replays it REPS times and reports us a call and the rate of the weight bytes
 the call reads (the hit experts and the shared experts) against the copy rate measured here.
-Configs: a JSON list of dicts of gluon_moe knobs (STAGES, BN, CHUNK_TILES, MAXNREG, NUM_WARPS,
+Configs: a JSON list of dicts of gluon_moe knobs (STAGES, BN, MAXNREG, NUM_WARPS,
 PRODUCER_REGS); {"two": true} is moe_decode's two launches. Every variant is checked against
 the fp32 reference before it is timed.
 """
@@ -26,7 +26,7 @@ from helix.layers import gluon_moe as gm  # noqa: E402
 from helix.layers import moe_decode as md  # noqa: E402
 
 SHAPES = {"dsv2lite": (64, 6, 1408, 2816, 2048), "qwen3": (128, 8, 1536, 0, 4096)}
-KNOBS = ("STAGES", "BN", "CHUNK_TILES", "MAXNREG", "NUM_WARPS", "PRODUCER_REGS")
+KNOBS = ("STAGES", "BN", "MAXNREG", "NUM_WARPS", "PRODUCER_REGS")
 CALLS, REPS = 16, 10
 
 

@@ -18,7 +18,7 @@ from helix.layers.fused_moe import fused_moe_torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (top-k, I, shared width, D): DeepSeek-V2-Lite, Qwen3-235B (no shared experts), a small one
-SHAPES = [(6, 1408, 2816, 2048), (8, 1536, 0, 4096), (3, 256, 512, 256)]
+SHAPES = [(6, 1408, 2816, 2048), (8, 1536, 0, 4096), (3, 288, 576, 512)]
 
 
 @pytest.mark.parametrize("topk,inter,ws,dim", SHAPES)
@@ -26,60 +26,54 @@ def test_plan_covers_every_feature_once_gate_up_first(topk, inter, ws, dim):
     p = gm.plan(topk, inter, ws, dim, 132)
     slots = ([topk] if ws else []) + list(range(topk))
     width = {s: ws if s == topk else inter for s in slots}
-    up, down = {}, {}
-    for lst in p.items:
+    up, down = [], []
+    for lst, (lead, n_up, n_down) in zip(p.items, p.counts(topk)):
         kinds = [it[0] for it in lst]
         assert kinds == sorted(kinds), "a down item before a gate/up item"
-        for kind, s, n0, k0, tiles, c in lst:
-            if kind == 0:
-                assert (k0, tiles) == (0, dim // gm.BK)
-                up[(s, n0)] = up.get((s, n0), 0) + 1
-            else:
-                assert p.chunk_slot[c] == s and tiles >= 1
-                down[(s, n0, k0)] = (down.get((s, n0, k0), 0) + 1, tiles)
-    assert up == {(s, n0): 1 for s in slots for n0 in range(0, width[s], gm.BN)}
-    for s in slots:                         # the chunks tile [0, width) once per feature block
-        for n0 in range(0, dim, 2 * gm.BN):
-            ks = sorted((k0, t) for (s2, n2, k0), (cnt, t) in down.items()
-                        if (s2, n2) == (s, n0) and cnt == 1)
-            assert ks[0][0] == 0
-            for (a, ta), (b, _) in zip(ks, ks[1:]):
-                assert b == a + ta * gm.BK
-            assert ks[-1][0] + ks[-1][1] * gm.BK >= width[s] > ks[-1][0] + (ks[-1][1] - 1) * gm.BK
-    assert p.blocks == dim // (2 * gm.BN)
+        assert (n_up, n_down) == (kinds.count(0), kinds.count(1))
+        assert all(it[1] == topk for it in lst[:lead]) and ws or lead == 0
+        assert all(it[1] != topk for it in lst[lead:n_up]), "shared items lead the gate/up"
+        up += [it[1:] for it in lst if it[0] == 0]
+        down += [it[2] for it in lst if it[0] == 1]
+    assert sorted(up) == sorted((s, n0) for s in slots for n0 in range(0, width[s], gm.BN))
+    assert sorted(down) == list(range(0, dim, gm.BN))
     assert p.programs <= 132
+    assert p.h_rows == 2 * gm.k_steps(ws) + topk * 2 * gm.k_steps(inter)
 
 
-def test_plan_balances_the_programs_work():
-    """DeepSeek-V2-Lite: 352 gate/up items of 16 tiles, 512 down items of <= 6 tiles over 132
-    programs: the most loaded program within 5 % of the mean (tiles + 1 an item)."""
-    p = gm.plan(6, 1408, 2816, 2048, 132)
-    loads = [sum(it[4] + 1 for it in lst) for lst in p.items]
+@pytest.mark.parametrize("topk,inter,ws,dim", SHAPES[:2])
+def test_plan_balances_the_programs_work(topk, inter, ws, dim):
+    """The most loaded program within 10 % of the mean (DeepSeek-V2-Lite: 704 gate/up items of
+    8 stages, 128 down items of 24, on 132 programs)."""
+    p = gm.plan(topk, inter, ws, dim, 132)
+    slots = ([topk] if ws else []) + list(range(topk))
+    cost = {0: dim // gm.BK,
+            1: sum(gm.k_steps(ws if s == topk else inter) for s in slots)}
+    loads = [sum(cost[it[0]] for it in lst) for lst in p.items]
     assert p.programs == 132
-    assert max(loads) <= 1.05 * sum(loads) / len(loads)
+    assert max(loads) <= 1.10 * sum(loads) / len(loads)
 
 
-def test_tables_pad_with_skipped_items():
-    p = gm.plan(3, 256, 512, 256, 132)
-    items, chunk_slot = gm._tables(p, 3, torch.device("cpu"))
+def test_tables_hold_the_plan():
+    p = gm.plan(3, 256, 512, 512, 16)
+    items, counts = gm._tables(p, 3, torch.device("cpu"))
     assert items.shape == (p.programs, p.max_items, gm.FIELDS)
-    n = [len(lst) for lst in p.items]
-    for g in range(p.programs):
-        assert (items[g, n[g]:, 0] == -1).all() and (items[g, n[g]:, 1] == 3).all()
-        assert items[g, :n[g], :6].tolist() == [list(it) for it in p.items[g]]
-    assert chunk_slot.tolist() == list(p.chunk_slot)
+    for g, lst in enumerate(p.items):
+        assert items[g, :len(lst), :3].tolist() == [list(it) for it in lst]
+    assert counts.tolist() == [list(c) for c in p.counts(3)]
 
 
 def _replay(p, x, gate, up, down, weights, ids, first, shared):
-    """The kernel's item arithmetic in torch (fp32, h rounded to x's dtype as the kernel
-    stores it): gate/up items -> h, down items -> y chunks, the combine in chunk order."""
+    """The kernel's item arithmetic in torch (fp32): phase A's items -> the weighted h buffer
+    (rows of BK, the shared slot first), phase B's items over every local slot's down stages
+    (two BK-wide K steps each, past a slot's width 0) -> out."""
     topk = ids.shape[-1]
     E, inter, dim = gate.shape
     ws = shared[0].shape[0] if shared is not None else 0
+    slots = ([topk] if ws else []) + list(range(topk))
     xf = x.reshape(-1).float()
-    h = torch.zeros(topk + 1, max(inter, ws))
-    y = torch.zeros(len(p.chunk_slot), dim)
     idl = ids.reshape(-1).tolist()
+    h = torch.full((p.h_rows * gm.BK,), float("nan"))
 
     def local(s):
         if s == topk:
@@ -87,35 +81,52 @@ def _replay(p, x, gate, up, down, weights, ids, first, shared):
         e = idl[s] - first
         return 0 <= e < E, e
 
-    def rows(s, e, kind):
-        if s == topk:
-            return shared[0 if kind == "g" else 1 if kind == "u" else 2].float()
-        return {"g": gate, "u": up, "d": down}[kind][e].float()
+    def width(s):
+        return ws if s == topk else inter
 
-    order = sorted((it for lst in p.items for it in lst), key=lambda it: it[0])
-    for kind, s, n0, k0, tiles, c in order:
+    def row0(s):
+        return 0 if s == topk else 2 * gm.k_steps(ws) + s * 2 * gm.k_steps(inter)
+
+    def mats(s, e):
+        if s == topk:
+            return [m.float() for m in shared]
+        return gate[e].float(), up[e].float(), down[e].float()
+
+    items = [it for lst in p.items for it in lst]
+    for kind, s, n0 in (it for it in items if it[0] == 0):
         ok, e = local(s)
-        if not ok:
-            continue
-        width = ws if s == topk else inter
-        if kind == 0:
-            g = rows(s, e, "g")[n0:n0 + gm.BN] @ xf
-            u = rows(s, e, "u")[n0:n0 + gm.BN] @ xf
-            h[s, n0:n0 + gm.BN] = (F.silu(g) * u).to(x.dtype).float()
-        else:
-            k1 = min(k0 + tiles * gm.BK, width)
+        if ok:
+            g, u, _ = mats(s, e)
             w = 1.0 if s == topk else weights.reshape(-1)[s].float()
-            y[c, n0:n0 + 2 * gm.BN] = w * (rows(s, e, "d")[n0:n0 + 2 * gm.BN, k0:k1]
-                                           @ h[s, k0:k1])
-    keep = torch.tensor([local(s)[0] for s in p.chunk_slot])
-    return y[keep].sum(0, keepdim=True)
+            hv = w * F.silu(g[n0:n0 + gm.BN] @ xf) * (u[n0:n0 + gm.BN] @ xf)
+            h[row0(s) * gm.BK + n0:row0(s) * gm.BK + n0 + gm.BN] = hv
+    out = torch.full((dim,), float("nan"))
+    for kind, _, n0 in (it for it in items if it[0] == 1):
+        acc = torch.zeros(gm.BN)
+        for s in slots:
+            ok, e = local(s)
+            if not ok:
+                continue
+            d = mats(s, e)[2]
+            for t in range(gm.k_steps(width(s))):
+                for half in range(2):
+                    k = (2 * t + half) * gm.BK
+                    hk = h[row0(s) * gm.BK + k:row0(s) * gm.BK + k + gm.BK].clone()
+                    valid = torch.arange(k, k + gm.BK) < width(s)
+                    hk = torch.where(valid, hk, 0.0)            # _stage_h's mask
+                    wk = torch.zeros(gm.BN, gm.BK)               # TMA: 0 past the last column
+                    cols = d[n0:n0 + gm.BN, k:min(k + gm.BK, width(s))]
+                    wk[:, :cols.shape[1]] = cols
+                    acc += wk @ hk
+        out[n0:n0 + gm.BN] = acc
+    return out.view(1, dim)
 
 
 @pytest.mark.parametrize("ids,first", [([[9, 2, 6]], 4), ([[1, 0, 7]], 0)])
 @pytest.mark.parametrize("with_shared", [True, False])
 def test_replayed_plan_matches_the_reference(ids, first, with_shared):
     gen = torch.Generator().manual_seed(0)
-    E, inter, dim, ws = 8, 256, 256, 512
+    E, inter, dim, ws = 8, 256 + 32, 512, 512 + 64
 
     def rand(*s):
         return (torch.randn(*s, generator=gen) * 0.05).to(torch.bfloat16)
@@ -126,6 +137,7 @@ def test_replayed_plan_matches_the_reference(ids, first, with_shared):
     ids = torch.tensor(ids, dtype=torch.int32)
     w = torch.tensor([[0.5, 0.3, 0.2]])
     p = gm.plan(3, inter, ws if with_shared else 0, dim, 16)
+    assert inter % (2 * gm.BK) and ws % (2 * gm.BK)       # partial last down stages
     got = _replay(p, x, gate, up, down, w, ids, first, shared)
     ref = gm.reference(x, gate, up, down, w, ids, first, shared)
     torch.testing.assert_close(got, ref, atol=2e-3 * ref.abs().max().item(), rtol=2e-2)
@@ -148,6 +160,7 @@ def test_unsupported_names_the_reason():
     bf = torch.bfloat16
     x = torch.zeros(1, 256, dtype=bf)
     g, d = torch.zeros(4, 256, 256, dtype=bf), torch.zeros(4, 256, 256, dtype=bf)
+    assert gm.BK == 256 and gm.BN == 16
     assert "CUDA" in gm.unsupported(x, g, g, d)
 
     class Fake:              # a CUDA-looking row for the shape rules (no GPU needed)
@@ -165,6 +178,9 @@ def test_unsupported_names_the_reason():
                                     torch.zeros(4, 256, 192, dtype=bf),
                                     torch.zeros(4, 256, 192, dtype=bf),
                                     torch.zeros(4, 192, 256, dtype=bf))
+    assert "dims" in gm.unsupported(Fake(x), torch.zeros(4, 24, 256, dtype=bf),
+                                    torch.zeros(4, 24, 256, dtype=bf),
+                                    torch.zeros(4, 256, 24, dtype=bf))
     assert "contiguous" in gm.unsupported(Fake(x), g.transpose(1, 2), g, d)
     assert gm.unsupported(Fake(x), g, g, d) is None
     assert not gm.available(torch.device("cpu"))
@@ -172,11 +188,11 @@ def test_unsupported_names_the_reason():
 
 @pytest.mark.sm90
 def test_compiles_for_sm90(tmp_path):
-    """DeepSeek-V2-Lite's and Qwen3-235B's layers compile for sm_90 (no GPU): no spills, one
-    block under the shared-memory limit (the ring of 8 x 2 boxes of 32 x 128), four TMA loads
-    each for routed and shared tiles, [32, 128] unswizzled boxes, a 40-register producer, and
-    under PDL two waits (the producer before the routed tiles, the consumer before x) and one
-    launch of the next kernel."""
+    """DeepSeek-V2-Lite's and Qwen3-235B's layers compile for sm_90 (no GPU): no spills, 128
+    registers a thread at launch, one block under the shared-memory limit (the ring of 8 x 2
+    boxes of 16 x 256, x and the h buffer), unswizzled [16, 256] boxes, a 40-register producer,
+    and under PDL two waits (the producer before the routed tiles, the consumer before x) and
+    one launch of the next kernel."""
     import json
     out = tmp_path / "moe.json"
     code = ("import json, sys; sys.path.insert(0, 'profiling'); import gluon_resources as g; "
@@ -187,9 +203,9 @@ def test_compiles_for_sm90(tmp_path):
     for r in json.loads(out.read_text()):
         assert r["ok"], r.get("error", "")[-3000:]
         assert r["stack_bytes"] == 0 and r["local_loads"] == r["local_stores"] == 0
+        assert r["registers"] == 128
         assert r["shared_bytes"] <= 232448
-        assert r["tma_loads"] == 8
-        assert all(m["block_size"] == [32, 128] and m["swizzle"] == 0
+        assert all(m["block_size"] == [16, 256] and m["swizzle"] == 0
                    for m in r["tensordesc_meta"])
-        assert "setmaxnreg.dec.sync.aligned.u32 40" in r["setmaxnreg"]
+        assert "setmaxnreg.inc.sync.aligned.u32 40" in r["setmaxnreg"]        # the producer
         assert (r["gdc_waits"], r["gdc_launches"]) == (2, 1)

@@ -14,11 +14,10 @@ kernel before it; a persistent Triton kernel holding both halves was slower stil
 (profiling/results/step_small.md). Here a 1-warp producer keeps STAGES x 16 KB of weight tiles
 in flight per SM through TMA, whatever the consumer is waiting for.
 
-The plan (`plan`, from shapes only, so one CUDA graph serves every routing): items of BN
-features (gate/up) or 2 BN output features x one K chunk of CHUNK_TILES tiles (down), slot by
-slot with the shared experts first (their tiles need no routing: the producer loads them before
-the wait for the router), all gate/up items before all down items; each item goes to the
-program with the least work so far (tiles + 1 a item), so every program's list keeps that order.
+The plan (`plan`, from shapes only, so one CUDA graph serves every routing): gate/up items of BN
+features of one slot, down items of BN output features over every slot; the longest first, each
+to the program with the least work (in stages of 2 x BN x BK weights), at most one program an
+SM (the barrier between the phases needs every program resident).
 """
 
 from __future__ import annotations
@@ -33,22 +32,20 @@ from helix import triton_util
 from helix.attention.triton_splits import sm_count_of
 from helix.triton_util import pow2
 
-BN = 32                      # features of a gate/up item, half those of a down item (box rows)
-BK = 128                     # K elements of a box (256 bytes; unswizzled: CUDA-core reads)
+BN = 16                      # rows of a box: the features of an item
+BK = 256                     # K elements of a box (512 bytes; unswizzled: CUDA-core reads)
 STAGES = 8                   # ring stages of two boxes: 128 KB of weights in flight an SM
-CHUNK_TILES = 6              # K tiles of a down item: 768 of DeepSeek-V2-Lite's 1408
 PRODUCER_REGS = 40
-MAXNREG = 0                  # registers a thread at launch (0: the compiler's count)
+MAXNREG = 128                # registers a thread at launch: room beside it for the next kernel
 NUM_WARPS = 4                # the consumer partition
-FIELDS = 8                   # int32 fields of an item (gluon_moe_kernel.ITEM_FIELDS)
+FIELDS = 4                   # int32 fields of an item (gluon_moe_kernel.ITEM_FIELDS)
 ENABLED = True
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    items: tuple            # per program: tuple of (kind, slot, n0, k0, tiles, chunk)
-    chunk_slot: tuple       # the slot of each down K chunk (the combine's order)
-    blocks: int             # down feature blocks (2 BN each)
+    items: tuple            # per program: ((kind, slot, n0), ...), gate/up (kind 0) first
+    h_rows: int             # rows of BK in the h buffer
 
     @property
     def programs(self) -> int:
@@ -58,50 +55,61 @@ class Plan:
     def max_items(self) -> int:
         return max(len(p) for p in self.items)
 
+    def counts(self, topk: int) -> list[tuple[int, int, int]]:
+        """Per program: (its leading shared gate/up items, gate/up items, down items)."""
+        out = []
+        for lst in self.items:
+            up = [it for it in lst if it[0] == 0]
+            lead = next((i for i, it in enumerate(up) if it[1] != topk), len(up))
+            out.append((lead, len(up), len(lst) - len(up)))
+        return out
+
+
+def k_steps(width: int) -> int:
+    """Down stages of a slot of `width` (2 BK of K a stage)."""
+    return -(-width // (2 * BK))
+
 
 @functools.lru_cache(maxsize=64)
-def plan(topk: int, inter: int, shared_width: int, dim: int, sm_count: int, bn: int = BN,
-         chunk_tiles: int = CHUNK_TILES) -> Plan:
+def plan(topk: int, inter: int, shared_width: int, dim: int, sm_count: int, bn: int = BN) -> Plan:
     """Items of one launch (module doc); slot topk is the shared experts (width shared_width,
-    0: none); bn, chunk_tiles: BN and CHUNK_TILES (benches vary the module's)."""
+    0: none); bn: BN (benches vary the module's). Work in stages: a gate/up item D / BK, a down
+    item the down stages of every slot. Longest first (the down items), each to the program
+    with the least work so far; a program's list then holds its gate/up items (the shared
+    ones first: the producer loads them before the wait for the router) before its down
+    items."""
     slots = ([topk] if shared_width else []) + list(range(topk))
     width = {s: shared_width if s == topk else inter for s in slots}
-    k_tiles = dim // BK
-    blocks = dim // (2 * bn)
-    items = [(0, s, n0, 0, k_tiles, 0) for s in slots for n0 in range(0, width[s], bn)]
-    chunk_slot = []
-    for s in slots:
-        for k0 in range(0, width[s], chunk_tiles * BK):
-            c = len(chunk_slot)
-            chunk_slot.append(s)
-            tiles = min(chunk_tiles, -(-(width[s] - k0) // BK))
-            items += [(1, s, nb * 2 * bn, k0, tiles, c) for nb in range(blocks)]
-    programs = min(sm_count, len(items))
+    up = [(0, s, n0) for s in slots for n0 in range(0, width[s], bn)]
+    down = [(1, 0, n0) for n0 in range(0, dim, bn)]
+    cost = {0: dim // BK, 1: sum(k_steps(width[s]) for s in slots)}
+    programs = min(sm_count, len(up) + len(down))
     heap = [(0, p) for p in range(programs)]
     lists = [[] for _ in range(programs)]
-    for it in items:
+    for it in sorted(down + up, key=lambda it: -cost[it[0]]):
         load, p = heapq.heappop(heap)
         lists[p].append(it)
-        heapq.heappush(heap, (load + it[4] + 1, p))
-    return Plan(items=tuple(tuple(x) for x in lists), chunk_slot=tuple(chunk_slot),
-                blocks=blocks)
+        heapq.heappush(heap, (load + cost[it[0]], p))
+    order = {it: i for i, it in enumerate(up + down)}      # shared gate/up first, then routed
+    lists = [sorted(lst, key=lambda it: (it[0], order[it])) for lst in lists]
+    h_rows = 2 * k_steps(shared_width) + topk * 2 * k_steps(inter)
+    return Plan(items=tuple(tuple(x) for x in lists), h_rows=h_rows)
 
 
 _TABLES: dict = {}
 
 
 def _tables(p: Plan, topk: int, device: torch.device):
-    """(items [G, L, FIELDS] int32, chunk_slot [C] int32) on `device`, kept for the process (a
-    captured graph holds their addresses). Padding items: kind -1."""
-    key = (p, device)
+    """(items [G, L, FIELDS] int32, counts [G, 3] int32) on `device`, kept for the process (a
+    captured graph holds their addresses)."""
+    key = (p, topk, device)
     if key not in _TABLES:
-        items = torch.full((p.programs, p.max_items, FIELDS), -1, dtype=torch.int32)
-        items[..., 1] = topk
+        items = torch.zeros((p.programs, p.max_items, FIELDS), dtype=torch.int32)
         for g, lst in enumerate(p.items):
             if lst:
-                items[g, :len(lst), :6] = torch.tensor(lst, dtype=torch.int32)
-        _TABLES[key] = (items.to(device), torch.tensor(p.chunk_slot, dtype=torch.int32,
-                                                       device=device))
+                items[g, :len(lst), :3] = torch.tensor(lst, dtype=torch.int32)
+        counts = torch.tensor(p.counts(topk), dtype=torch.int32)
+        _TABLES[key] = (items.to(device), counts.to(device))
     return _TABLES[key]
 
 
@@ -119,7 +127,7 @@ def unsupported(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
     if any(not w.is_contiguous() or w.dtype != x.dtype or w.data_ptr() % 16 for w in ws):
         return "weights not contiguous, 16-byte aligned and of the rows' dtype"
     widths = [inter] + ([shared[0].shape[0]] if shared is not None else [])
-    if dim % BK or dim % (2 * BN) or any(w % BN or (w * x.element_size()) % 16 for w in widths):
+    if dim % BK or any(w % BN or (w * x.element_size()) % 16 for w in widths):
         return f"dims D {dim}, I {widths} (D a multiple of {BK}, widths of {BN})"
     if E * max(inter, dim) >= 2**31:
         return "TMA coordinates past int32"
@@ -136,21 +144,18 @@ def moe_row(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.T
     E, inter, dim = gate.shape
     topk = ids.shape[-1]
     ws = shared[0].shape[0] if shared is not None else 0
-    p = plan(topk, inter, ws, dim, sm_count_of(x.device), BN, CHUNK_TILES)
-    items, chunk_slot = _tables(p, topk, x.device)
+    p = plan(topk, inter, ws, dim, sm_count_of(x.device), BN)
+    items, counts = _tables(p, topk, x.device)
     descs = _descriptors(gate, up, down, shared)
-    h = torch.empty((topk + 1, max(inter, ws)), dtype=x.dtype, device=x.device)
-    y = torch.empty((len(p.chunk_slot), dim), dtype=torch.float32, device=x.device)
+    h = torch.empty((p.h_rows * BK,), dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
-    counters = triton_util.arrival_counters(x.device, topk + 1 + p.blocks + 1)
+    counters = triton_util.arrival_counters(x.device, 2)
     triton_util.run_kernel(
         moe_row_kernel, (p.programs,), x.reshape(-1), ids.reshape(-1), weights.reshape(-1),
-        first, E, inter, dim, ws, *descs, items, chunk_slot, len(p.chunk_slot), p.blocks,
-        p.programs, p.max_items, h, h.stride(0), y, y.stride(0), out, counters, TOPK=topk,
-        TK=max(2, pow2(topk)), XR=pow2(dim // BK), HR=pow2(CHUNK_TILES),
-        CP=max(2, pow2(len(p.chunk_slot))), BN=BN, BK=BK, STAGES=STAGES,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS,
-        **({"maxnreg": MAXNREG} if MAXNREG else {}))
+        first, E, inter, dim, ws, *descs, items, counts, p.programs, p.max_items, h, out,
+        counters, TOPK=topk, TK=max(2, pow2(topk)), SHARED=int(ws > 0), XR=pow2(dim // BK),
+        HR=pow2(p.h_rows), BN=BN, BK=BK, STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=NUM_WARPS, **({"maxnreg": MAXNREG} if MAXNREG else {}))
     return out
 
 
