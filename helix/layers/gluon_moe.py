@@ -164,7 +164,6 @@ def _descriptors(gate, up, down, shared):
     shared shard's three (the routed ones again where there is none: never read)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    gdt = gl.bfloat16 if gate.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
     def desc(m):
