@@ -77,7 +77,8 @@ def record_moe_launch(topk: int = 6, experts: int = 64, inter: int = 1408, dim: 
     ids = torch.arange(topk, dtype=torch.int32).view(1, topk)
     w = torch.ones(1, topk)
     with mock.patch.object(triton_util, "run_kernel", record), \
-            mock.patch.object(triton_util, "arrival_counters", lambda d, n: torch.zeros(n)), \
+            mock.patch.object(triton_util, "arrival_counters",
+                              lambda d, n: torch.zeros(n, dtype=torch.int32)), \
             mock.patch.object(gluon_moe, "unsupported", lambda *a, **k: None):
         try:
             gluon_moe.moe_row(x, gate, gate, down, w, ids, 0, sh)
