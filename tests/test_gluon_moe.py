@@ -36,22 +36,26 @@ def test_plan_covers_every_feature_once_gate_up_first(topk, inter, ws, dim):
         up += [it[1:] for it in lst if it[0] == 0]
         down += [it[2] for it in lst if it[0] == 1]
     assert sorted(up) == sorted((s, n0) for s in slots for n0 in range(0, width[s], gm.BN))
-    assert sorted(down) == list(range(0, dim, 2 * gm.BN))
+    assert sorted(down) == list(range(0, dim, gm.BN))
     assert p.programs <= 132
-    assert p.h_rows == gm.k_steps(ws) + topk * gm.k_steps(inter)
+    assert p.h_rows == 2 * gm.k_steps(ws) + topk * 2 * gm.k_steps(inter)
 
 
 @pytest.mark.parametrize("topk,inter,ws,dim", SHAPES[:2])
-def test_plan_balances_the_programs_work(topk, inter, ws, dim):
-    """The most loaded program within 5 % of the mean (DeepSeek-V2-Lite: 1408 gate/up items of
-    8 stages, 128 down items of 47, on 132 programs)."""
+def test_plan_balances_each_phase(topk, inter, ws, dim):
+    """Down items wait for the last gate/up item, so the gate/up work is balanced on its own
+    (programs differ by one item at most), and the whole within 10 % of the mean
+    (DeepSeek-V2-Lite: 704 gate/up items of 8 stages, 128 down items of 24, on 132 programs:
+    gate/up 40 or 48 stages a program, the most loaded 72 against a mean of 65.9)."""
     p = gm.plan(topk, inter, ws, dim, 132)
     slots = ([topk] if ws else []) + list(range(topk))
     cost = {0: dim // gm.BK,
             1: sum(gm.k_steps(ws if s == topk else inter) for s in slots)}
+    ups = [sum(cost[0] for it in lst if it[0] == 0) for lst in p.items]
     loads = [sum(cost[it[0]] for it in lst) for lst in p.items]
     assert p.programs == 132
-    assert max(loads) <= 1.05 * sum(loads) / len(loads)
+    assert max(ups) - min(ups) <= cost[0]
+    assert max(loads) <= 1.10 * sum(loads) / len(loads)
 
 
 def test_tables_hold_the_plan():
@@ -64,9 +68,9 @@ def test_tables_hold_the_plan():
 
 
 def _replay(p, x, gate, up, down, weights, ids, first, shared):
-    """The kernel's item arithmetic in torch (fp32): gate/up items -> the weighted h buffer
-    (rows of BK, the shared slot first), down items (2 BN rows) over every local slot's down
-    stages (BK of K each, past a slot's width 0) -> out."""
+    """The kernel's item arithmetic in torch (fp32): phase A's items -> the weighted h buffer
+    (rows of BK, the shared slot first), phase B's items over every local slot's down stages
+    (two BK-wide K steps each, past a slot's width 0) -> out."""
     topk = ids.shape[-1]
     E, inter, dim = gate.shape
     ws = shared[0].shape[0] if shared is not None else 0
@@ -85,7 +89,7 @@ def _replay(p, x, gate, up, down, weights, ids, first, shared):
         return ws if s == topk else inter
 
     def row0(s):
-        return 0 if s == topk else gm.k_steps(ws) + s * gm.k_steps(inter)
+        return 0 if s == topk else 2 * gm.k_steps(ws) + s * 2 * gm.k_steps(inter)
 
     def mats(s, e):
         if s == topk:
@@ -102,22 +106,23 @@ def _replay(p, x, gate, up, down, weights, ids, first, shared):
             h[row0(s) * gm.BK + n0:row0(s) * gm.BK + n0 + gm.BN] = hv
     out = torch.full((dim,), float("nan"))
     for kind, _, n0 in (it for it in items if it[0] == 1):
-        acc = torch.zeros(2 * gm.BN)
+        acc = torch.zeros(gm.BN)
         for s in slots:
             ok, e = local(s)
             if not ok:
                 continue
             d = mats(s, e)[2]
             for t in range(gm.k_steps(width(s))):
-                k = t * gm.BK
-                hk = h[row0(s) * gm.BK + k:row0(s) * gm.BK + k + gm.BK].clone()
-                valid = torch.arange(k, k + gm.BK) < width(s)
-                hk = torch.where(valid, hk, 0.0)                # _stage_h's mask
-                wk = torch.zeros(2 * gm.BN, gm.BK)               # TMA: 0 past the last column
-                cols = d[n0:n0 + 2 * gm.BN, k:min(k + gm.BK, width(s))]
-                wk[:, :cols.shape[1]] = cols
-                acc += wk @ hk
-        out[n0:n0 + 2 * gm.BN] = acc
+                for half in range(2):
+                    k = (2 * t + half) * gm.BK
+                    hk = h[row0(s) * gm.BK + k:row0(s) * gm.BK + k + gm.BK].clone()
+                    valid = torch.arange(k, k + gm.BK) < width(s)
+                    hk = torch.where(valid, hk, 0.0)            # _stage_h's mask
+                    wk = torch.zeros(gm.BN, gm.BK)               # TMA: 0 past the last column
+                    cols = d[n0:n0 + gm.BN, k:min(k + gm.BK, width(s))]
+                    wk[:, :cols.shape[1]] = cols
+                    acc += wk @ hk
+        out[n0:n0 + gm.BN] = acc
     return out.view(1, dim)
 
 
@@ -136,7 +141,7 @@ def test_replayed_plan_matches_the_reference(ids, first, with_shared):
     ids = torch.tensor(ids, dtype=torch.int32)
     w = torch.tensor([[0.5, 0.3, 0.2]])
     p = gm.plan(3, inter, ws if with_shared else 0, dim, 16)
-    assert inter % gm.BK and ws % gm.BK                   # partial last down stages
+    assert inter % (2 * gm.BK) and ws % (2 * gm.BK)       # partial last down stages
     got = _replay(p, x, gate, up, down, w, ids, first, shared)
     ref = gm.reference(x, gate, up, down, w, ids, first, shared)
     torch.testing.assert_close(got, ref, atol=2e-3 * ref.abs().max().item(), rtol=2e-2)
@@ -159,7 +164,7 @@ def test_unsupported_names_the_reason():
     bf = torch.bfloat16
     x = torch.zeros(1, 256, dtype=bf)
     g, d = torch.zeros(4, 256, 256, dtype=bf), torch.zeros(4, 256, 256, dtype=bf)
-    assert gm.BK == 256 and gm.BN == 8
+    assert gm.BK == 256 and gm.BN == 16
     assert "CUDA" in gm.unsupported(x, g, g, d)
 
     class Fake:              # a CUDA-looking row for the shape rules (no GPU needed)
@@ -177,9 +182,9 @@ def test_unsupported_names_the_reason():
                                     torch.zeros(4, 256, 192, dtype=bf),
                                     torch.zeros(4, 256, 192, dtype=bf),
                                     torch.zeros(4, 192, 256, dtype=bf))
-    assert "dims" in gm.unsupported(Fake(x), torch.zeros(4, 20, 256, dtype=bf),
-                                    torch.zeros(4, 20, 256, dtype=bf),
-                                    torch.zeros(4, 256, 20, dtype=bf))
+    assert "dims" in gm.unsupported(Fake(x), torch.zeros(4, 24, 256, dtype=bf),
+                                    torch.zeros(4, 24, 256, dtype=bf),
+                                    torch.zeros(4, 256, 24, dtype=bf))
     assert "contiguous" in gm.unsupported(Fake(x), g.transpose(1, 2), g, d)
     assert gm.unsupported(Fake(x), g, g, d) is None
     assert not gm.available(torch.device("cpu"))
@@ -188,8 +193,8 @@ def test_unsupported_names_the_reason():
 @pytest.mark.sm90
 def test_compiles_for_sm90(tmp_path):
     """DeepSeek-V2-Lite's and Qwen3-235B's layers compile for sm_90 (no GPU): no spills, 128
-    registers a thread at launch, one block under the shared-memory limit (the ring of 16 x 2
-    boxes of 8 x 256, x and the h buffer), unswizzled [8, 256] boxes, a 40-register producer,
+    registers a thread at launch, one block under the shared-memory limit (the ring of 8 x 2
+    boxes of 16 x 256, x and the h buffer), unswizzled [16, 256] boxes, a 40-register producer,
     and under PDL two waits (the producer before the routed tiles, the consumer before x) and
     one launch of the next kernel."""
     import json
@@ -204,7 +209,7 @@ def test_compiles_for_sm90(tmp_path):
         assert r["stack_bytes"] == 0 and r["local_loads"] == r["local_stores"] == 0
         assert r["registers"] == 128
         assert r["shared_bytes"] <= 232448
-        assert all(m["block_size"] == [8, 256] and m["swizzle"] == 0
+        assert all(m["block_size"] == [16, 256] and m["swizzle"] == 0
                    for m in r["tensordesc_meta"])
         assert "setmaxnreg.inc.sync.aligned.u32 40" in r["setmaxnreg"]        # the producer
         assert (r["gdc_waits"], r["gdc_launches"]) == (2, 1)

@@ -15,9 +15,9 @@ kernel before it; a persistent Triton kernel holding both halves was slower stil
 in flight per SM through TMA, whatever the consumer is waiting for.
 
 The plan (`plan`, from shapes only, so one CUDA graph serves every routing): gate/up items of BN
-features of one slot, down items of 2 BN output features over every slot; the longest first,
-each to the program with the least work (in stages of 2 x BN x BK weights), at most one program
-an SM.
+features of one slot, down items of BN output features over every slot; the longest first, each
+to the program with the least work (in stages of 2 x BN x BK weights), at most one program an
+SM (the barrier between the phases needs every program resident).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from helix import triton_util
 from helix.attention.triton_splits import sm_count_of
 from helix.triton_util import pow2
 
-BN = 8                       # rows of a box: the features of a gate/up item, half a down item's
+BN = 16                      # rows of a box: the features of an item
 BK = 256                     # K elements of a box (512 bytes; unswizzled: CUDA-core reads)
-STAGES = 16                  # ring stages of two boxes: 128 KB of weights in flight an SM
+STAGES = 8                   # ring stages of two boxes: 128 KB of weights in flight an SM
 PRODUCER_REGS = 40
 MAXNREG = 128                # registers a thread at launch: room beside it for the next kernel
 NUM_WARPS = 4                # the consumer partition
@@ -66,33 +66,37 @@ class Plan:
 
 
 def k_steps(width: int) -> int:
-    """Down stages of a slot of `width` (BK of K a stage): its rows in the h buffer."""
-    return -(-width // BK)
+    """Down stages of a slot of `width` (2 BK of K a stage)."""
+    return -(-width // (2 * BK))
 
 
 @functools.lru_cache(maxsize=64)
 def plan(topk: int, inter: int, shared_width: int, dim: int, sm_count: int, bn: int = BN) -> Plan:
     """Items of one launch (module doc); slot topk is the shared experts (width shared_width,
     0: none); bn: BN (benches vary the module's). Work in stages: a gate/up item D / BK, a down
-    item the down stages of every slot. Longest first (the down items), each to the program
-    with the least work so far; a program's list then holds its gate/up items (the shared
-    ones first: the producer loads them before the wait for the router) before its down
-    items."""
+    item the down stages of every slot. Every down item waits for the last gate/up item of
+    the launch (the barrier between the phases), so the gate/up items are balanced first, on
+    their own (each to the program with the least gate/up work so far), then each down item
+    goes to the program with the least work in all. A program's list holds its gate/up items
+    (the shared ones first: the producer loads them before the wait for the router), then its
+    down items."""
     slots = ([topk] if shared_width else []) + list(range(topk))
     width = {s: shared_width if s == topk else inter for s in slots}
     up = [(0, s, n0) for s in slots for n0 in range(0, width[s], bn)]
-    down = [(1, 0, n0) for n0 in range(0, dim, 2 * bn)]
+    down = [(1, 0, n0) for n0 in range(0, dim, bn)]
     cost = {0: dim // BK, 1: sum(k_steps(width[s]) for s in slots)}
     programs = min(sm_count, len(up) + len(down))
-    heap = [(0, p) for p in range(programs)]
     lists = [[] for _ in range(programs)]
-    for it in sorted(down + up, key=lambda it: -cost[it[0]]):
-        load, p = heapq.heappop(heap)
-        lists[p].append(it)
-        heapq.heappush(heap, (load + cost[it[0]], p))
-    order = {it: i for i, it in enumerate(up + down)}      # shared gate/up first, then routed
-    lists = [sorted(lst, key=lambda it: (it[0], order[it])) for lst in lists]
-    h_rows = k_steps(shared_width) + topk * k_steps(inter)
+    loads = [0] * programs
+    for phase in (up, down):
+        heap = [(loads[p], p) for p in range(programs)]
+        heapq.heapify(heap)
+        for it in phase:
+            load, p = heapq.heappop(heap)
+            lists[p].append(it)
+            loads[p] = load + cost[it[0]]
+            heapq.heappush(heap, (loads[p], p))
+    h_rows = 2 * k_steps(shared_width) + topk * 2 * k_steps(inter)
     return Plan(items=tuple(tuple(x) for x in lists), h_rows=h_rows)
 
 
@@ -149,12 +153,11 @@ def moe_row(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.T
     descs = _descriptors(gate, up, down, shared)
     h = torch.empty((p.h_rows * BK,), dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
-    counters = triton_util.arrival_counters(x.device, topk + 2)
+    counters = triton_util.arrival_counters(x.device, 2)
     triton_util.run_kernel(
         moe_row_kernel, (p.programs,), x.reshape(-1), ids.reshape(-1), weights.reshape(-1),
         first, E, inter, dim, ws, *descs, items, counts, p.programs, p.max_items, h, out,
-        counters, TOPK=topk, TK=max(2, pow2(topk)), TS=pow2(topk + 1), SHARED=int(ws > 0),
-        XR=pow2(dim // BK),
+        counters, TOPK=topk, TK=max(2, pow2(topk)), SHARED=int(ws > 0), XR=pow2(dim // BK),
         HR=pow2(p.h_rows), BN=BN, BK=BK, STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=NUM_WARPS, **({"maxnreg": MAXNREG} if MAXNREG else {}))
     return out
