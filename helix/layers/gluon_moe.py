@@ -117,6 +117,12 @@ def _tables(p: Plan, topk: int, device: torch.device):
     return _TABLES[key]
 
 
+def shape_fits(dim: int, inter: int, shared_width: int = 0) -> bool:
+    """The launch's shape rule (16-bit weights): D whole K steps of BK, every expert width (the
+    routed I, the shared shard's) whole features blocks of BN (rows 16-byte aligned with it)."""
+    return dim % BK == 0 and all(w % BN == 0 for w in (inter, shared_width))
+
+
 def unsupported(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                 shared=None) -> str | None:
     """Why this call cannot run the one-row launch (None: it can)."""
@@ -131,7 +137,7 @@ def unsupported(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
     if any(not w.is_contiguous() or w.dtype != x.dtype or w.data_ptr() % 16 for w in ws):
         return "weights not contiguous, 16-byte aligned and of the rows' dtype"
     widths = [inter] + ([shared[0].shape[0]] if shared is not None else [])
-    if dim % BK or any(w % BN or (w * x.element_size()) % 16 for w in widths):
+    if not shape_fits(dim, *widths):
         return f"dims D {dim}, I {widths} (D a multiple of {BK}, widths of {BN})"
     if E * max(inter, dim) >= 2**31:
         return "TMA coordinates past int32"

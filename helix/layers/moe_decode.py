@@ -3,7 +3,8 @@
     moe_decode(x, gate, up, down, weights, ids, first, config, shared) -> [T, D]
         fused_moe's contract; with shared = (gate_s [Is, D], up_s [Is, D], down_s [D, Is]),
         this rank's shard of the shared experts (weight 1 for every token) is added in the
-        same launches.
+        same launches. One row on sm_90 takes helix.layers.gluon_moe's single launch instead
+        (`row_launch`; `config` then does not apply).
 
 At decode each hit expert gets one to a few rows, so the work is a GEMV per expert that must
 stream the expert's weights at the copy rate. Programs are laid out per (token, expert) PAIR:
