@@ -279,7 +279,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-gemv-nosplit", "after-ffd0c4b", "after-gluon-nofew", "after-skinny-big",
               "after-noqknorm", "after-gqa-twolaunch", "after-gqa-waves1", "after-gqa-waves05",
               "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend",
-              "after-nomoerow")
+              "after-nomoerow", "after-moerow-stages6", "after-moerow-stages4")
 
 
 def set_kernels(mode: str) -> None:
@@ -323,7 +323,9 @@ def set_kernels(mode: str) -> None:
     (triton_router.ONE_TILE_ELEMENTS of 009a278; now 16384: 8 x 2048 rows of DeepSeek-V2-Lite
     at batch 8 in one tile); 'after-noropeappend': GQA's KV append as a launch of its own
     after the rotation (fused_qk_norm.FUSE_APPEND off); 'after-nomoerow': one row's MoE on
-    moe_decode's two Triton launches, not gluon_moe's one launch (gluon_moe.ENABLED off)."""
+    moe_decode's two Triton launches, not gluon_moe's one launch (gluon_moe.ENABLED off);
+    'after-moerow-stages6' / '-stages4': gluon_moe's weight ring 6 / 4 stages deep, not 8 (less
+    shared memory held beside the next kernel)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -352,6 +354,8 @@ def set_kernels(mode: str) -> None:
     fused_qk_norm.FUSE_APPEND = mode not in ("before", "after-noropeappend")
     skinny_gemm.NORM_IN_GEMV = mode not in ("before", "after-nonormgemv")
     gluon_moe.ENABLED = mode not in ("before", "after-nomoerow")
+    gluon_moe.STAGES = {"after-moerow-stages6": 6, "after-moerow-stages4": 4}.get(mode,
+                                                                                  _MOE_STAGES)
     start = mode == "after-attn-7a34bf8"
     gluon_mla.PDL = mode != "after-gluon-nopdl" and not start
     gluon_mla.KV_EARLY = mode != "after-gluon-kv-late"
@@ -370,6 +374,7 @@ def set_kernels(mode: str) -> None:
 
 
 _NEW_FORWARD = rt.Router.forward
+_MOE_STAGES = gluon_moe.STAGES
 _GLUON_VARIANT = triton_backend.GLUON_VARIANT
 _GLUON_FEW = triton_backend.GLUON_FEW_VARIANT
 _SKINNY_BOUND = skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS

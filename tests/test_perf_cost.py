@@ -155,9 +155,9 @@ def test_gpu_rates_are_measured():
     assert 0.5 < r.read_bps / r.copy_bps < 2.0
 
 
-@pytest.mark.parametrize("record", ["moerow_dsv2_a9adcee.json",
-                                    "ropeappend_llama_f1c926a_h200.json",
-                                    "moerow_qwen_a9adcee.json"])
+@pytest.mark.parametrize("record", ["moe_row/moerow_dsv2_a9adcee.json",
+                                    "step_small/ropeappend_llama_f1c926a_h200.json",
+                                    "moe_row/moerow_qwen_a9adcee.json"])
 def test_kernel_counts_match_the_profiled_steps(record):
     """The kernels a step launches (cost.Phase.kernels) against whole-model decode steps at one
     row profiled on the H200 (bench_step_kernels part d, graphs on, mode "after"): every
@@ -170,8 +170,7 @@ def test_kernel_counts_match_the_profiled_steps(record):
     the model does not count."""
     import json
     import os
-    path = os.path.join(os.path.dirname(__file__), "..", "profiling", "results", "step_small",
-                        record)
+    path = os.path.join(os.path.dirname(__file__), "..", "profiling", "results", record)
     data = json.load(open(path))
     model = data["meta"]["args"]["step_model"]
     layers = data["meta"]["args"]["step_layers"]
