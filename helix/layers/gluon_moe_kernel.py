@@ -177,6 +177,20 @@ def _stage_h(hs2, h_ptr, I, IS, TOPK: gl.constexpr, BK: gl.constexpr,
 
 
 @gluon.jit
+def _consume(ring, ready, empty, j, va, vb, acc_a, acc_b, tile: gl.constexpr,
+             STAGES: gl.constexpr):
+    """Ring stage j: (acc_a + its box 0 x va, acc_b + its box 1 x vb), fp32; the stage goes back
+    to the producer once both boxes are in registers. va / vb: [1, BK] activation rows (loaded
+    by the caller before the wait)."""
+    s = j % STAGES
+    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+    a = ring.index(2 * s).load(tile).to(gl.float32)
+    b = ring.index(2 * s + 1).load(tile).to(gl.float32)
+    mbarrier.arrive(empty.index(s), count=1)
+    return acc_a + a * va, acc_b + b * vb
+
+
+@gluon.jit
 def _consumer(args, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
               num_warps: gl.constexpr):
@@ -205,14 +219,8 @@ def _consumer(args, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
             acc_g = gl.zeros([BN, BK], gl.float32, layout=tile)
             acc_u = gl.zeros([BN, BK], gl.float32, layout=tile)
             for t in range(D // BK):
-                s = j % STAGES
                 v = gl.expand_dims(xs.index(t).load(kcol).to(gl.float32), 0)
-                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-                a = ring.index(2 * s).load(tile).to(gl.float32)
-                b = ring.index(2 * s + 1).load(tile).to(gl.float32)
-                mbarrier.arrive(empty.index(s), count=1)
-                acc_g += a * v
-                acc_u += b * v
+                acc_g, acc_u = _consume(ring, ready, empty, j, v, v, acc_g, acc_u, tile, STAGES)
                 j += 1
             g = gl.sum(acc_g, axis=1)
             u = gl.sum(acc_u, axis=1)
@@ -238,15 +246,10 @@ def _consumer(args, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
             if local:
                 r0 = _h_row(sl, I, IS, TOPK, BK)
                 for t in range(_k_steps(sl, I, IS, TOPK, BK)):
-                    s = j % STAGES
                     va = gl.expand_dims(hs.index(r0 + 2 * t).load(kcol), 0)
                     vb = gl.expand_dims(hs.index(r0 + 2 * t + 1).load(kcol), 0)
-                    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-                    a = ring.index(2 * s).load(tile).to(gl.float32)
-                    b = ring.index(2 * s + 1).load(tile).to(gl.float32)
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc_a += a * va
-                    acc_b += b * vb
+                    acc_a, acc_b = _consume(ring, ready, empty, j, va, vb, acc_a, acc_b, tile,
+                                            STAGES)
                     j += 1
         y = gl.sum(acc_a + acc_b, axis=1)
         gl.store(out_ptr + n0 + rows, y.to(out_ptr.dtype.element_ty))
