@@ -15,9 +15,10 @@ kernel before it; a persistent Triton kernel holding both halves was slower stil
 in flight per SM through TMA, whatever the consumer is waiting for.
 
 The plan (`plan`, from shapes only, so one CUDA graph serves every routing): gate/up items of BN
-features of one slot, down items of BN output features over every slot; the longest first, each
-to the program with the least work (in stages of 2 x BN x BK weights), at most one program an
-SM (the barrier between the phases needs every program resident).
+features of one slot, down items of 2 BN output features over every slot; the gate/up items
+balanced on their own (the barrier between the phases waits for the last), then each down item
+to the program with the least work (in stages of 4 x BN x BK weights); at most one program an
+SM (the barrier needs every program resident).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from helix import triton_util
 from helix.attention.triton_splits import sm_count_of
 from helix.triton_util import pow2
 
-BN = 16                      # rows of a box: the features of an item
+BN = 8                       # rows of a box: a gate/up item's features, half a down item's
 BK = 256                     # K elements of a box (512 bytes; unswizzled: CUDA-core reads)
-STAGES = 8                   # ring stages of two boxes: 128 KB of weights in flight an SM
+STAGES = 8                   # ring stages of four boxes: 128 KB of weights in flight an SM
 PRODUCER_REGS = 40
 MAXNREG = 128                # registers a thread at launch: room beside it for the next kernel
 NUM_WARPS = 4                # the consumer partition
@@ -66,7 +67,8 @@ class Plan:
 
 
 def k_steps(width: int) -> int:
-    """Down stages of a slot of `width` (2 BK of K a stage)."""
+    """Stages over a K of `width` (2 BK of K a stage): a gate/up item's over D, a slot's in a
+    down item."""
     return -(-width // (2 * BK))
 
 
@@ -83,8 +85,8 @@ def plan(topk: int, inter: int, shared_width: int, dim: int, sm_count: int, bn: 
     slots = ([topk] if shared_width else []) + list(range(topk))
     width = {s: shared_width if s == topk else inter for s in slots}
     up = [(0, s, n0) for s in slots for n0 in range(0, width[s], bn)]
-    down = [(1, 0, n0) for n0 in range(0, dim, bn)]
-    cost = {0: dim // BK, 1: sum(k_steps(width[s]) for s in slots)}
+    down = [(1, 0, n0) for n0 in range(0, dim, 2 * bn)]
+    cost = {0: k_steps(dim), 1: sum(k_steps(width[s]) for s in slots)}
     programs = min(sm_count, len(up) + len(down))
     lists = [[] for _ in range(programs)]
     loads = [0] * programs
@@ -163,7 +165,7 @@ def moe_row(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.T
     triton_util.run_kernel(
         moe_row_kernel, (p.programs,), x.reshape(-1), ids.reshape(-1), weights.reshape(-1),
         first, E, inter, dim, ws, *descs, items, counts, p.programs, p.max_items, h, out,
-        counters, TOPK=topk, TK=max(2, pow2(topk)), SHARED=int(ws > 0), XR=pow2(dim // BK),
+        counters, TOPK=topk, TK=max(2, pow2(topk)), SHARED=int(ws > 0), XR=pow2(2 * k_steps(dim)),
         HR=pow2(p.h_rows), BN=BN, BK=BK, STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=NUM_WARPS, **({"maxnreg": MAXNREG} if MAXNREG else {}))
     return out

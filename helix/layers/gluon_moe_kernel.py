@@ -7,8 +7,8 @@ first, then its down items:
 - gate/up (phase A): BN features [n0, n0 + BN) of one slot (a routed pair j < TOPK, or the
   shared experts, slot TOPK) over all of D: h = w_slot * silu(x Wg^T) * (x Wu^T), fp32, into
   the slot's rows of the h buffer (rows of BK; the shared slot first, then the routed slots).
-- down (phase B): BN output features [n0, n0 + BN) over EVERY local slot and all of its K:
-  out[n0 : n0 + BN] = sum over slots of h_slot Wd_slot[n0 : n0 + BN]^T, stored once: an item
+- down (phase B): 2 BN output features [n0, n0 + 2 BN) over EVERY local slot and all of its K:
+  out[n0 : n0 + 2 BN] = sum over slots of h_slot Wd_slot[n0 : n0 + 2 BN]^T, stored once: an item
   owns its outputs, so nothing is combined afterwards.
 Between the phases one barrier: each program counts itself in (release) after its gate/up
 items; a program with down items waits (acquire) until all have, then copies the whole h
@@ -16,7 +16,8 @@ buffer (every slot's weighted h, ~48 KB fp32) into its shared memory once.
 
 Two partitions:
 - producer (1 warp): TMA loads of the items' weight tiles into a ring of STAGES stages of two
-  [BN, BK] boxes (gate | up rows at one K step; or down rows at two K steps). Weights depend on
+  four [BN, BK] boxes (gate and up rows at two K steps; or the two halves of the down rows at
+  two K steps). Weights depend on
   no kernel, so it streams ahead of every dependency: the shared experts' tiles even before
   the wait for the previous kernel (the router, whose ids the routed tiles need), and the down
   tiles while its consumer waits at the barrier. The bytes in flight (the ring) cost no
@@ -88,16 +89,29 @@ def _h_row(slot, I, IS, TOPK: gl.constexpr, BK: gl.constexpr):
 @gluon.jit
 def _up_tiles(ring, ready, empty, dgate, dup, row, j, D, BK: gl.constexpr,
               STAGES: gl.constexpr, stage_bytes: gl.constexpr):
-    """A gate/up item's stages: gate and up rows [row, row + BN) at each K step of BK."""
-    for t in range(D // BK):
+    """A gate/up item's stages: gate and up rows [row, row + BN) at two K steps of BK a stage
+    (gate k, gate k + BK, up k, up k + BK; past D the boxes read 0)."""
+    for t in range(gl.cdiv(D, 2 * BK)):
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)     # a fresh barrier passes
         bar = ready.index(s)
         mbarrier.expect(bar, stage_bytes)
-        tma_load(dgate, [row, t * BK], bar, ring.index(2 * s))
-        tma_load(dup, [row, t * BK], bar, ring.index(2 * s + 1))
+        k = 2 * t * BK
+        tma_load(dgate, [row, k], bar, ring.index(4 * s))
+        tma_load(dgate, [row, k + BK], bar, ring.index(4 * s + 1))
+        tma_load(dup, [row, k], bar, ring.index(4 * s + 2))
+        tma_load(dup, [row, k + BK], bar, ring.index(4 * s + 3))
         j += 1
     return j
+
+
+@gluon.jit
+def _down_boxes(ring, s, bar, desc, row, k, BN: gl.constexpr, BK: gl.constexpr):
+    """A down stage: rows [row, row + BN) and [row + BN, row + 2 BN) at K steps k, k + BK."""
+    tma_load(desc, [row, k], bar, ring.index(4 * s))
+    tma_load(desc, [row, k + BK], bar, ring.index(4 * s + 1))
+    tma_load(desc, [row + BN, k], bar, ring.index(4 * s + 2))
+    tma_load(desc, [row + BN, k + BK], bar, ring.index(4 * s + 3))
 
 
 @gluon.jit
@@ -106,7 +120,7 @@ def _producer(args, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
     pid = gl.program_id(0)
-    stage_bytes: gl.constexpr = 2 * BN * BK * 2
+    stage_bytes: gl.constexpr = 4 * BN * BK * 2
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     tk = gl.arange(0, TK, layout=vec)
     n_sh = gl.load(counts_ptr + 3 * pid)          # its first n_sh items: shared gate/up
@@ -140,11 +154,9 @@ def _producer(args, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
                         mbarrier.expect(bar, stage_bytes)
                         k = 2 * t * BK
                         if sl < TOPK:
-                            tma_load(dd, [e * D + n0, k], bar, ring.index(2 * s))
-                            tma_load(dd, [e * D + n0, k + BK], bar, ring.index(2 * s + 1))
+                            _down_boxes(ring, s, bar, dd, e * D + n0, k, BN, BK)
                         else:
-                            tma_load(dds, [n0, k], bar, ring.index(2 * s))
-                            tma_load(dds, [n0, k + BK], bar, ring.index(2 * s + 1))
+                            _down_boxes(ring, s, bar, dds, n0, k, BN, BK)
                         j += 1
 
 
@@ -177,17 +189,20 @@ def _stage_h(hs2, h_ptr, I, IS, TOPK: gl.constexpr, BK: gl.constexpr,
 
 
 @gluon.jit
-def _consume(ring, ready, empty, j, va, vb, acc_a, acc_b, tile: gl.constexpr,
+def _consume(ring, ready, empty, j, v0, v1, acc_a, acc_b, tile: gl.constexpr,
              STAGES: gl.constexpr):
-    """Ring stage j: (acc_a + its box 0 x va, acc_b + its box 1 x vb), fp32; the stage goes back
-    to the producer once both boxes are in registers. va / vb: [1, BK] activation rows (loaded
-    by the caller before the wait)."""
+    """Ring stage j (boxes a0, a1 | b0, b1: rows of one group at two K steps, then the other
+    group's): (acc_a + a0 v0 + a1 v1, acc_b + b0 v0 + b1 v1), fp32; the stage goes back to the
+    producer once its boxes are in registers. v0 / v1: [1, BK] activation rows of the two K
+    steps (loaded by the caller before the wait)."""
     s = j % STAGES
     mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-    a = ring.index(2 * s).load(tile).to(gl.float32)
-    b = ring.index(2 * s + 1).load(tile).to(gl.float32)
+    a0 = ring.index(4 * s).load(tile).to(gl.float32)
+    a1 = ring.index(4 * s + 1).load(tile).to(gl.float32)
+    b0 = ring.index(4 * s + 2).load(tile).to(gl.float32)
+    b1 = ring.index(4 * s + 3).load(tile).to(gl.float32)
     mbarrier.arrive(empty.index(s), count=1)
-    return acc_a + a * va, acc_b + b * vb
+    return acc_a + a0 * v0 + a1 * v1, acc_b + b0 * v0 + b1 * v1
 
 
 @gluon.jit
@@ -218,9 +233,11 @@ def _consumer(args, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
         if local:
             acc_g = gl.zeros([BN, BK], gl.float32, layout=tile)
             acc_u = gl.zeros([BN, BK], gl.float32, layout=tile)
-            for t in range(D // BK):
-                v = gl.expand_dims(xs.index(t).load(kcol).to(gl.float32), 0)
-                acc_g, acc_u = _consume(ring, ready, empty, j, v, v, acc_g, acc_u, tile, STAGES)
+            for t in range(gl.cdiv(D, 2 * BK)):
+                v0 = gl.expand_dims(xs.index(2 * t).load(kcol).to(gl.float32), 0)
+                v1 = gl.expand_dims(xs.index(2 * t + 1).load(kcol).to(gl.float32), 0)
+                acc_g, acc_u = _consume(ring, ready, empty, j, v0, v1, acc_g, acc_u, tile,
+                                        STAGES)
                 j += 1
             g = gl.sum(acc_g, axis=1)
             u = gl.sum(acc_u, axis=1)
@@ -251,8 +268,9 @@ def _consumer(args, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
                     acc_a, acc_b = _consume(ring, ready, empty, j, va, vb, acc_a, acc_b, tile,
                                             STAGES)
                     j += 1
-        y = gl.sum(acc_a + acc_b, axis=1)
-        gl.store(out_ptr + n0 + rows, y.to(out_ptr.dtype.element_ty))
+        ty = out_ptr.dtype.element_ty
+        gl.store(out_ptr + n0 + rows, gl.sum(acc_a, axis=1).to(ty))
+        gl.store(out_ptr + n0 + BN + rows, gl.sum(acc_b, axis=1).to(ty))
     # the last program to finish resets both counters (every wait has passed)
     sync_threads()
     if gl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
@@ -272,7 +290,7 @@ def moe_row_kernel(
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = 0,
 ):
     dtype: gl.constexpr = dg.dtype
-    ring = gl.allocate_shared_memory(dtype, [2 * STAGES, BN, BK], dg.layout)
+    ring = gl.allocate_shared_memory(dtype, [4 * STAGES, BN, BK], dg.layout)
     # x and h as rows of BK: stored as [R, BK], read a row at a time through a view with a
     # one-dimensional layout
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
