@@ -36,8 +36,10 @@ from helix.triton_util import pow2
 BN = 8                       # rows of a box: a gate/up item's features, half a down item's
 BK = 256                     # K elements of a box (512 bytes; unswizzled: CUDA-core reads)
 STAGES = 8                   # ring stages of four boxes: 128 KB of weights in flight an SM
-PRODUCER_REGS = 40
-MAXNREG = 128                # registers a thread at launch: room beside it for the next kernel
+PRODUCER_REGS = 40           # the producer warp's registers (setmaxnreg)
+MAXNREG = 128                # registers a thread at launch: half the register file stays free
+                             # for the next kernel's programs (alone: as fast as the compiler's
+                             # 255, bench_moe_row)
 NUM_WARPS = 4                # the consumer partition
 FIELDS = 4                   # int32 fields of an item (gluon_moe_kernel.ITEM_FIELDS)
 ENABLED = True
@@ -75,8 +77,8 @@ def k_steps(width: int) -> int:
 @functools.lru_cache(maxsize=64)
 def plan(topk: int, inter: int, shared_width: int, dim: int, sm_count: int, bn: int = BN) -> Plan:
     """Items of one launch (module doc); slot topk is the shared experts (width shared_width,
-    0: none); bn: BN (benches vary the module's). Work in stages: a gate/up item D / BK, a down
-    item the down stages of every slot. Every down item waits for the last gate/up item of
+    0: none); bn: BN (benches vary the module's). Work in ring stages: a gate/up item
+    k_steps(D), a down item the sum of every slot's k_steps(width). Every down item waits for the last gate/up item of
     the launch (the barrier between the phases), so the gate/up items are balanced first, on
     their own (each to the program with the least gate/up work so far), then each down item
     goes to the program with the least work in all. A program's list holds its gate/up items

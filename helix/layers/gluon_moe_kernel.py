@@ -15,14 +15,13 @@ items; a program with down items waits (acquire) until all have, then copies the
 buffer (every slot's weighted h, ~48 KB fp32) into its shared memory once.
 
 Two partitions:
-- producer (1 warp): TMA loads of the items' weight tiles into a ring of STAGES stages of two
-  four [BN, BK] boxes (gate and up rows at two K steps; or the two halves of the down rows at
-  two K steps). Weights depend on
-  no kernel, so it streams ahead of every dependency: the shared experts' tiles even before
-  the wait for the previous kernel (the router, whose ids the routed tiles need), and the down
-  tiles while its consumer waits at the barrier. The bytes in flight (the ring) cost no
-  registers, and the weight stream does not stop between the phases.
-- consumer (4 warps, the default partition): per stage, the two boxes from shared memory
+- producer (1 warp): TMA loads of the items' weight tiles into a ring of STAGES stages of four
+  [BN, BK] boxes (gate and up rows at two K steps; or the two halves of the down rows at two K
+  steps). Weights depend on no kernel, so it streams ahead of every dependency: the shared
+  experts' tiles even before the wait for the previous kernel (the router, whose ids the
+  routed tiles need), and the down tiles while its consumer waits at the barrier. The bytes in
+  flight (the ring) cost no registers, and the weight stream does not stop between the phases.
+- consumer (4 warps, the default partition): per stage, the four boxes from shared memory
   times the activation rows (x, or h) in fp32 FMA, summed per feature at the item's end.
 
 No deadlock: the barrier waits only for gate/up work, which every program does first without
