@@ -78,10 +78,10 @@ def k_steps(width: int) -> int:
 def plan(topk: int, inter: int, shared_width: int, dim: int, sm_count: int, bn: int = BN) -> Plan:
     """Items of one launch (module doc); slot topk is the shared experts (width shared_width,
     0: none); bn: BN (benches vary the module's). Work in ring stages: a gate/up item
-    k_steps(D), a down item the sum of every slot's k_steps(width). Every down item waits for the last gate/up item of
-    the launch (the barrier between the phases), so the gate/up items are balanced first, on
-    their own (each to the program with the least gate/up work so far), then each down item
-    goes to the program with the least work in all. A program's list holds its gate/up items
+    k_steps(D), a down item the sum of every slot's k_steps(width). Every down item waits for
+    the last gate/up item of the launch (the barrier between the phases), so the gate/up items
+    are balanced first, on their own (each to the program with the least gate/up work so far),
+    then each down item goes to the program with the least work in all. A program's list holds its gate/up items
     (the shared ones first: the producer loads them before the wait for the router), then its
     down items."""
     slots = ([topk] if shared_width else []) + list(range(topk))
