@@ -81,9 +81,9 @@ def plan(topk: int, inter: int, shared_width: int, dim: int, sm_count: int, bn: 
     k_steps(D), a down item the sum of every slot's k_steps(width). Every down item waits for
     the last gate/up item of the launch (the barrier between the phases), so the gate/up items
     are balanced first, on their own (each to the program with the least gate/up work so far),
-    then each down item goes to the program with the least work in all. A program's list holds its gate/up items
-    (the shared ones first: the producer loads them before the wait for the router), then its
-    down items."""
+    then each down item goes to the program with the least work in all. A program's list holds
+    its gate/up items (the shared ones first: the producer loads them before the wait for the
+    router), then its down items."""
     slots = ([topk] if shared_width else []) + list(range(topk))
     width = {s: shared_width if s == topk else inter for s in slots}
     up = [(0, s, n0) for s in slots for n0 in range(0, width[s], bn)]
