@@ -30,20 +30,6 @@ KNOBS = ("STAGES", "BN", "MAXNREG", "NUM_WARPS", "PRODUCER_REGS")
 CALLS, REPS = 16, 10
 
 
-def copy_rate() -> float:
-    """Device-to-device copy of 1 GiB, GB/s (read + write counted)."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(10):
-        b.copy_(a)
-    e.record()
-    torch.cuda.synchronize()
-    return 2 * 10 * a.numel() / (s.elapsed_time(e) * 1e-3) / 1e9
-
-
 def build(shape: str):
     E, k, inter, ws, dim = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
@@ -113,7 +99,8 @@ def main(argv=None):
         raise SystemExit("bench_moe_row: needs a CUDA GPU")
     if not gm.available(torch.device("cuda")):
         raise SystemExit(f"bench_moe_row: {gm.why_unavailable(torch.device('cuda'))}")
-    rate = copy_rate()
+    from helix.perf.rates import measure
+    rate = measure("cuda", "bfloat16").copy_bps / 1e9        # read + write, GB/s
     tensors, routes, nbytes = build(args.shape)
     recs = []
     for cfg in json.loads(args.configs):

@@ -89,9 +89,15 @@ def record_moe_launch(topk: int = 6, experts: int = 64, inter: int = 1408, dim: 
 
 def check_moe(pdl: int = 1, **shape) -> dict:
     """gluon_moe's launch compiled for sm_90: its resources, or its full error text."""
-    rec = dict(variant="moe_row", pdl=pdl, **shape)
+    return _checked(dict(variant="moe_row", pdl=pdl, **shape),
+                    lambda: record_moe_launch(**shape), pdl)
+
+
+def _checked(rec: dict, record, pdl: int) -> dict:
+    """rec with the resources of the launch `record()` returns, compiled for sm_90 with the
+    kernel's PDL value `pdl`, or with its full error text."""
     try:
-        kernel, args, meta = record_moe_launch(**shape)
+        kernel, args, meta = record()
         meta["PDL"] = pdl
         rec.update(ok=True, **compile_sm90(kernel, args, meta))
     except Exception:  # noqa: BLE001 - the point is to report any failure in full
@@ -162,14 +168,8 @@ def resources(cc) -> dict:
 def check(variant: str, page: int, heads: int = 128, num_splits: int = 2, pdl: int = 0) -> dict:
     """One compile (`pdl`: the kernel's PDL value, as run_kernel passes it on an sm_90 device):
     its resources, or its full error text."""
-    rec = dict(variant=variant, page=page, heads=heads, num_splits=num_splits, pdl=pdl)
-    try:
-        kernel, args, meta = record_launch(heads, page, variant, num_splits)
-        meta["PDL"] = pdl
-        rec.update(ok=True, **compile_sm90(kernel, args, meta))
-    except Exception:  # noqa: BLE001 - the point is to report any failure in full
-        rec.update(ok=False, error=traceback.format_exc())
-    return rec
+    return _checked(dict(variant=variant, page=page, heads=heads, num_splits=num_splits,
+                         pdl=pdl), lambda: record_launch(heads, page, variant, num_splits), pdl)
 
 
 def main():

@@ -79,10 +79,27 @@ def _k_steps(slot, I, IS, TOPK: gl.constexpr, BK: gl.constexpr):
 
 
 @gluon.jit
+def _rows(width, BK: gl.constexpr):
+    """Rows (of BK) a slot of `width` holds in the h buffer: its down stages' two K steps each
+    (gluon_moe.plan's h_rows, the host's side of the rule)."""
+    return 2 * gl.cdiv(width, 2 * BK)
+
+
+@gluon.jit
 def _h_row(slot, I, IS, TOPK: gl.constexpr, BK: gl.constexpr):
     """First row (of BK) of a slot in the h buffer: the shared slot at 0, routed j after it."""
-    rs = 2 * gl.cdiv(IS, 2 * BK)
-    return gl.where(slot < TOPK, rs + slot * (2 * gl.cdiv(I, 2 * BK)), 0)
+    return gl.where(slot < TOPK, _rows(IS, BK) + slot * _rows(I, BK), 0)
+
+
+@gluon.jit
+def _claim(ready, empty, j, STAGES: gl.constexpr, stage_bytes: gl.constexpr):
+    """Ring stage j for the producer: wait until its consumer released it (a fresh barrier
+    passes), arm its ready barrier for stage_bytes -> (its index, the barrier)."""
+    s = j % STAGES
+    mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+    bar = ready.index(s)
+    mbarrier.expect(bar, stage_bytes)
+    return s, bar
 
 
 @gluon.jit
@@ -91,10 +108,7 @@ def _up_tiles(ring, ready, empty, dgate, dup, row, j, D, BK: gl.constexpr,
     """A gate/up item's stages: gate and up rows [row, row + BN) at two K steps of BK a stage
     (gate k, gate k + BK, up k, up k + BK; past D the boxes read 0)."""
     for t in range(gl.cdiv(D, 2 * BK)):
-        s = j % STAGES
-        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)     # a fresh barrier passes
-        bar = ready.index(s)
-        mbarrier.expect(bar, stage_bytes)
+        s, bar = _claim(ready, empty, j, STAGES, stage_bytes)
         k = 2 * t * BK
         tma_load(dgate, [row, k], bar, ring.index(4 * s))
         tma_load(dgate, [row, k + BK], bar, ring.index(4 * s + 1))
@@ -147,10 +161,7 @@ def _producer(args, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
                 local, e = _local(ids, tk, sl, first, E, TOPK)
                 if local:
                     for t in range(_k_steps(sl, I, IS, TOPK, BK)):
-                        s = j % STAGES
-                        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-                        bar = ready.index(s)
-                        mbarrier.expect(bar, stage_bytes)
+                        s, bar = _claim(ready, empty, j, STAGES, stage_bytes)
                         k = 2 * t * BK
                         if sl < TOPK:
                             _down_boxes(ring, s, bar, dd, e * D + n0, k, BN, BK)
@@ -179,8 +190,8 @@ def _stage_h(hs2, h_ptr, I, IS, TOPK: gl.constexpr, BK: gl.constexpr,
     lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
     r = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(1, lay)), 1)
     c = gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(0, lay)), 0)
-    rs = 2 * gl.cdiv(IS, 2 * BK)                      # the shared slot's rows
-    rr = 2 * gl.cdiv(I, 2 * BK)                       # a routed slot's rows
+    rs = _rows(IS, BK)                                # the shared slot's rows
+    rr = _rows(I, BK)                                 # a routed slot's rows
     routed = r >= rs
     k = gl.where(routed, ((r - rs) % rr) * BK, r * BK) + c         # K of the element
     ok = gl.where(routed, (k < I) & (r < rs + TOPK * rr), k < IS)
