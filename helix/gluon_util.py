@@ -63,3 +63,20 @@ def grid_wait(PDL: gl.constexpr):
     launch of the next kernel to another partition's pdl_wait)."""
     if PDL:
         gdc("griddepcontrol.wait;")
+
+
+@gluon.jit
+def exp_f32(x):
+    """exp(x) in fp32 to a few ulp: helix.layers.fused_ops._exp_f32's rule (Cody-Waite with
+    FMA, exp2 on |r log2e| <= 1/2, 2^n as two exact power-of-two factors) in Gluon, so the
+    Gluon router rounds its scores as the Triton one."""
+    x = gl.minimum(gl.maximum(x, -110.0), 89.0)
+    n = gl.floor(x * 1.4426950408889634 + 0.5)
+    r = gl.fma(n, -0.693145751953125, x)
+    r = gl.fma(n, -1.428606765330187e-06, r)
+    e = gl.exp2(r * 1.4426950408889634)
+    ni = n.to(gl.int32)
+    n1 = ni >> 1
+    s1 = ((n1 + 127) << 23).to(gl.float32, bitcast=True)
+    s2 = ((ni - n1 + 127) << 23).to(gl.float32, bitcast=True)
+    return e * s1 * s2

@@ -213,3 +213,64 @@ def test_compiles_for_sm90(tmp_path):
                    for m in r["tensordesc_meta"])
         assert "setmaxnreg.inc.sync.aligned.u32 40" in r["setmaxnreg"]        # the producer
         assert (r["gdc_waits"], r["gdc_launches"]) == (2, 1)
+
+
+def test_route_unsupported_names_the_reason():
+    from helix.layers.triton_router import RouteSpec
+    bf = torch.bfloat16
+    spec = RouteSpec(k=6, sigmoid=False, groups=1, topk_group=1, group_rule="none", norm=False,
+                     scaling=1.0)
+    a, nw, rw = torch.zeros(1, 256, dtype=bf), torch.zeros(256, dtype=bf), torch.zeros(64, 256)
+    assert gm.route_unsupported(a, a, nw, rw, None, spec) is None
+    assert gm.route_unsupported(a, a, nw, rw.to(bf), None, spec) is None   # Qwen3: the dtype's
+    assert "residual" in gm.route_unsupported(a, torch.zeros(1, 128, dtype=bf), nw, rw, None,
+                                              spec)
+    assert "dtype" in gm.route_unsupported(a, a, nw.float(), rw, None, spec)
+    assert "contiguous" in gm.route_unsupported(a, a, nw, rw.t().contiguous().t(), None, spec)
+    assert "router weight" in gm.route_unsupported(a, a, nw, rw.half(), None, spec)
+    assert "bias" in gm.route_unsupported(a, a, nw, rw, torch.zeros(64, dtype=bf), spec)
+    grouped = RouteSpec(k=6, sigmoid=False, groups=3, topk_group=1, group_rule="max",
+                        norm=False, scaling=1.0)
+    assert "groups" in gm.route_unsupported(a, a, nw, rw, None, grouped)
+    big = torch.zeros(2048, 256)
+    assert "experts" in gm.route_unsupported(a, a, nw, big, None, spec)
+
+
+# the routing rules of the router's launch inside gluon_moe (RouteSpec fields, all experts)
+ROUTE_RULES = {
+    "dsv2lite": dict(k=6, sigmoid=False, groups=1, topk_group=1, group_rule="none", norm=False,
+                     scaling=1.0, experts=64),
+    "v2_groups": dict(k=6, sigmoid=False, groups=8, topk_group=3, group_rule="max", norm=False,
+                      scaling=16.0, experts=160),
+    "v3_sigmoid": dict(k=8, sigmoid=True, groups=8, topk_group=4, group_rule="top2", norm=True,
+                       scaling=2.5, experts=256),
+}
+
+
+@pytest.mark.sm90
+def test_routed_launch_compiles_for_sm90(tmp_path):
+    """The launch with its router (gluon_route) compiles for sm_90 at DeepSeek-V2-Lite's layer
+    with each routing rule (softmax; V2's group-limited greedy; V3's sigmoid, bias and top-2
+    groups) and at Qwen3's (a bf16 router, no shared experts): no spills, still 128 registers
+    a thread and the shared-memory limit, and under PDL ONE wait for the previous kernel (the
+    consumer's, after its router rows are loaded; the producer waits for its own consumer's
+    choice instead) and one launch of the next kernel."""
+    import json
+    out = tmp_path / "moe.json"
+    rules = {n: dict(r) for n, r in ROUTE_RULES.items()}
+    code = ("import json, sys, torch; sys.path.insert(0, 'profiling'); "
+            "import gluon_resources as g; "
+            f"rules = {rules!r}; "
+            "recs = [g.check_moe(1, topk=r['k'], route=r) for r in rules.values()]; "
+            "q = dict(k=8, sigmoid=False, groups=1, topk_group=1, group_rule='none', "
+            "norm=True, scaling=1.0, experts=128, router_dtype=torch.bfloat16); "
+            "recs.append(g.check_moe(1, topk=8, experts=16, inter=1536, dim=4096, shared=0, "
+            "route=q)); "
+            f"open({str(out)!r}, 'w').write(json.dumps(recs, default=str))")
+    sm90_compile.run(tmp_path, ["-c", code], timeout=600)
+    for r in json.loads(out.read_text()):
+        assert r["ok"], r.get("error", "")[-3000:]
+        assert r["stack_bytes"] == 0 and r["local_loads"] == r["local_stores"] == 0
+        assert r["registers"] == 128
+        assert r["shared_bytes"] <= 232448
+        assert (r["gdc_waits"], r["gdc_launches"]) == (1, 1)

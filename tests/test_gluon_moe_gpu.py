@@ -125,6 +125,7 @@ def _engine_logits(enabled: bool, monkeypatch):
 
 @needs_sm90
 def test_engine_logits_match_the_two_launches(monkeypatch):
+    monkeypatch.setattr(gm, "ROUTED", False)          # the router's own launch before it
     calls = []
     real = gm.moe_row
     monkeypatch.setattr(gm, "moe_row", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -133,4 +134,111 @@ def test_engine_logits_match_the_two_launches(monkeypatch):
     two = _engine_logits(False, monkeypatch)
     assert len(row) == len(two)
     for a, b in zip(row, two):
+        assert (a - b).abs().max().item() <= 2e-2 * b.abs().max().item() + 1e-3
+
+
+# -- the router inside the launch (gluon_moe.moe_row_routed, gluon_route) ----------------------
+
+# name: (RouteSpec fields, all experts, router dtype, (I, shared width, D))
+ROUTES = {
+    "dsv2lite": (dict(k=6, sigmoid=False, groups=1, topk_group=1, group_rule="none",
+                      norm=False, scaling=1.0), 64, torch.float32, (1408, 2816, 2048)),
+    "qwen3": (dict(k=8, sigmoid=False, groups=1, topk_group=1, group_rule="none", norm=True,
+                   scaling=1.0), 128, torch.bfloat16, (1536, 0, 4096)),
+    "v2_groups": (dict(k=6, sigmoid=False, groups=8, topk_group=3, group_rule="max",
+                       norm=False, scaling=16.0), 160, torch.float32, (256, 512, 512)),
+    "v3_sigmoid": (dict(k=8, sigmoid=True, groups=8, topk_group=4, group_rule="top2",
+                        norm=True, scaling=2.5), 256, torch.float32, (256, 512, 512)),
+}
+
+
+def _routed_case(name, seed=0):
+    from helix.layers.triton_router import RouteSpec
+    fields, ne, rdt, (inter, ws, dim) = ROUTES[name]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*s, scale=0.02, dtype=torch.bfloat16):
+        return (torch.randn(*s, generator=gen, device="cuda") * scale).to(dtype)
+
+    spec = RouteSpec(**fields)
+    # every expert local: each chosen one is read (first 0, all of them on this rank)
+    gate, up, down = rand(ne, inter, dim), rand(ne, inter, dim), rand(ne, dim, inter)
+    shared = (rand(ws, dim), rand(ws, dim), rand(dim, ws)) if ws else None
+    router = rand(ne, dim, scale=0.05, dtype=rdt)
+    bias = rand(ne, scale=0.05, dtype=torch.float32) if spec.sigmoid else None
+    norm_w = (1.0 + rand(dim, scale=0.1)).to(torch.bfloat16)
+    return spec, gate, up, down, shared, router, bias, norm_w, rand
+
+
+def _two_launches(a, res, norm_w, router, bias, spec, gate, up, down, shared):
+    from helix.layers import triton_router as tr
+    y, h, w, ids = tr.route_add_norm_triton(a, res, norm_w, 1e-6, router, bias, spec)
+    return gm.moe_row(y, gate, up, down, w, ids, 0, shared), h, y, w, ids
+
+
+def _check_routed(got, want):
+    out, h, y, w, ids = got
+    out2, h2, y2, w2, ids2 = want
+    assert torch.equal(ids, ids2), (ids, ids2)
+    assert torch.equal(h, h2)
+    ulp = 2.0 ** -7                                     # bf16: rstd's last bit may differ
+    assert ((y.float() - y2.float()).abs() <= ulp * y2.float().abs() + 1e-6).all()
+    assert ((w.float() - w2.float()).abs() <= ulp * w2.float().abs() + 1e-6).all()
+    _check(out, out2.float())
+
+
+@needs_sm90
+@pytest.mark.parametrize("name", list(ROUTES))
+def test_routed_launch_matches_the_router_and_the_launch(name):
+    spec, gate, up, down, shared, router, bias, norm_w, rand = _routed_case(name)
+    dim = gate.shape[2]
+    for _ in range(3):                    # new rows each call: the counters must be reset
+        a, res = rand(1, dim, scale=1.0), rand(1, dim, scale=1.0)
+        got = gm.moe_row_routed(a, res, norm_w, 1e-6, router, bias, spec, gate, up, down, 0,
+                                shared)
+        torch.cuda.synchronize()
+        _check_routed(got, _two_launches(a, res, norm_w, router, bias, spec, gate, up, down,
+                                         shared))
+        _check(got[0], gm.reference(got[2], gate, up, down, got[3], got[4], 0, shared))
+    from helix import triton_util
+    assert int(triton_util.arrival_counters(a.device, 1).abs().sum()) == 0
+
+
+@needs_sm90
+def test_routed_launch_in_a_cuda_graph_replays_with_new_rows():
+    spec, gate, up, down, shared, router, bias, norm_w, rand = _routed_case("dsv2lite", 4)
+    dim = gate.shape[2]
+    a, res = rand(1, dim, scale=1.0), rand(1, dim, scale=1.0)
+    args = (norm_w, 1e-6, router, bias, spec, gate, up, down, 0, shared)
+    gm.moe_row_routed(a, res, *args)                  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = gm.moe_row_routed(a, res, *args)
+    seen = set()
+    for _ in range(4):
+        a.copy_(rand(1, dim, scale=1.0))
+        res.copy_(rand(1, dim, scale=1.0))
+        g.replay()
+        torch.cuda.synchronize()
+        _check_routed(got, _two_launches(a, res, norm_w, router, bias, spec, gate, up, down,
+                                         shared))
+        seen.add(tuple(got[4].reshape(-1).tolist()))
+    assert len(seen) > 1, "the rows did not change the routing"
+
+
+@needs_sm90
+def test_engine_takes_the_routed_launch_and_matches(monkeypatch):
+    calls = []
+    real = gm.moe_row_routed
+    monkeypatch.setattr(gm, "moe_row_routed",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    routed = _engine_logits(True, monkeypatch)
+    assert calls, "the engine never took the routed launch"
+    monkeypatch.setattr(gm, "ROUTED", False)
+    n = len(calls)
+    plain = _engine_logits(True, monkeypatch)
+    assert len(calls) == n
+    assert len(routed) == len(plain)
+    for a, b in zip(routed, plain):
         assert (a - b).abs().max().item() <= 2e-2 * b.abs().max().item() + 1e-3

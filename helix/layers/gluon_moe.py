@@ -43,6 +43,7 @@ MAXNREG = 128                # registers a thread at launch: half the register f
 NUM_WARPS = 4                # the consumer partition
 FIELDS = 4                   # int32 fields of an item (gluon_moe_kernel.ITEM_FIELDS)
 ENABLED = True
+ROUTED = True                # the router in the launch (moe_row_routed) where MoE can (benches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,26 +152,104 @@ def unsupported(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
 def moe_row(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
             weights: torch.Tensor, ids: torch.Tensor, first: int, shared=None) -> torch.Tensor:
     """moe_decode's contract at T = 1 (module doc), on the Gluon launch."""
-    from helix.layers.gluon_moe_kernel import moe_row_kernel
     why = unsupported(x, gate, up, down, shared)
     if why:
         raise ValueError(f"gluon one-row MoE: {why}; use moe_decode's Triton kernels")
+    out = torch.empty_like(x)
+    _launch(x, gate, up, down, weights, ids, first, shared, out, ids.shape[-1])
+    return out
+
+
+def moe_row_routed(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                   router_w: torch.Tensor, bias: torch.Tensor | None, spec, gate: torch.Tensor,
+                   up: torch.Tensor, down: torch.Tensor, first: int, shared=None):
+    """The router's launch and moe_row's in one (gluon_route): from the attention output a and
+    the residual [1, D] -> (out [1, D] this rank's MoE, h = residual + a [1, D] the next
+    residual, y = rms_norm(h) * norm_w [1, D], weights [1, k], ids [1, k] int64): the values of
+    triton_router.route_add_norm_triton then moe_row. spec: triton_router.RouteSpec."""
+    why = (unsupported(a, gate, up, down, shared)
+           or route_unsupported(a, residual, norm_w, router_w, bias, spec))
+    if why:
+        raise ValueError(f"gluon one-row MoE with its router: {why}; use the router kernel "
+                         "and moe_decode")
+    h, y, out = torch.empty_like(a), torch.empty_like(a), torch.empty_like(a)
+    weights = torch.empty((1, spec.k), dtype=a.dtype, device=a.device)
+    ids = torch.empty((1, spec.k), dtype=torch.int64, device=a.device)
+    route = (residual, norm_w, eps, router_w, bias, spec, h, y)
+    _launch(a, gate, up, down, weights, ids, first, shared, out, spec.k, route)
+    return out, h, y, weights, ids
+
+
+MAX_ROUTE_TILE = 1024         # experts in the router's [groups, experts a group] choice tile
+
+
+def route_unsupported(a, residual, norm_w, router_w, bias, spec) -> str | None:
+    """Why the router cannot ride in the launch (None: it can): the rows, the residual and the
+    norm weight in the experts' dtype (so h and y are), a contiguous router weight [NE, D] in
+    fp32 or that dtype, a contiguous fp32 bias, the choice tile at most MAX_ROUTE_TILE."""
+    NE = router_w.shape[0]
+    if residual.shape != a.shape or norm_w.shape != a.shape[-1:]:
+        return (f"residual {tuple(residual.shape)} / norm weight {tuple(norm_w.shape)} for "
+                f"rows {tuple(a.shape)}")
+    if residual.dtype != a.dtype or norm_w.dtype != a.dtype:
+        return "residual or norm weight not of the rows' dtype"
+    if not all(t.is_contiguous() for t in (a, residual, norm_w, router_w)):
+        return "rows, residual, norm or router weight not contiguous"
+    if router_w.dtype not in (torch.float32, a.dtype) or router_w.shape[1] != a.shape[-1]:
+        return f"router weight {router_w.dtype} {tuple(router_w.shape)}"
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return "router bias not contiguous fp32"
+    if NE % spec.groups or pow2(spec.groups) * pow2(NE // spec.groups) > MAX_ROUTE_TILE:
+        return f"{NE} experts in {spec.groups} groups"
+    if NE * a.shape[-1] >= 2**31:
+        return "router offsets past int32"
+    return None
+
+
+def _route_meta(spec, NE: int, has_bias: bool, round_logits: bool) -> dict:
+    """The launch's ROUTE constexprs: RSPEC (gluon_route.route's tuple) with its choice tile's
+    layout, one warp over [1, groups, experts a group] (the other warps hold copies)."""
+    from triton.experimental.gluon import language as gl
+    from helix.layers.triton_router import _RULES
+    bg, beg = pow2(spec.groups), pow2(NE // spec.groups)
+    te = min(32, beg)
+    layout = gl.BlockedLayout([1, 1, max(1, beg // 32)], [1, 32 // te, te], [NUM_WARPS, 1, 1],
+                              [2, 1, 0])
+    return dict(ROUTE=1, RSPEC=(int(spec.sigmoid), _RULES[spec.group_rule], spec.topk_group,
+                                int(spec.norm), int(has_bias), int(round_logits), bg, beg,
+                                layout))
+
+
+def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=None):
+    """One moe_row_kernel launch; route: (residual, norm_w, eps, router_w, bias, spec, h, y)
+    with x the attention output and weights / ids outputs, or None (x the normed rows, weights
+    / ids the router's)."""
+    from helix.layers.gluon_moe_kernel import moe_row_kernel
     E, inter, dim = gate.shape
-    topk = ids.shape[-1]
     ws = shared[0].shape[0] if shared is not None else 0
     p = plan(topk, inter, ws, dim, sm_count_of(x.device), BN)
     items, counts = _tables(p, topk, x.device)
     descs = _descriptors(gate, up, down, shared)
     h = torch.empty((p.h_rows * BK,), dtype=torch.float32, device=x.device)
-    out = torch.empty_like(x)
-    counters = triton_util.arrival_counters(x.device, 2)
+    meta = {}
+    if route is None:
+        rargs = (x, x, x, h, x, x, x, 1.0, 0.0, 1, 1, 1, 1.0)
+    else:
+        residual, norm_w, eps, router_w, bias, spec, h_new, y = route
+        NE = router_w.shape[0]
+        logits = torch.empty((NE,), dtype=torch.float32, device=x.device)
+        rargs = (residual.reshape(-1), norm_w, router_w, bias if bias is not None else logits,
+                 logits, h_new.reshape(-1), y.reshape(-1), 1.0 / dim, float(eps), NE,
+                 NE // spec.groups, spec.groups, spec.scaling)
+        meta = _route_meta(spec, NE, bias is not None, router_w.dtype != torch.float32)
+    counters = triton_util.arrival_counters(x.device, 3)
     triton_util.run_kernel(
         moe_row_kernel, (p.programs,), x.reshape(-1), ids.reshape(-1), weights.reshape(-1),
         first, E, inter, dim, ws, *descs, items, counts, p.programs, p.max_items, h, out,
-        counters, TOPK=topk, TK=max(2, pow2(topk)), SHARED=int(ws > 0), XR=pow2(2 * k_steps(dim)),
-        HR=pow2(p.h_rows), BN=BN, BK=BK, STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=NUM_WARPS, **({"maxnreg": MAXNREG} if MAXNREG else {}))
-    return out
+        counters, *rargs, TOPK=topk, TK=max(2, pow2(topk)), SHARED=int(ws > 0),
+        XR=pow2(2 * k_steps(dim)), HR=pow2(p.h_rows), BN=BN, BK=BK, STAGES=STAGES,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS,
+        **({"maxnreg": MAXNREG} if MAXNREG else {}), **meta)
 
 
 def _descriptors(gate, up, down, shared):
@@ -240,11 +319,22 @@ def reference(x, gate, up, down, weights, ids, first, shared=None) -> torch.Tens
 
 def self_check(device: torch.device, seed: int = 0) -> tuple[bool, str]:
     """A small case (8 experts, I 256, D 256, top-3, one of them not on this rank, shared width
-    512) against `reference`."""
+    512) against `reference`; then the same layer with its router (12 experts, softmax) against
+    torch's add + norm, route_torch and `reference`."""
+    import torch.nn.functional as F
+
+    from helix.layers.router import route_torch
+    from helix.layers.triton_router import RouteSpec
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def rand(*shape):
         return (torch.randn(*shape, generator=gen) * 0.05).to(device, torch.bfloat16)
+
+    def close(out, ref, what):
+        err = (out.float() - ref).abs().max().item()
+        scale = ref.abs().max().item()
+        ok = err <= 2e-2 * max(scale, 1e-3)
+        return ok, "" if ok else f"self-check {what}: max |err| {err:.3g} at scale {scale:.3g}"
 
     E, inter, dim, first = 8, 256, 256, 4
     gate, up, down = rand(E, inter, dim), rand(E, inter, dim), rand(E, dim, inter)
@@ -253,8 +343,20 @@ def self_check(device: torch.device, seed: int = 0) -> tuple[bool, str]:
     ids = torch.tensor([[9, 2, 6]], dtype=torch.int32, device=device)   # 2: not local
     weights = torch.tensor([[0.5, 0.3, 0.2]], device=device)
     out = moe_row(x, gate, up, down, weights, ids, first, shared)
-    ref = reference(x, gate, up, down, weights, ids, first, shared)
-    err = (out.float() - ref).abs().max().item()
-    scale = ref.abs().max().item()
-    ok = err <= 2e-2 * max(scale, 1e-3)
-    return ok, "" if ok else f"self-check mismatch: max |err| {err:.3g} at scale {scale:.3g}"
+    ok, why = close(out, reference(x, gate, up, down, weights, ids, first, shared), "mismatch")
+    if not ok:
+        return ok, why
+    spec = RouteSpec(k=3, sigmoid=False, groups=1, topk_group=1, group_rule="none",
+                     norm=True, scaling=1.0)
+    router = rand(12, dim).float() * 20
+    a, res, norm_w = rand(1, dim) * 20, rand(1, dim) * 20, 1.0 + rand(dim)
+    out, h, y, w, ids = moe_row_routed(a, res, norm_w, 1e-6, router, None, spec, gate, up, down,
+                                       first, shared)
+    y_ref = F.rms_norm((a.float() + res.float()).to(a.dtype).float(), (dim,), eps=1e-6)
+    y_ref = (y_ref.to(a.dtype).float() * norm_w.float())
+    w_ref, ids_ref = route_torch(y.float() @ router.t(), None, spec)
+    if not (torch.equal(ids, ids_ref) and torch.allclose(w.float(), w_ref, rtol=1e-2)):
+        return False, f"self-check routing: ids {ids.tolist()} for {ids_ref.tolist()}"
+    ok, why = close(y, y_ref, "norm")
+    return (ok, why) if not ok else close(out, reference(y, gate, up, down, w, ids, first,
+                                                         shared), "routed mismatch")

@@ -37,6 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from helix.gluon_util import grid_wait, pdl_wait, reinterpret, sync_threads, tma_load
+from helix.layers.gluon_route import route
 
 ITEM_FIELDS = gl.constexpr(4)    # kind, slot, n0, - (gluon_moe.FIELDS)
 
@@ -128,10 +129,12 @@ def _down_boxes(ring, s, bar, desc, row, k, BN: gl.constexpr, BK: gl.constexpr):
 
 
 @gluon.jit
-def _producer(args, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
-              BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+def _producer(args, sel, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
+              BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+              ROUTE: gl.constexpr):
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
+    sel_ids, sel_wts, routed = sel
     pid = gl.program_id(0)
     stage_bytes: gl.constexpr = 4 * BN * BK * 2
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -145,8 +148,12 @@ def _producer(args, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
         slot, n0 = nxt
         nxt = _item(items_ptr, pid, it + 1, L)      # its fields arrive under this item
         j = _up_tiles(ring, ready, empty, dgs, dus, n0, j, D, BK, STAGES, stage_bytes)
-    grid_wait(PDL)                    # the router's ids
-    ids = gl.load(ids_ptr + tk, mask=tk < TOPK, other=-1).to(gl.int32)
+    if ROUTE:                         # the ids its consumer chose (gluon_route)
+        mbarrier.wait(routed, 0)
+        ids = gl.where(tk < TOPK, _row(sel_ids, TK).load(vec), -1)
+    else:                             # the router kernel's ids
+        grid_wait(PDL)
+        ids = gl.load(ids_ptr + tk, mask=tk < TOPK, other=-1).to(gl.int32)
     for it in range(n_sh, n_up + n_down):
         slot, n0 = nxt
         nxt = _item(items_ptr, pid, it + 1, L)
@@ -216,23 +223,30 @@ def _consume(ring, ready, empty, j, v0, v1, acc_a, acc_b, tile: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(args, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
+def _consumer(args, sel, rargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-              num_warps: gl.constexpr):
+              ROUTE: gl.constexpr, RSPEC: gl.constexpr, num_warps: gl.constexpr):
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
+    sel_ids, sel_wts, routed = sel
     pid = gl.program_id(0)
     # a [BN, BK] box: 8 contiguous K elements (16 bytes) a thread, a warp along a row
     tile: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     kcol: gl.constexpr = gl.SliceLayout(0, tile)
     rows = gl.arange(0, BN, layout=gl.SliceLayout(1, tile))
-    tk = gl.arange(0, TK, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    vec: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    tk = gl.arange(0, TK, layout=vec)
     n_up = gl.load(counts_ptr + 3 * pid + 1)
     n_down = gl.load(counts_ptr + 3 * pid + 2)
-    pdl_wait(PDL)                         # x, the ids and weights: the previous kernel's output
-    ids = gl.load(ids_ptr + tk, mask=tk < TOPK, other=-1).to(gl.int32)
-    wts = gl.load(wts_ptr + tk, mask=tk < TOPK, other=0.0).to(gl.float32)
-    _stage_x(xs2, x_ptr, D, BK, num_warps)
+    if ROUTE:                             # add + norm + router here: x, ids and weights
+        route(rargs, xs2, sel_ids, sel_wts, routed, G, TOPK, TK, RSPEC, BK, PDL, num_warps)
+        ids = gl.where(tk < TOPK, _row(sel_ids, TK).load(vec), -1)
+        wts = _row(sel_wts, TK).load(vec)
+    else:                                 # x, the ids and weights: the previous kernel's output
+        pdl_wait(PDL)
+        ids = gl.load(ids_ptr + tk, mask=tk < TOPK, other=-1).to(gl.int32)
+        wts = gl.load(wts_ptr + tk, mask=tk < TOPK, other=0.0).to(gl.float32)
+        _stage_x(xs2, x_ptr, D, BK, num_warps)
     sync_threads()
     j = 0
     nxt = _item(items_ptr, pid, 0, L)
@@ -281,11 +295,20 @@ def _consumer(args, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
         ty = out_ptr.dtype.element_ty
         gl.store(out_ptr + n0 + rows, gl.sum(acc_a, axis=1).to(ty))
         gl.store(out_ptr + n0 + BN + rows, gl.sum(acc_b, axis=1).to(ty))
-    # the last program to finish resets both counters (every wait has passed)
+    # the last program to finish resets the counters (every wait has passed)
     sync_threads()
     if gl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
         gl.store(cnt_ptr, 0)
         gl.store(cnt_ptr + 1, 0)
+        if ROUTE:
+            gl.store(cnt_ptr + 2, 0)
+
+
+@gluon.jit
+def _row(sel, TK: gl.constexpr):
+    """Row 0 of a [1, TK] shared buffer as a one-dimensional view."""
+    rows1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    return reinterpret(sel, sel.dtype, [1, TK], rows1).index(0)
 
 
 @gluon.jit
@@ -294,10 +317,15 @@ def moe_row_kernel(
     dg, du, dd, dgs, dus, dds,             # TMA descriptors: gate, up [E*I, D], down [E*D, I],
                                            # shared gate, up [Is, D], shared down [D, Is]
     items_ptr, counts_ptr, G, L,           # the plan: items [G, L, 4], counts [G, 3]
-    h_ptr, out_ptr, cnt_ptr,
+    h_ptr, out_ptr, cnt_ptr,               # cnt: phase, done, route counters
+    # ROUTE (gluon_route; x_ptr is the attention output, ids / wts outputs): the residual, the
+    # norm weight, the router weight [NE, D] and bias, the logits workspace [NE] fp32, the
+    # new residual and normed rows [D], 1 / D, eps, NE, experts a group, groups, the scaling
+    r_ptr, nw_ptr, rw_ptr, bias_ptr, lg_ptr, h_out, y_out, inv_d, eps, NE, EG, NG, scaling,
     TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr, XR: gl.constexpr,
     HR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = 0,
+    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, ROUTE: gl.constexpr = 0,
+    RSPEC: gl.constexpr = None, PDL: gl.constexpr = 0,
 ):
     dtype: gl.constexpr = dg.dtype
     ring = gl.allocate_shared_memory(dtype, [4 * STAGES, BN, BK], dg.layout)
@@ -312,11 +340,20 @@ def moe_row_kernel(
     mbar: gl.constexpr = mbarrier.MBarrierLayout()
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbar)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbar)
+    routed = gl.allocate_shared_memory(gl.int64, [1], mbar)    # ROUTE: the choice is made
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(routed, count=1)
+    sel = (gl.allocate_shared_memory(gl.int32, [1, TK], plain),      # the chosen ids
+           gl.allocate_shared_memory(gl.float32, [1, TK], plain),    # and weights
+           routed)
     args = (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr,
             first, E, I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L)
-    gl.warp_specialize([(_consumer, (args, TOPK, TK, SHARED, BN, BK, STAGES, PDL, num_warps)),
-                        (_producer, (args, TOPK, TK, SHARED, BN, BK, STAGES, PDL))],
+    rargs = (x_ptr, r_ptr, nw_ptr, rw_ptr, bias_ptr, lg_ptr, h_out, y_out, wts_ptr, ids_ptr,
+             inv_d, eps, D, NE, EG, NG, scaling, cnt_ptr + 2)
+    gl.warp_specialize([(_consumer, (args, sel, rargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL,
+                                     ROUTE, RSPEC, num_warps)),
+                        (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL,
+                                     ROUTE))],
                        [1], [PRODUCER_REGS])

@@ -16,7 +16,9 @@ from torch import nn
 
 from helix.config import ModelConfig
 from helix.layers import fused_moe as fm
+from helix.layers import gluon_moe, moe_decode
 from helix.layers.fused_moe import HAS_TRITON, fused_moe
+from helix.layers.fused_ops import use_triton
 from helix.layers.mlp import ParallelMLP
 from helix.layers.regions import region
 from helix.layers.router import Router
@@ -103,9 +105,40 @@ class MoE(nn.Module):
     def add_norm_forward(self, a: torch.Tensor, residual: torch.Tensor, norm, ctx=None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward(norm(residual + a)) and residual + a, the norm in the router's launch where
-        it can be (Router.add_norm_forward) -> (out, new residual)."""
+        it can be (Router.add_norm_forward), at one row on sm_90 the router inside the
+        experts' launch (`_routed_row`) -> (out, new residual)."""
+        row = self._routed_row(a, residual, norm)
+        if row is not None:
+            y, residual = region(ctx, "moe", row)
+            return self.comm.all_reduce(y, "world"), residual
         x, residual, weights, ids = self.gate.add_norm_forward(a, residual, norm)
         return self._experts(x, weights, ids, ctx), residual
+
+    def _routed_row(self, a, residual, norm):
+        """A call of gluon_moe.moe_row_routed (the add, the norm, the router, the routed and
+        shared experts of one row in one launch) -> (this rank's out, new residual), or None
+        where it does not apply: not one row, the router not on its fused path, the shared
+        experts not folded, or the launch's own rules (moe_decode.row_launch,
+        gluon_moe.route_unsupported); module flag gluon_moe.ROUTED."""
+        ex, gate, mlp = self.experts, self.gate, self.shared_experts
+        if not (gluon_moe.ROUTED and a.shape[0] == 1 and ex.graph_safe and use_triton(a)
+                and gate.path(a) == "fused" and (mlp is None or fm.FOLD_SHARED)):
+            return None
+        shared = mlp.shards() if mlp is not None else None
+        if mlp is not None and shared is None:
+            return None
+        bias = gate.e_score_correction_bias
+        if (not moe_decode.row_launch(a, ex.gate_proj, ex.up_proj, ex.down_proj, shared)
+                or gluon_moe.route_unsupported(a, residual, norm.weight, gate.weight, bias,
+                                               gate.spec)):
+            return None
+
+        def run():
+            out, h, *_ = gluon_moe.moe_row_routed(
+                a, residual, norm.weight, norm.eps, gate.weight, bias, gate.spec, ex.gate_proj,
+                ex.up_proj, ex.down_proj, ex.first, shared)
+            return out, h
+        return run
 
     def _experts(self, x, weights, ids, ctx):
         mlp = self.shared_experts
