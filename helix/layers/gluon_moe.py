@@ -37,6 +37,7 @@ BN = 8                       # rows of a box: a gate/up item's features, half a 
 BK = 256                     # K elements of a box (512 bytes; unswizzled: CUDA-core reads)
 STAGES = 8                   # ring stages of four boxes: 128 KB of weights in flight an SM
 PRODUCER_REGS = 40           # the producer warp's registers (setmaxnreg)
+ROUTER_REGS = 80             # the router warp's (gluon_route.choose: up to 8 experts a thread)
 MAXNREG = 128                # registers a thread at launch: half the register file stays free
                              # for the next kernel's programs (alone: as fast as the compiler's
                              # 255, bench_moe_row)
@@ -206,18 +207,18 @@ def route_unsupported(a, residual, norm_w, router_w, bias, spec) -> str | None:
     return None
 
 
-def _route_meta(spec, NE: int, has_bias: bool, round_logits: bool) -> dict:
-    """The launch's ROUTE constexprs: RSPEC (gluon_route.route's tuple) with its choice tile's
-    layout, one warp over [1, groups, experts a group] (the other warps hold copies)."""
+def _route_meta(spec, NE: int, has_bias: bool) -> dict:
+    """The launch's ROUTE constexprs: RSPEC (gluon_route.choose's tuple) with its choice tile's
+    layout, one warp over [1, groups, experts a group]."""
     from triton.experimental.gluon import language as gl
     from helix.layers.triton_router import _RULES
     bg, beg = pow2(spec.groups), pow2(NE // spec.groups)
     te = min(32, beg)
-    layout = gl.BlockedLayout([1, 1, max(1, beg // 32)], [1, 32 // te, te], [NUM_WARPS, 1, 1],
+    layout = gl.BlockedLayout([1, 1, max(1, beg // 32)], [1, 32 // te, te], [1, 1, 1],
                               [2, 1, 0])
-    return dict(ROUTE=1, RSPEC=(int(spec.sigmoid), _RULES[spec.group_rule], spec.topk_group,
-                                int(spec.norm), int(has_bias), int(round_logits), bg, beg,
-                                layout))
+    return dict(ROUTE=1, ROUTER_REGS=ROUTER_REGS,
+                RSPEC=(int(spec.sigmoid), _RULES[spec.group_rule], spec.topk_group,
+                       int(spec.norm), int(has_bias), bg, beg, layout))
 
 
 def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=None):
@@ -241,7 +242,7 @@ def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=Non
         rargs = (residual.reshape(-1), norm_w, router_w, bias if bias is not None else logits,
                  logits, h_new.reshape(-1), y.reshape(-1), 1.0 / dim, float(eps), NE,
                  NE // spec.groups, spec.groups, spec.scaling)
-        meta = _route_meta(spec, NE, bias is not None, router_w.dtype != torch.float32)
+        meta = _route_meta(spec, NE, bias is not None)
     counters = triton_util.arrival_counters(x.device, 3)
     triton_util.run_kernel(
         moe_row_kernel, (p.programs,), x.reshape(-1), ids.reshape(-1), weights.reshape(-1),

@@ -37,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from helix.gluon_util import grid_wait, pdl_wait, reinterpret, sync_threads, tma_load
-from helix.layers.gluon_route import route
+from helix.layers.gluon_route import choose, route_rows
 
 ITEM_FIELDS = gl.constexpr(4)    # kind, slot, n0, - (gluon_moe.FIELDS)
 
@@ -223,9 +223,39 @@ def _consume(ring, ready, empty, j, v0, v1, acc_a, acc_b, tile: gl.constexpr,
 
 
 @gluon.jit
+def _up_item(args, it, j, nxt, ids, wts, tk, TOPK: gl.constexpr, BN: gl.constexpr,
+             BK: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The consumer's gate/up item `it` (fields nxt): h = w * silu(x Wg^T) * (x Wu^T) over its
+    BN features into the h buffer, where its slot's expert is local -> (ring position, the
+    next item's fields)."""
+    (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
+     I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
+    tile: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    kcol: gl.constexpr = gl.SliceLayout(0, tile)
+    rows = gl.arange(0, BN, layout=gl.SliceLayout(1, tile))
+    slot, n0 = nxt
+    nxt = _item(items_ptr, gl.program_id(0), it + 1, L)   # its fields arrive under this item
+    local, e = _local(ids, tk, slot, first, E, TOPK)
+    if local:
+        acc_g = gl.zeros([BN, BK], gl.float32, layout=tile)
+        acc_u = gl.zeros([BN, BK], gl.float32, layout=tile)
+        for t in range(gl.cdiv(D, 2 * BK)):
+            v0 = gl.expand_dims(xs.index(2 * t).load(kcol).to(gl.float32), 0)
+            v1 = gl.expand_dims(xs.index(2 * t + 1).load(kcol).to(gl.float32), 0)
+            acc_g, acc_u = _consume(ring, ready, empty, j, v0, v1, acc_g, acc_u, tile, STAGES)
+            j += 1
+        g = gl.sum(acc_g, axis=1)
+        u = gl.sum(acc_u, axis=1)
+        w = gl.where(slot < TOPK, _pick(wts, tk, slot), 1.0)
+        hv = w * (g / (1.0 + gl.exp(-g)) * u)                          # w * silu(g) * u
+        gl.store(h_ptr + _h_row(slot, I, IS, TOPK, BK) * BK + n0 + rows, hv)
+    return j, nxt
+
+
+@gluon.jit
 def _consumer(args, sel, rargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-              ROUTE: gl.constexpr, RSPEC: gl.constexpr, num_warps: gl.constexpr):
+              ROUTE: gl.constexpr, num_warps: gl.constexpr):
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
     sel_ids, sel_wts, routed = sel
@@ -236,38 +266,30 @@ def _consumer(args, sel, rargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl
     rows = gl.arange(0, BN, layout=gl.SliceLayout(1, tile))
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     tk = gl.arange(0, TK, layout=vec)
+    n_sh = gl.load(counts_ptr + 3 * pid)
     n_up = gl.load(counts_ptr + 3 * pid + 1)
     n_down = gl.load(counts_ptr + 3 * pid + 2)
-    if ROUTE:                             # add + norm + router here: x, ids and weights
-        route(rargs, xs2, sel_ids, sel_wts, routed, G, TOPK, TK, RSPEC, BK, PDL, num_warps)
-        ids = gl.where(tk < TOPK, _row(sel_ids, TK).load(vec), -1)
-        wts = _row(sel_wts, TK).load(vec)
+    if ROUTE:                             # add + norm here, and this program's logits
+        route_rows(rargs, xs2, G, BK, PDL, num_warps)
     else:                                 # x, the ids and weights: the previous kernel's output
         pdl_wait(PDL)
-        ids = gl.load(ids_ptr + tk, mask=tk < TOPK, other=-1).to(gl.int32)
-        wts = gl.load(wts_ptr + tk, mask=tk < TOPK, other=0.0).to(gl.float32)
         _stage_x(xs2, x_ptr, D, BK, num_warps)
     sync_threads()
     j = 0
     nxt = _item(items_ptr, pid, 0, L)
-    for it in range(n_up):                                             # phase A: gate/up
-        slot, n0 = nxt
-        nxt = _item(items_ptr, pid, it + 1, L)      # its fields arrive under this item
-        local, e = _local(ids, tk, slot, first, E, TOPK)
-        if local:
-            acc_g = gl.zeros([BN, BK], gl.float32, layout=tile)
-            acc_u = gl.zeros([BN, BK], gl.float32, layout=tile)
-            for t in range(gl.cdiv(D, 2 * BK)):
-                v0 = gl.expand_dims(xs.index(2 * t).load(kcol).to(gl.float32), 0)
-                v1 = gl.expand_dims(xs.index(2 * t + 1).load(kcol).to(gl.float32), 0)
-                acc_g, acc_u = _consume(ring, ready, empty, j, v0, v1, acc_g, acc_u, tile,
-                                        STAGES)
-                j += 1
-            g = gl.sum(acc_g, axis=1)
-            u = gl.sum(acc_u, axis=1)
-            w = gl.where(slot < TOPK, _pick(wts, tk, slot), 1.0)
-            hv = w * (g / (1.0 + gl.exp(-g)) * u)                      # w * silu(g) * u
-            gl.store(h_ptr + _h_row(slot, I, IS, TOPK, BK) * BK + n0 + rows, hv)
+    none = gl.full([TK], -1, gl.int32, layout=vec)
+    for it in range(n_sh):                # phase A: gate/up, the shared experts' first
+        j, nxt = _up_item(args, it, j, nxt, none, none.to(gl.float32), tk, TOPK, BN, BK,
+                          STAGES, num_warps)
+    if ROUTE:                             # the router partition's choice
+        mbarrier.wait(routed, 0)
+        ids = gl.where(tk < TOPK, _row(sel_ids, TK).load(vec), -1)
+        wts = _row(sel_wts, TK).load(vec)
+    else:
+        ids = gl.load(ids_ptr + tk, mask=tk < TOPK, other=-1).to(gl.int32)
+        wts = gl.load(wts_ptr + tk, mask=tk < TOPK, other=0.0).to(gl.float32)
+    for it in range(n_sh, n_up):
+        j, nxt = _up_item(args, it, j, nxt, ids, wts, tk, TOPK, BN, BK, STAGES, num_warps)
     # the barrier between the phases: count in (release), wait for all (acquire)
     sync_threads()
     gl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
@@ -325,7 +347,7 @@ def moe_row_kernel(
     TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr, XR: gl.constexpr,
     HR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, ROUTE: gl.constexpr = 0,
-    RSPEC: gl.constexpr = None, PDL: gl.constexpr = 0,
+    RSPEC: gl.constexpr = None, ROUTER_REGS: gl.constexpr = 0, PDL: gl.constexpr = 0,
 ):
     dtype: gl.constexpr = dg.dtype
     ring = gl.allocate_shared_memory(dtype, [4 * STAGES, BN, BK], dg.layout)
@@ -352,8 +374,16 @@ def moe_row_kernel(
             first, E, I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L)
     rargs = (x_ptr, r_ptr, nw_ptr, rw_ptr, bias_ptr, lg_ptr, h_out, y_out, wts_ptr, ids_ptr,
              inv_d, eps, D, NE, EG, NG, scaling, cnt_ptr + 2)
-    gl.warp_specialize([(_consumer, (args, sel, rargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL,
-                                     ROUTE, RSPEC, num_warps)),
-                        (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL,
-                                     ROUTE))],
-                       [1], [PRODUCER_REGS])
+    if ROUTE:                 # a third partition, one warp: the choice (gluon_route.choose)
+        gl.warp_specialize(
+            [(_consumer, (args, sel, rargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
+                          num_warps)),
+             (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE)),
+             (choose, (rargs, sel, G, TOPK, TK, RSPEC))],
+            [1, 1], [PRODUCER_REGS, ROUTER_REGS])
+    else:
+        gl.warp_specialize(
+            [(_consumer, (args, sel, rargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
+                          num_warps)),
+             (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE))],
+            [1], [PRODUCER_REGS])

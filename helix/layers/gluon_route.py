@@ -138,22 +138,12 @@ def _logit(y, w, ROUND: gl.constexpr):
 
 
 @gluon.jit
-def route(rargs, xs2, sel_ids, sel_wts, routed, G, TOPK: gl.constexpr, TK: gl.constexpr,
-          RSPEC: gl.constexpr, BK: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
-    """The consumer's routing (module doc): y into xs2 (rows of BK), the choice into sel_ids /
-    sel_wts ([1, TK] shared memory), then an arrival on `routed` for the producer.
-    RSPEC = (SIGMOID, GROUP_RULE, TOPK_GROUP, NORM, HAS_BIAS, ROUND_LOGITS, BG, BEG, L3)."""
+def route_rows(rargs, xs2, G, BK: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+    """The consumer's part (module doc, 1-3): y into xs2 (rows of BK), h and y stored by
+    program 0, this program's logits, its count on the route counter."""
     (a_ptr, r_ptr, nw_ptr, rw_ptr, bias_ptr, lg_ptr, h_out, y_out, w_out, id_out, inv_d, eps,
      D, NE, EG, NG, scaling, cnt_ptr) = rargs
-    SIGMOID: gl.constexpr = RSPEC[0]
-    GROUP_RULE: gl.constexpr = RSPEC[1]
-    TOPK_GROUP: gl.constexpr = RSPEC[2]
-    NORM: gl.constexpr = RSPEC[3]
-    HAS_BIAS: gl.constexpr = RSPEC[4]
-    ROUND: gl.constexpr = RSPEC[5]
-    BG: gl.constexpr = RSPEC[6]
-    BEG: gl.constexpr = RSPEC[7]
-    L3: gl.constexpr = RSPEC[8]
+    ROUND: gl.constexpr = rw_ptr.dtype.element_ty != gl.float32
     pid = gl.program_id(0)
     R: gl.constexpr = xs2.shape[0]
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
@@ -178,17 +168,28 @@ def route(rargs, xs2, sel_ids, sel_wts, routed, G, TOPK: gl.constexpr, TK: gl.co
         gl.store(lg_ptr + pid, _logit(y, w0, ROUND))
     for e in range(pid + G, NE, G):
         gl.store(lg_ptr + e, _logit(y, gl.load(rw_ptr + e * D + k, mask=km, other=0.0), ROUND))
-    # every program's logits in (release), then all of them (acquire)
     sync_threads()
     gl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def choose(rargs, sel, G, TOPK: gl.constexpr, TK: gl.constexpr, RSPEC: gl.constexpr):
+    """The router partition (one warp; module doc, 4): once every program's logits are in
+    (acquire), the choice into sel's shared buffers ([1, TK] ids, weights), then an arrival on
+    its `routed` barrier. RSPEC = (SIGMOID, GROUP_RULE, TOPK_GROUP, NORM, HAS_BIAS, BG, BEG,
+    L3), L3 a one-warp layout of [1, BG, BEG]."""
+    (a_ptr, r_ptr, nw_ptr, rw_ptr, bias_ptr, lg_ptr, h_out, y_out, w_out, id_out, inv_d, eps,
+     D, NE, EG, NG, scaling, cnt_ptr) = rargs
+    sel_ids, sel_wts, routed = sel
+    L3: gl.constexpr = RSPEC[7]
     while gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < G:
         pass
-    wts, ids = select(lg_ptr, bias_ptr, EG, NG, scaling, TOPK, TK, SIGMOID, GROUP_RULE,
-                      TOPK_GROUP, NORM, HAS_BIAS, BG, BEG, L3)
+    wts, ids = select(lg_ptr, bias_ptr, EG, NG, scaling, TOPK, TK, RSPEC[0], RSPEC[1],
+                      RSPEC[2], RSPEC[3], RSPEC[4], RSPEC[5], RSPEC[6], L3)
     # [1, 1, TK] -> [1, TK] (a max over a copied axis: exact) into shared memory
     sel_ids.store(gl.max(ids, axis=1))
     sel_wts.store(gl.max(wts, axis=1))
-    if pid == 0:
+    if gl.program_id(0) == 0:
         kk = _along(TK, 2, L3)
         gl.store(id_out + kk, ids.to(id_out.dtype.element_ty), mask=kk < TOPK)
         gl.store(w_out + kk, wts.to(w_out.dtype.element_ty), mask=kk < TOPK)
