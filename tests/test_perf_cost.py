@@ -155,9 +155,9 @@ def test_gpu_rates_are_measured():
     assert 0.5 < r.read_bps / r.copy_bps < 2.0
 
 
-@pytest.mark.parametrize("record", ["moe_row/moerow_dsv2_a9adcee.json",
+@pytest.mark.parametrize("record", ["moe_route/route_dsv2_4362244.json",
                                     "step_small/ropeappend_llama_f1c926a_h200.json",
-                                    "moe_row/moerow_qwen_a9adcee.json"])
+                                    "moe_route/route_qwen_4362244.json"])
 def test_kernel_counts_match_the_profiled_steps(record):
     """The kernels a step launches (cost.Phase.kernels) against whole-model decode steps at one
     row profiled on the H200 (bench_step_kernels part d, graphs on, mode "after"): every
@@ -165,9 +165,9 @@ def test_kernel_counts_match_the_profiled_steps(record):
     in its x projection's GEMV (all but layer 0's), Llama-3.1-8B's and Qwen3's do not; GQA's KV
     append rides in the rotation's launch, its split merge in the split launch for Llama at
     1K (8 splits of a 4-head group) and not for Qwen3 (16 heads); the MoE layers of both MoE
-    models are the router's launch and gluon_moe's one launch. Not at 8 rows: projections
-    there run on cuBLAS (skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS), whose split-K reduce launches
-    the model does not count."""
+    models are gluon_moe's one launch, the router with its add + norm inside. Not at 8 rows:
+    projections there run on cuBLAS (skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS), whose split-K
+    reduce launches the model does not count."""
     import json
     import os
     path = os.path.join(os.path.dirname(__file__), "..", "profiling", "results", record)

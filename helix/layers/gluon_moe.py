@@ -7,6 +7,13 @@ shared experts, gate/up and down (the device code and its design: gluon_moe_kern
 moe_decode's contract at T = 1; moe_decode takes it where `unsupported` says nothing and
 `available` holds (module flag ENABLED: benches switch it).
 
+    moe_row_routed(a, residual, norm_w, eps, router_w, bias, spec, gate, up, down, first,
+                   shared) -> (out, h, y, weights, ids)
+
+the same launch with the router's (triton_router.route_add_norm_triton) inside it: the
+post-attention add + norm, the logits, the top-k choice (gluon_route). MoE.add_norm_forward
+takes it at one row where `route_unsupported` says nothing (module flag ROUTED).
+
 Why: at one row the two Triton launches (moe_decode) stream 138 MB a DeepSeek-V2-Lite layer at
 79 % (gate/up) and 62 % (down) of the copy rate. Each launch ramps up, drains, and waits for the
 kernel before it; a persistent Triton kernel holding both halves was slower still, since its
@@ -184,6 +191,13 @@ def moe_row_routed(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor
 MAX_ROUTE_TILE = 1024         # experts in the router's [groups, experts a group] choice tile
 
 
+def route_fits(num_experts: int, groups: int) -> bool:
+    """The routing shape rule: whole groups, the [groups, experts a group] tile (powers of
+    two) at most MAX_ROUTE_TILE."""
+    return (num_experts % groups == 0
+            and pow2(groups) * pow2(num_experts // groups) <= MAX_ROUTE_TILE)
+
+
 def route_unsupported(a, residual, norm_w, router_w, bias, spec) -> str | None:
     """Why the router cannot ride in the launch (None: it can): the rows, the residual and the
     norm weight in the experts' dtype (so h and y are), a contiguous router weight [NE, D] in
@@ -200,7 +214,7 @@ def route_unsupported(a, residual, norm_w, router_w, bias, spec) -> str | None:
         return f"router weight {router_w.dtype} {tuple(router_w.shape)}"
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return "router bias not contiguous fp32"
-    if NE % spec.groups or pow2(spec.groups) * pow2(NE // spec.groups) > MAX_ROUTE_TILE:
+    if not route_fits(NE, spec.groups):
         return f"{NE} experts in {spec.groups} groups"
     if NE * a.shape[-1] >= 2**31:
         return "router offsets past int32"

@@ -24,6 +24,13 @@ Two partitions:
 - consumer (4 warps, the default partition): per stage, the four boxes from shared memory
   times the activation rows (x, or h) in fp32 FMA, summed per feature at the item's end.
 
+ROUTE (gluon_moe.moe_row_routed): the router's launch rides in this one. x is then the attention
+output; the consumer forms the normed rows and its programs' logits first (gluon_route.
+route_rows), and a third partition (one warp, gluon_route.choose) makes the top-k choice once
+every program's logits are in, while the consumer already streams the shared experts' gate/up.
+The producer holds the routed tiles back until that choice (the `routed` barrier in shared
+memory), not until the previous kernel.
+
 No deadlock: the barrier waits only for gate/up work, which every program does first without
 waiting; every program is resident once the next kernel may launch (each calls
 launch_dependents after its wait), and the plan has at most one program per SM. The two

@@ -1,27 +1,29 @@
 """Device code of the MoE router inside the one-row Gluon MoE launch (gluon_moe_kernel, ROUTE):
 the post-attention residual add and RMS norm, the router logits, and the top-k choice of one
-token, in the consumer partition of every program, before its first expert tile.
+token, so that the router is not a launch of its own.
 
-What a program does (`route`):
-1. Its router rows (experts pid, pid + G, ...) are loaded BEFORE the wait for the previous
-   kernel (no kernel of a step writes them), then x and the residual after it.
-2. h = residual + x (rounded to h's dtype), y = rms_norm(h) * norm weight: every program forms
-   y itself (8 KB of reads) into its shared-memory x rows; program 0 also stores h (the next
-   layer's residual) and y.
-3. Its experts' logits y . W_e (y in the weight's dtype, fp32 sums, rounded to the weight's
-   dtype where it is 16-bit, like F.linear) into a workspace, then a count on the route
-   counter (release) and a wait until every program has counted (acquire).
-4. Every program reads all logits (L2, .cg) and makes the same choice (`select`, the same
-   function on the same values: no program waits for another's choice). It publishes the ids
-   and weights in shared memory for its producer (which holds the routed tiles back until
-   then) and its own expert loop; program 0 also stores them.
+In every program:
+1. `route_rows`, in the consumer partition, first: the program's router rows (experts pid,
+   pid + G, ...) are loaded BEFORE the wait for the previous kernel (no kernel of a step writes
+   them), then x and the residual after it. h = residual + x (rounded to h's dtype), y =
+   rms_norm(h) * norm weight: every program forms y itself (8 KB of reads) into its
+   shared-memory x rows; program 0 also stores h (the next layer's residual) and y. Then its
+   experts' logits y . W_e (y in the weight's dtype, fp32 sums, rounded to the weight's dtype
+   where it is 16-bit, like F.linear) into a workspace, and a count on the route counter
+   (release). The consumer goes on with the shared experts' gate/up items, which need no
+   routing, while the choice is made.
+2. `choose`, a partition of its own (one warp): waits until every program has counted
+   (acquire), reads all logits (L2, .cg) and makes the choice (`select`: every program makes
+   the same choice from the same values, so none waits for another's). It publishes the ids
+   and weights in shared memory and arrives on the `routed` barrier, which the producer waits
+   on before its routed tiles and the consumer before its routed items; program 0 also stores
+   them.
 
 The rule is helix.layers.triton_router._select_rows' at one row, line for line (its docstring
 says why each step is as it is): softmax ranks the logits, sigmoid ranks score + bias and
 weighs by the score, V2 keeps the groups with the best expert, V3 the best two's sum, ties go
 to the lowest id, k rounds of "max, then the lowest id holding it". The [1, groups, experts a
-group] tile sits in one warp (and again in each other warp: the warps hold copies), so each
-reduction is a warp's shuffles, with no shared memory and no barrier.
+group] tile sits in the one warp, so each reduction is the warp's shuffles.
 
 No deadlock: the wait is for the other programs' logits, which each computes before any wait
 (every program is resident: gluon_moe's plan has at most one an SM).

@@ -91,6 +91,11 @@ class _Spec:
         self.norm = bool(cfg.norm_topk_prob)
 
 
+def route_spec(cfg: ModelConfig):
+    """The routing rule of a model: triton_router.RouteSpec, or _Spec without triton."""
+    return triton_router.RouteSpec.of(cfg) if triton_router else _Spec(cfg)
+
+
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype=torch.float32):
         super().__init__()
@@ -105,7 +110,7 @@ class Router(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts),
                                                         requires_grad=False)
             self.e_score_correction_bias.weight_loader = load_full
-        self.spec = triton_router.RouteSpec.of(cfg) if triton_router else _Spec(cfg)
+        self.spec = route_spec(cfg)
 
     def path(self, x: torch.Tensor) -> str:
         """'torch', 'select' (GEMM + routing kernel) or 'fused' (one kernel) for this input."""

@@ -26,7 +26,8 @@ A layer's input add + norm rides in its first GEMM's launch where skinny_gemm.no
 so (at one or two rows), except layer 0's (no residual yet: counted in `embed`); the MoE
 router's launch does the post-attention add + norm; the shared experts and the top-k sum ride
 in the two expert launches (moe_decode) up to its pair count, and at one row the experts are one
-launch (helix.layers.gluon_moe, where its shape rule holds: the H200's path).
+launch (helix.layers.gluon_moe, where its shape rule holds: the H200's path) with the router,
+its add + norm included, inside it (where gluon_moe.route_fits).
 
 The roofline floor of a step is sum over phases of max(bytes / read rate, FLOPs / matmul rate)
 (a per-phase max: within a phase the kernels overlap neither with each other nor across phases,
@@ -43,7 +44,8 @@ from helix.config import Layout, ModelConfig
 from helix.kv.ownership import KVSharding
 from helix.layers.attention_gqa import kv_head_range
 from helix.layers.fused_moe import decode_kernels
-from helix.layers.gluon_moe import shape_fits
+from helix.layers.gluon_moe import route_fits, shape_fits
+from helix.layers.router import route_spec
 from helix.layers.skinny_gemm import norm_in_gemv
 
 LSE_BYTES = 4              # the exchange packs one fp32 LSE per head next to O
@@ -198,13 +200,13 @@ def _ffn_phases(cfg: ModelConfig, lay: Layout, B: int, es: int) -> list[Phase]:
         nbytes = D * es + E * D * router_es + hit * expert_w * es + shared_w * es
         flops = 2 * B * D * E + 2 * pairs * expert_w + 2 * B * shared_w
         # decode (moe_decode): the router with the add + norm, gate/up, down (the shared
-        # experts and the top-k sum in them), at one row both in one launch (gluon_moe); more
-        # pairs: the router, sort / align, two grouped GEMMs, silu, sum, the shared MLP and
-        # its add
+        # experts and the top-k sum in them); at one row all of it in one launch (gluon_moe,
+        # its router in it where the routing fits); more pairs: the router, sort / align, two
+        # grouped GEMMs, silu, sum, the shared MLP and its add
         one_row = B == 1 and shape_fits(D, cfg.moe_intermediate_size // lay.tpf,
                                         cfg.moe_intermediate_size * cfg.num_shared_experts // n)
-        kernels = ((2 if one_row else 3) if decode_kernels(B * k)
-                   else 1 + 6 + (4 if shared_w else 0))
+        kernels = (((1 if route_fits(E, route_spec(cfg).groups) else 2) if one_row else 3)
+                   if decode_kernels(B * k) else 1 + 6 + (4 if shared_w else 0))
         out.append(Phase("moe", moe_layers, nbytes, flops, kernels, reduce))
     return out
 
