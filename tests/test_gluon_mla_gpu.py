@@ -112,3 +112,48 @@ def test_gluon_mla_head_blocks_in_clusters(case, monkeypatch):
     assert rec["ok"], rec
     rec = graph_check("seesaw")
     assert rec["ok"], rec
+
+
+@needs_sm90
+@pytest.mark.parametrize("batch,splits,lens", [
+    (1, 128, [32768]), (1, 128, [700]), (1, 64, [5000]), (1, 16, [1]), (2, 64, [9000, 0]),
+    (2, 32, [1, 4000])])
+def test_few_merges_its_splits_in_the_launch(batch, splits, lens, monkeypatch):
+    """The few variant's split merge inside its launch (gluon_merge: every program resident,
+    one counter a head block, each split merging a slice): against the float32 reference and
+    bitwise close to the same kernel followed by reduce_splits, with most splits empty
+    (700 tokens over 128 splits), a one-token sequence, an empty sequence (O = 0, LSE -inf),
+    repeated calls (the counters back to zero) and a CUDA graph replayed on new lengths."""
+    from helix import triton_util
+    from profiling.bench_mla_gluon import SCALE, compare, ragged_case
+    ctx = 32768
+    args = ragged_case(batch, 16, lens, ctx, 64, seed=7)
+    p = gluon_mla.plan(batch, 16, args[3].shape[1] * 64, 132, 64, splits, "few")
+    assert gluon_mla.merge_in_launch(p, torch.cuda.get_device_properties(0).multi_processor_count)
+    ref = gluon_mla.reference(*args, SCALE)
+    for _ in range(2):
+        o, lse = gluon_mla.mla_decode_gluon(*args, SCALE, num_splits=splits, variant="few")
+        torch.cuda.synchronize()
+        rec = compare(o, lse, *ref)
+        assert rec["ok"], rec
+    assert int(triton_util.arrival_counters(o.device, 1).abs().sum()) == 0
+    monkeypatch.setattr(gluon_mla, "MERGE_IN_LAUNCH", False)
+    o2, lse2 = gluon_mla.mla_decode_gluon(*args, SCALE, num_splits=splits, variant="few")
+    assert (o.float() - o2.float()).abs().max().item() <= 2e-2 * o2.float().abs().max().item()
+    fin = torch.isfinite(lse2)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert (lse[fin] - lse2[fin]).abs().max().item() <= 1e-4 if fin.any() else True
+    monkeypatch.setattr(gluon_mla, "MERGE_IN_LAUNCH", True)
+    fn = lambda: gluon_mla.mla_decode_gluon(*args, SCALE, num_splits=splits,  # noqa: E731
+                                            variant="few")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o, lse = fn()
+    new = ragged_case(batch, 16, [max(1, n // 3) for n in lens], ctx, 64, seed=8, poison=False)
+    for dst, src in zip(args, new):
+        dst.copy_(src)
+    g.replay()
+    torch.cuda.synchronize()
+    rec = compare(o, lse, *gluon_mla.reference(*args, SCALE))
+    assert rec["ok"], rec
+    assert int(triton_util.arrival_counters(o.device, 1).abs().sum()) == 0
