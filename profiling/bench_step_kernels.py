@@ -280,7 +280,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-noqknorm", "after-gqa-twolaunch", "after-gqa-waves1", "after-gqa-waves05",
               "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend",
               "after-nomoerow", "after-moerow-stages6", "after-moerow-stages4",
-              "after-noroute", "after-nomlamerge")
+              "after-noroute")
 
 
 def set_kernels(mode: str) -> None:
@@ -327,9 +327,7 @@ def set_kernels(mode: str) -> None:
     moe_decode's two Triton launches, not gluon_moe's one launch (gluon_moe.ENABLED off);
     'after-moerow-stages6' / '-stages4': gluon_moe's weight ring 6 / 4 stages deep, not 8 (less
     shared memory held beside the next kernel); 'after-noroute': one row's MoE launch without
-    the router in it (the router's own launch before it: gluon_moe.ROUTED off);
-    'after-nomlamerge': the few-heads Gluon MLA's split merge as reduce_splits' launch after
-    it, not in its own launch (gluon_mla.MERGE_IN_LAUNCH off)."""
+    the router in it (the router's own launch before it: gluon_moe.ROUTED off)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -363,7 +361,6 @@ def set_kernels(mode: str) -> None:
                                                                                   _MOE_STAGES)
     start = mode == "after-attn-7a34bf8"
     gluon_mla.PDL = mode != "after-gluon-nopdl" and not start
-    gluon_mla.MERGE_IN_LAUNCH = mode not in ("before", "after-nomlamerge") and not start
     gluon_mla.KV_EARLY = mode != "after-gluon-kv-late"
     gluon_mla.MAX_SPLITS = 64 if start else _GLUON_MAX_SPLITS
     gluon_mla.SKIP_EMPTY = not start

@@ -34,9 +34,8 @@ class _Recorded(Exception):
 
 
 def record_launch(heads: int, page: int, variant: str, num_splits: int, batch: int = 2,
-                  dtype=torch.bfloat16, sm_count: int = 2):
-    """(kernel, args, meta) of one mla_decode_gluon launch on CPU tensors, planned for a device
-    of sm_count multiprocessors (the split merge in the launch where the grid fits them)."""
+                  dtype=torch.bfloat16):
+    """(kernel, args, meta) of one mla_decode_gluon launch on CPU tensors."""
     width = gluon_mla.D_LATENT + gluon_mla.D_ROPE
     pages = 8 * max(1, 64 // page)
     kv = torch.zeros(pages, page, width, dtype=dtype)
@@ -49,10 +48,7 @@ def record_launch(heads: int, page: int, variant: str, num_splits: int, batch: i
         got.append((kernel, args, meta))
         raise _Recorded
 
-    with mock.patch.object(gluon_mla, "launch", record), \
-            mock.patch.object(gluon_mla, "sm_count_of", lambda d: sm_count), \
-            mock.patch.object(gluon_mla.triton_util, "arrival_counters",
-                              lambda d, n: torch.zeros(n, dtype=torch.int32)):
+    with mock.patch.object(gluon_mla, "launch", record):
         try:
             gluon_mla.mla_decode_gluon(q[..., :512], q[..., 512:], kv, bt, lens, 0.07,
                                        num_splits=num_splits, variant=variant)
@@ -186,14 +182,11 @@ def resources(cc) -> dict:
                 num_warps=cc.metadata.num_warps)
 
 
-def check(variant: str, page: int, heads: int = 128, num_splits: int = 2, pdl: int = 0,
-          batch: int = 2, sm_count: int = 2) -> dict:
+def check(variant: str, page: int, heads: int = 128, num_splits: int = 2, pdl: int = 0) -> dict:
     """One compile (`pdl`: the kernel's PDL value, as run_kernel passes it on an sm_90 device):
     its resources, or its full error text."""
     return _checked(dict(variant=variant, page=page, heads=heads, num_splits=num_splits,
-                         pdl=pdl, batch=batch, sm_count=sm_count),
-                    lambda: record_launch(heads, page, variant, num_splits, batch,
-                                          sm_count=sm_count), pdl)
+                         pdl=pdl), lambda: record_launch(heads, page, variant, num_splits), pdl)
 
 
 def main():

@@ -291,43 +291,6 @@ def test_few_variant_compiles_for_sm90(tmp_path):
         assert (r["gdc_waits"], r["gdc_launches"]) == (2, 1), json.dumps(r)[:300]
 
 
-@pytest.mark.sm90
-def test_few_variant_with_its_merge_compiles_for_sm90(tmp_path):
-    """"few" with its split merge in the launch (gluon_merge), as planned at batch 1 on 132 SMs
-    with 128 and 16 splits (slices of 64 and 512 outputs a split): no spills at the kernel's
-    255 registers, shared memory under the block limit, the same PDL waits and launch."""
-    import json
-    out = tmp_path / "merge.json"
-    code = ("import json, sys; sys.path.insert(0, 'profiling'); import gluon_resources as g; "
-            "recs = [g.check('few', 64, heads=16, num_splits=s, pdl=1, batch=1, sm_count=132) "
-            "for s in (128, 16)]; "
-            "metas = [g.record_launch(16, 64, 'few', s, 1, sm_count=132)[2] for s in (128, 16)]; "
-            f"open({str(out)!r}, 'w').write(json.dumps([recs, metas], default=str))")
-    sm90_compile.run(tmp_path, ["-c", code], fp_fusion=True)
-    recs, metas = json.loads(out.read_text())
-    assert [(m["MERGE"], m["MERGE_W"]) for m in metas] == [(1, 64), (1, 512)]
-    for r in recs:
-        assert r["ok"], r.get("error", "")[-3000:]
-        assert r["stack_bytes"] == 0 and r["local_loads"] == r["local_stores"] == 0
-        assert r["shared_bytes"] <= gluon_mla.SM90_SMEM_LIMIT
-        assert (r["gdc_waits"], r["gdc_launches"]) == (2, 1), json.dumps(r)[:300]
-
-
-def test_merge_in_launch_only_where_every_program_is_resident():
-    """The in-launch merge waits for the other splits of its head block, so it is planned only
-    where the whole grid fits the SMs at one program each, and with slices of 32-512 outputs."""
-    p = gluon_mla.plan(1, 16, 32768, 132, variant="few")
-    assert p.num_splits == 128 and gluon_mla.merge_in_launch(p, 132)
-    assert not gluon_mla.merge_in_launch(p, 100)                        # 128 programs > 100
-    assert not gluon_mla.merge_in_launch(gluon_mla.plan(1, 16, 32768, 132, num_splits=8,
-                                                        variant="few"), 132)   # 1024 a split
-    assert not gluon_mla.merge_in_launch(gluon_mla.plan(1, 128, 32768, 132), 132)  # seesaw
-    for batch in (2, 8, 32):
-        q = gluon_mla.plan(batch, 16, 524288, 132, variant="few")
-        fits = batch * q.num_splits <= 132 and 32 <= 16 * 512 // q.num_splits <= 512
-        assert gluon_mla.merge_in_launch(q, 132) == (fits and q.num_splits > 1), batch
-
-
 def _compile_report(tmp_path, variants: str, heads: str = "128") -> list[dict]:
     """gluon_resources.py's records of an sm_90 compile (PDL on) in a subprocess."""
     import json

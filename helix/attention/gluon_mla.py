@@ -116,13 +116,6 @@ class GluonMLAPlan:
             return dict(common, STAGES=FEW_STAGES)
         return dict(common, STAGES=STAGES, SEESAW=self.variant == "seesaw")
 
-    def merge_meta(self, merge: bool) -> dict:
-        """The constexprs of the split merge inside the launch (gluon_merge), where `merge`."""
-        if not merge:
-            return {}
-        return dict(MERGE=1, MERGE_S=self.num_splits,
-                    MERGE_W=self.block_h * D_LATENT // self.num_splits)
-
     @property
     def skip_empty(self) -> bool:
         """Empty splits write nothing (the seesaw's and few's programs exit; the merge skips
@@ -225,19 +218,6 @@ def make_descriptors(kv_cache: torch.Tensor, plan_: GluonMLAPlan):
     return descs
 
 
-MERGE_IN_LAUNCH = True        # module flag (benches): the few variant's merge in its launch
-
-
-def merge_in_launch(p: GluonMLAPlan, sm_count: int) -> bool:
-    """Whether the split merge runs inside the launch (gluon_merge): the few variant with
-    splits, every program resident at once (one an SM: at most sm_count programs; the merge
-    waits for the group's other splits), and a slice of 32 to 512 outputs a split (wider
-    slices spill at the kernel's 255 registers)."""
-    return (MERGE_IN_LAUNCH and p.variant == "few" and p.num_splits > 1
-            and p.head_blocks * p.num_splits * p.batch <= sm_count
-            and 32 <= p.block_h * D_LATENT // p.num_splits <= 512)
-
-
 def mla_decode_gluon(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                      block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                      num_splits: int | None = None, variant: str = "seesaw",
@@ -267,16 +247,11 @@ def mla_decode_gluon(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: tor
              num_splits, variant)
     o_ws, lse_ws, so, sl = split_workspace(o, lse, p.num_splits, partial_dtype)
     desc_lat, desc_rope = make_descriptors(kv_cache, p)
-    merge = merge_in_launch(p, sm_count_of(q_latent.device))
-    extra = (lse_ws,) * 3 + (0,) * 4                      # the few variant's merge arguments
-    if merge:
-        extra = (o, lse, triton_util.arrival_counters(o.device, p.head_blocks * B),
-                 o.stride(0), o.stride(1), lse.stride(0), lse.stride(1))
     launch(kernel, p.grid, q_latent, q_rope, desc_lat, desc_rope, block_tables,
            kv_lens, o_ws, lse_ws, scale * LOG2E, q_latent.stride(0), q_latent.stride(1),
            q_rope.stride(0), q_rope.stride(1), block_tables.stride(0), *so, *sl, H, p.num_splits,
-           *(extra if variant == "few" else ()), **p.meta(page_size), **p.merge_meta(merge))
-    if p.num_splits > 1 and not merge:
+           **p.meta(page_size))
+    if p.num_splits > 1:
         reduce_splits(o_ws, lse_ws, o, lse, *((kv_lens, BLOCK_N, MIN_SPLIT_TOKENS[variant])
                                               if p.skip_empty else ()))
     return o, lse

@@ -32,7 +32,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from helix.attention.gluon_merge import empty_split, merge_slice
 from helix.attention.gluon_mla_kernel import (CHUNK, D_LATENT, D_ROPE, _kv_wait, _load_q,
                                               _pdl_wait, _split_tiles, _sync_threads, _tile_row,
                                               _tma_load, _zero_stale_rows)
@@ -64,9 +63,8 @@ def _few_producer(args, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
 
 
 @gluon.jit
-def _few_consumer(args, margs, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, PDL: gl.constexpr, MERGE: gl.constexpr,
-                  MERGE_S: gl.constexpr, MERGE_W: gl.constexpr):
+def _few_consumer(args, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  PDL: gl.constexpr):
     (kv_lat, kv_rope, q_lat, q_rope, p_smem, ready, empty, desc_lat, desc_rope, ql_ptr, qr_ptr,
      stride_qlb, stride_qlh, stride_qrb, stride_qrh, bt_ptr, o_ptr, lse_ptr, b, hb, split, start,
      end, n_tiles, kv_len, live, HEADS, scale_log2, stride_btb, stride_ob, stride_oh, stride_os,
@@ -119,12 +117,6 @@ def _few_consumer(args, margs, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
             mbarrier.arrive(empty.index(s), count=1)
         _finish_t(o, m_i, l_i, o_ptr, lse_ptr, b, hb, split, HEADS, stride_ob, stride_oh,
                   stride_os, stride_lb, stride_lh, BLOCK_H, acc_layout)
-    if MERGE:                              # the split merge in this launch (gluon_merge)
-        if not live:
-            _pdl_wait(PDL)                 # the workspace and counters after the previous kernel
-            empty_split(margs, b, hb, split, HEADS, BLOCK_H, 4)
-        merge_slice(margs, b, hb, split, MERGE_S, HEADS, BLOCK_H, D_LATENT, MERGE_S, MERGE_W,
-                    4)
 
 
 @gluon.jit
@@ -154,14 +146,10 @@ def mla_decode_few_kernel(
     stride_ob, stride_oh, stride_os,                     # o [B, H, S, 512] (or [B, H, 512])
     stride_lb, stride_lh,                                # lse [B, H, S] (or [B, H])
     HEADS, num_splits,
-    # MERGE (gluon_merge): the merged o [B, H, 512], lse [B, H], the group counters, their
-    # strides (b, h), (b, h)
-    fo_ptr, flse_ptr, mcnt_ptr, stride_fob, stride_foh, stride_flb, stride_flh,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
     BOX_ROWS: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr, MIN_CHUNK: gl.constexpr = 0, SKIP_EMPTY: gl.constexpr = False,
-    PDL: gl.constexpr = 0, CLUSTER: gl.constexpr = 1, MERGE: gl.constexpr = 0,
-    MERGE_S: gl.constexpr = 1, MERGE_W: gl.constexpr = 1,
+    PDL: gl.constexpr = 0, CLUSTER: gl.constexpr = 1,
 ):
     hb = gl.program_id(0)
     split = gl.program_id(1)
@@ -194,9 +182,6 @@ def mla_decode_few_kernel(
             qr_ptr, stride_qlb, stride_qlh, stride_qrb, stride_qrh, bt_ptr, o_ptr, lse_ptr, b, hb,
             split, start, end, n_tiles, kv_len, live, HEADS, scale_log2, stride_btb, stride_ob,
             stride_oh, stride_os, stride_lb, stride_lh)
-    margs = (o_ptr, lse_ptr, fo_ptr, flse_ptr, mcnt_ptr, stride_ob, stride_oh, stride_os,
-             stride_lb, stride_lh, stride_fob, stride_foh, stride_flb, stride_flh)
-    gl.warp_specialize([(_few_consumer, (args, margs, BLOCK_H, BLOCK_N, STAGES, PDL, MERGE,
-                                         MERGE_S, MERGE_W)),
+    gl.warp_specialize([(_few_consumer, (args, BLOCK_H, BLOCK_N, STAGES, PDL)),
                         (_few_producer, (args, BLOCK_N, PAGE_SIZE, BOX_ROWS, STAGES, PDL))],
                        [1], [PRODUCER_REGS])
