@@ -80,17 +80,3 @@ def exp_f32(x):
     s1 = ((n1 + 127) << 23).to(gl.float32, bitcast=True)
     s2 = ((ni - n1 + 127) << 23).to(gl.float32, bitcast=True)
     return e * s1 * s2
-
-
-@gluon.jit
-def wait_count(ptr, target, SPIN_LOAD: gl.constexpr):
-    """Spin until the counter at ptr reaches target, with acquire ordering (GPU scope): by
-    atomic reads, or (SPIN_LOAD) by volatile loads, which the L2 serves without serialising
-    them, then one acquiring atomic read."""
-    if SPIN_LOAD:
-        while gl.load(ptr, volatile=True) < target:
-            pass
-        gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-    else:
-        while gl.atomic_add(ptr, 0, sem="acquire", scope="gpu") < target:
-            pass

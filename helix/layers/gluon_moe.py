@@ -52,7 +52,6 @@ NUM_WARPS = 4                # the consumer partition
 FIELDS = 4                   # int32 fields of an item (gluon_moe_kernel.ITEM_FIELDS)
 ENABLED = True
 ROUTED = True                # the router in the launch (moe_row_routed) where MoE can (benches)
-SPIN_LOAD = False            # the launch's counter waits spin on volatile loads (benches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +263,7 @@ def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=Non
         first, E, inter, dim, ws, *descs, items, counts, p.programs, p.max_items, h, out,
         counters, *rargs, TOPK=topk, TK=max(2, pow2(topk)), SHARED=int(ws > 0),
         XR=pow2(2 * k_steps(dim)), HR=pow2(p.h_rows), BN=BN, BK=BK, STAGES=STAGES,
-        PRODUCER_REGS=PRODUCER_REGS, SPIN_LOAD=int(SPIN_LOAD), num_warps=NUM_WARPS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS,
         **({"maxnreg": MAXNREG} if MAXNREG else {}), **meta)
 
 

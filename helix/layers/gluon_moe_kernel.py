@@ -43,8 +43,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from helix.gluon_util import (grid_wait, pdl_wait, reinterpret, sync_threads, tma_load,
-                              wait_count)
+from helix.gluon_util import grid_wait, pdl_wait, reinterpret, sync_threads, tma_load
 from helix.layers.gluon_route import choose, route_rows
 
 ITEM_FIELDS = gl.constexpr(4)    # kind, slot, n0, - (gluon_moe.FIELDS)
@@ -263,7 +262,7 @@ def _up_item(args, it, j, nxt, ids, wts, tk, TOPK: gl.constexpr, BN: gl.constexp
 @gluon.jit
 def _consumer(args, sel, rargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-              ROUTE: gl.constexpr, SPIN_LOAD: gl.constexpr, num_warps: gl.constexpr):
+              ROUTE: gl.constexpr, num_warps: gl.constexpr):
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
     sel_ids, sel_wts, routed = sel
@@ -302,7 +301,8 @@ def _consumer(args, sel, rargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl
     sync_threads()
     gl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
     if n_down > 0:
-        wait_count(cnt_ptr, G, SPIN_LOAD)
+        while gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < G:
+            pass
         _stage_h(hs2, h_ptr, I, IS, TOPK, BK, num_warps)
         sync_threads()
     for it in range(n_up, n_up + n_down):                              # phase B: down
@@ -354,8 +354,7 @@ def moe_row_kernel(
     TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr, XR: gl.constexpr,
     HR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, ROUTE: gl.constexpr = 0,
-    RSPEC: gl.constexpr = None, ROUTER_REGS: gl.constexpr = 0, SPIN_LOAD: gl.constexpr = 0,
-    PDL: gl.constexpr = 0,
+    RSPEC: gl.constexpr = None, ROUTER_REGS: gl.constexpr = 0, PDL: gl.constexpr = 0,
 ):
     dtype: gl.constexpr = dg.dtype
     ring = gl.allocate_shared_memory(dtype, [4 * STAGES, BN, BK], dg.layout)
@@ -385,13 +384,13 @@ def moe_row_kernel(
     if ROUTE:                 # a third partition, one warp: the choice (gluon_route.choose)
         gl.warp_specialize(
             [(_consumer, (args, sel, rargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
-                          SPIN_LOAD, num_warps)),
+                          num_warps)),
              (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE)),
-             (choose, (rargs, sel, G, TOPK, TK, RSPEC, SPIN_LOAD))],
+             (choose, (rargs, sel, G, TOPK, TK, RSPEC))],
             [1, 1], [PRODUCER_REGS, ROUTER_REGS])
     else:
         gl.warp_specialize(
             [(_consumer, (args, sel, rargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
-                          SPIN_LOAD, num_warps)),
+                          num_warps)),
              (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE))],
             [1], [PRODUCER_REGS])
