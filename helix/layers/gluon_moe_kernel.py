@@ -33,8 +33,9 @@ memory), not until the previous kernel.
 
 No deadlock: the barrier waits only for gate/up work, which every program does first without
 waiting; every program is resident once the next kernel may launch (each calls
-launch_dependents after its wait), and the plan has at most one program per SM. The two
-counters (helix.triton_util.arrival_counters) are reset by the last program to finish.
+launch_dependents after its wait), and the plan has at most one program per SM. The counters
+(helix.triton_util.arrival_counters: phase, done, and ROUTE's route counter) are reset by the
+last program to finish.
 """
 
 from __future__ import annotations

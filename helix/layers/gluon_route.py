@@ -141,7 +141,7 @@ def _logit(y, w, ROUND: gl.constexpr):
 
 @gluon.jit
 def route_rows(rargs, xs2, G, BK: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
-    """The consumer's part (module doc, 1-3): y into xs2 (rows of BK), h and y stored by
+    """The consumer's part (module doc, 1): y into xs2 (rows of BK), h and y stored by
     program 0, this program's logits, its count on the route counter."""
     (a_ptr, r_ptr, nw_ptr, rw_ptr, bias_ptr, lg_ptr, h_out, y_out, w_out, id_out, inv_d, eps,
      D, NE, EG, NG, scaling, cnt_ptr) = rargs
@@ -176,7 +176,7 @@ def route_rows(rargs, xs2, G, BK: gl.constexpr, PDL: gl.constexpr, num_warps: gl
 
 @gluon.jit
 def choose(rargs, sel, G, TOPK: gl.constexpr, TK: gl.constexpr, RSPEC: gl.constexpr):
-    """The router partition (one warp; module doc, 4): once every program's logits are in
+    """The router partition (one warp; module doc, 2): once every program's logits are in
     (acquire), the choice into sel's shared buffers ([1, TK] ids, weights), then an arrival on
     its `routed` barrier. RSPEC = (SIGMOID, GROUP_RULE, TOPK_GROUP, NORM, HAS_BIAS, BG, BEG,
     L3), L3 a one-warp layout of [1, BG, BEG]."""
