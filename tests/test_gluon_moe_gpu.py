@@ -58,11 +58,7 @@ def test_available():
 @needs_sm90
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("foreign", [0, 2])
-@pytest.mark.parametrize("early", [True, False])
-def test_matches_reference(name, foreign, early, monkeypatch):
-    """early: the shared experts' down part before the routing (SHARED_DOWN_EARLY), or with
-    the routed slots after the phase barrier."""
-    monkeypatch.setattr(gm, "SHARED_DOWN_EARLY", early)
+def test_matches_reference(name, foreign):
     x, gate, up, down, shared, k = _case(name)
     gen = torch.Generator().manual_seed(7)
     first = 32

@@ -52,7 +52,6 @@ NUM_WARPS = 4                # the consumer partition
 FIELDS = 4                   # int32 fields of an item (gluon_moe_kernel.ITEM_FIELDS)
 ENABLED = True
 ROUTED = True                # the router in the launch (moe_row_routed) where MoE can (benches)
-SHARED_DOWN_EARLY = True     # the shared experts' down tiles before the routed ones (benches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,15 +257,13 @@ def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=Non
                  logits, h_new.reshape(-1), y.reshape(-1), 1.0 / dim, float(eps), NE,
                  NE // spec.groups, spec.groups, spec.scaling)
         meta = _route_meta(spec, NE, bias is not None)
-    counters = triton_util.arrival_counters(x.device, 4)
-    early = int(SHARED_DOWN_EARLY and ws > 0)
-    md = pow2(max(1, max(c[2] for c in p.counts(topk))))
+    counters = triton_util.arrival_counters(x.device, 3)
     triton_util.run_kernel(
         moe_row_kernel, (p.programs,), x.reshape(-1), ids.reshape(-1), weights.reshape(-1),
         first, E, inter, dim, ws, *descs, items, counts, p.programs, p.max_items, h, out,
         counters, *rargs, TOPK=topk, TK=max(2, pow2(topk)), SHARED=int(ws > 0),
         XR=pow2(2 * k_steps(dim)), HR=pow2(p.h_rows), BN=BN, BK=BK, STAGES=STAGES,
-        PRODUCER_REGS=PRODUCER_REGS, EARLY=early, MD=md, num_warps=NUM_WARPS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS,
         **({"maxnreg": MAXNREG} if MAXNREG else {}), **meta)
 
 

@@ -24,14 +24,6 @@ Two partitions:
 - consumer (4 warps, the default partition): per stage, the four boxes from shared memory
   times the activation rows (x, or h) in fp32 FMA, summed per feature at the item's end.
 
-EARLY (with shared experts): a down item's shared-expert part does not wait for the routing.
-The producer streams every down item's shared-slot tiles right after the shared gate/up tiles,
-before the routed ids are known; the consumer, after its shared gate/up items, meets the other
-programs at a second counter (every shared h written), stages the shared rows of h, and keeps
-each down item's shared sums [2 BN] in shared memory until the item's routed slots are added
-after the phase barrier. So the weight stream has the shared experts' down weights to read
-while the routing is made.
-
 ROUTE (gluon_moe.moe_row_routed): the router's launch rides in this one. x is then the attention
 output; the consumer forms the normed rows and its programs' logits first (gluon_route.
 route_rows), and a third partition (one warp, gluon_route.choose) makes the top-k choice once
@@ -39,11 +31,11 @@ every program's logits are in, while the consumer already streams the shared exp
 The producer holds the routed tiles back until that choice (the `routed` barrier in shared
 memory), not until the previous kernel.
 
-No deadlock: the barriers wait only for gate/up work (EARLY's for the shared experts', the
-phase barrier for all of it), which every program does before any wait; every program is
-resident once the next kernel may launch (each calls launch_dependents after its wait), and the
-plan has at most one program per SM. The counters (helix.triton_util.arrival_counters: phase,
-done, ROUTE's route, EARLY's shared-h) are reset by the last program to finish.
+No deadlock: the barrier waits only for gate/up work, which every program does first without
+waiting; every program is resident once the next kernel may launch (each calls
+launch_dependents after its wait), and the plan has at most one program per SM. The counters
+(helix.triton_util.arrival_counters: phase, done, and ROUTE's route counter) are reset by the
+last program to finish.
 """
 
 from __future__ import annotations
@@ -145,35 +137,12 @@ def _down_boxes(ring, s, bar, desc, row, k, BN: gl.constexpr, BK: gl.constexpr):
 
 
 @gluon.jit
-def _down_tiles(args, ids, tk, n0, j, q_lo, TOPK: gl.constexpr, SHARED: gl.constexpr,
-                BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, q_hi):
-    """A down item's stages (output rows [n0, n0 + 2 BN)) over its slots q_lo .. q_hi - 1
-    (the shared slot is q 0 where there is one) that are local."""
-    (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
-     I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
-    stage_bytes: gl.constexpr = 4 * BN * BK * 2
-    for q in range(q_lo, q_hi):
-        sl = _slot(q, TOPK, SHARED)
-        local, e = _local(ids, tk, sl, first, E, TOPK)
-        if local:
-            for t in range(_k_steps(sl, I, IS, TOPK, BK)):
-                s, bar = _claim(ready, empty, j, STAGES, stage_bytes)
-                k = 2 * t * BK
-                if sl < TOPK:
-                    _down_boxes(ring, s, bar, dd, e * D + n0, k, BN, BK)
-                else:
-                    _down_boxes(ring, s, bar, dds, n0, k, BN, BK)
-                j += 1
-    return j
-
-
-@gluon.jit
 def _producer(args, sel, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-              ROUTE: gl.constexpr, EARLY: gl.constexpr):
+              ROUTE: gl.constexpr):
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
-    sel_ids, sel_wts, routed, part_a, part_b = sel
+    sel_ids, sel_wts, routed = sel
     pid = gl.program_id(0)
     stage_bytes: gl.constexpr = 4 * BN * BK * 2
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -187,14 +156,9 @@ def _producer(args, sel, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.conste
         slot, n0 = nxt
         nxt = _item(items_ptr, pid, it + 1, L)      # its fields arrive under this item
         j = _up_tiles(ring, ready, empty, dgs, dus, n0, j, D, BK, STAGES, stage_bytes)
-    none = gl.full([TK], -1, gl.int32, layout=vec)
-    if EARLY:                         # its down items' shared-expert tiles: no routing either
-        for it in range(n_up, n_up + n_down):
-            j = _down_tiles(args, none, tk, _item(items_ptr, pid, it, L)[1], j, 0, TOPK,
-                            SHARED, BN, BK, STAGES, 1)
     if ROUTE:                         # the ids its consumer chose (gluon_route)
         mbarrier.wait(routed, 0)
-        ids = gl.where(tk < TOPK, _row(sel_ids, 1, TK, 0).load(vec), -1)
+        ids = gl.where(tk < TOPK, _row(sel_ids, TK).load(vec), -1)
     else:                             # the router kernel's ids
         grid_wait(PDL)
         ids = gl.load(ids_ptr + tk, mask=tk < TOPK, other=-1).to(gl.int32)
@@ -206,9 +170,19 @@ def _producer(args, sel, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.conste
             if local:
                 j = _up_tiles(ring, ready, empty, dg, du, e * I + n0, j, D, BK, STAGES,
                               stage_bytes)
-        else:                         # down: every slot (EARLY: the routed ones)
-            j = _down_tiles(args, ids, tk, n0, j, EARLY, TOPK, SHARED, BN, BK, STAGES,
-                            TOPK + SHARED)
+        else:                                                          # down: every slot
+            for q in range(TOPK + SHARED):
+                sl = _slot(q, TOPK, SHARED)
+                local, e = _local(ids, tk, sl, first, E, TOPK)
+                if local:
+                    for t in range(_k_steps(sl, I, IS, TOPK, BK)):
+                        s, bar = _claim(ready, empty, j, STAGES, stage_bytes)
+                        k = 2 * t * BK
+                        if sl < TOPK:
+                            _down_boxes(ring, s, bar, dd, e * D + n0, k, BN, BK)
+                        else:
+                            _down_boxes(ring, s, bar, dds, n0, k, BN, BK)
+                        j += 1
 
 
 @gluon.jit
@@ -222,12 +196,11 @@ def _stage_x(xs2, x_ptr, D, BK: gl.constexpr, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _stage_h(hs2, h_ptr, I, IS, r_hi, TOPK: gl.constexpr, BK: gl.constexpr,
+def _stage_h(hs2, h_ptr, I, IS, TOPK: gl.constexpr, BK: gl.constexpr,
              num_warps: gl.constexpr):
-    """The h buffer's rows below r_hi (rows of BK: the shared slot's, then each routed slot's)
-    into shared memory, 0 past each slot's width (the TMA boxes past a weight's last column
-    read 0 too, and 0 * garbage could be NaN). Written by other programs: read through L2
-    (.cg)."""
+    """The h buffer (rows of BK: the shared slot's, then each routed slot's) into shared
+    memory, 0 past each slot's width (the TMA boxes past a weight's last column read 0 too,
+    and 0 * garbage could be NaN). Written by other programs: read through L2 (.cg)."""
     R: gl.constexpr = hs2.shape[0]
     lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
     r = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(1, lay)), 1)
@@ -236,7 +209,7 @@ def _stage_h(hs2, h_ptr, I, IS, r_hi, TOPK: gl.constexpr, BK: gl.constexpr,
     rr = _rows(I, BK)                                 # a routed slot's rows
     routed = r >= rs
     k = gl.where(routed, ((r - rs) % rr) * BK, r * BK) + c         # K of the element
-    ok = gl.where(routed, (k < I) & (r < rs + TOPK * rr), k < IS) & (r < r_hi)
+    ok = gl.where(routed, (k < I) & (r < rs + TOPK * rr), k < IS)
     hs2.store(gl.load(h_ptr + r * BK + c, mask=ok, other=0.0, cache_modifier=".cg"))
 
 
@@ -290,13 +263,14 @@ def _up_item(args, it, j, nxt, ids, wts, tk, TOPK: gl.constexpr, BN: gl.constexp
 @gluon.jit
 def _consumer(args, sel, rargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-              ROUTE: gl.constexpr, EARLY: gl.constexpr, num_warps: gl.constexpr):
+              ROUTE: gl.constexpr, num_warps: gl.constexpr):
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
-    sel_ids, sel_wts, routed, part_a, part_b = sel
+    sel_ids, sel_wts, routed = sel
     pid = gl.program_id(0)
     # a [BN, BK] box: 8 contiguous K elements (16 bytes) a thread, a warp along a row
     tile: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    kcol: gl.constexpr = gl.SliceLayout(0, tile)
     rows = gl.arange(0, BN, layout=gl.SliceLayout(1, tile))
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     tk = gl.arange(0, TK, layout=vec)
@@ -315,23 +289,10 @@ def _consumer(args, sel, rargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl
     for it in range(n_sh):                # phase A: gate/up, the shared experts' first
         j, nxt = _up_item(args, it, j, nxt, none, none.to(gl.float32), tk, TOPK, BN, BK,
                           STAGES, num_warps)
-    if EARLY:     # the down items' shared-expert part, once every shared h is in: no routing
-        sync_threads()
-        gl.atomic_add(cnt_ptr + 3, 1, sem="release", scope="gpu")
-        if n_down > 0:
-            while gl.atomic_add(cnt_ptr + 3, 0, sem="acquire", scope="gpu") < G:
-                pass
-            _stage_h(hs2, h_ptr, I, IS, _rows(IS, BK), TOPK, BK, num_warps)
-            sync_threads()
-        for d in range(n_down):
-            acc_a, acc_b, j = _down_acc(args, none, tk, j, 0, TOPK, SHARED, BN, BK, STAGES,
-                                        num_warps, 1)
-            _row(part_a, part_a.shape[0], BN, d).store(gl.sum(acc_a, axis=1))
-            _row(part_b, part_b.shape[0], BN, d).store(gl.sum(acc_b, axis=1))
     if ROUTE:                             # the router partition's choice
         mbarrier.wait(routed, 0)
-        ids = gl.where(tk < TOPK, _row(sel_ids, 1, TK, 0).load(vec), -1)
-        wts = _row(sel_wts, 1, TK, 0).load(vec)
+        ids = gl.where(tk < TOPK, _row(sel_ids, TK).load(vec), -1)
+        wts = _row(sel_wts, TK).load(vec)
     else:
         ids = gl.load(ids_ptr + tk, mask=tk < TOPK, other=-1).to(gl.int32)
         wts = gl.load(wts_ptr + tk, mask=tk < TOPK, other=0.0).to(gl.float32)
@@ -343,62 +304,41 @@ def _consumer(args, sel, rargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl
     if n_down > 0:
         while gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < G:
             pass
-        _stage_h(hs2, h_ptr, I, IS, hs2.shape[0], TOPK, BK, num_warps)
+        _stage_h(hs2, h_ptr, I, IS, TOPK, BK, num_warps)
         sync_threads()
     for it in range(n_up, n_up + n_down):                              # phase B: down
         slot, n0 = nxt
         nxt = _item(items_ptr, pid, it + 1, L)
-        acc_a, acc_b, j = _down_acc(args, ids, tk, j, EARLY, TOPK, SHARED, BN, BK, STAGES,
-                                    num_warps, TOPK + SHARED)
-        out_a = gl.sum(acc_a, axis=1)
-        out_b = gl.sum(acc_b, axis=1)
-        if EARLY:                         # + the shared experts' part
-            out_a += _row(part_a, part_a.shape[0], BN, it - n_up).load(gl.SliceLayout(1, tile))
-            out_b += _row(part_b, part_b.shape[0], BN, it - n_up).load(gl.SliceLayout(1, tile))
+        acc_a = gl.zeros([BN, BK], gl.float32, layout=tile)
+        acc_b = gl.zeros([BN, BK], gl.float32, layout=tile)
+        for q in range(TOPK + SHARED):
+            sl = _slot(q, TOPK, SHARED)
+            local, e = _local(ids, tk, sl, first, E, TOPK)
+            if local:
+                r0 = _h_row(sl, I, IS, TOPK, BK)
+                for t in range(_k_steps(sl, I, IS, TOPK, BK)):
+                    va = gl.expand_dims(hs.index(r0 + 2 * t).load(kcol), 0)
+                    vb = gl.expand_dims(hs.index(r0 + 2 * t + 1).load(kcol), 0)
+                    acc_a, acc_b = _consume(ring, ready, empty, j, va, vb, acc_a, acc_b, tile,
+                                            STAGES)
+                    j += 1
         ty = out_ptr.dtype.element_ty
-        gl.store(out_ptr + n0 + rows, out_a.to(ty))
-        gl.store(out_ptr + n0 + BN + rows, out_b.to(ty))
+        gl.store(out_ptr + n0 + rows, gl.sum(acc_a, axis=1).to(ty))
+        gl.store(out_ptr + n0 + BN + rows, gl.sum(acc_b, axis=1).to(ty))
     # the last program to finish resets the counters (every wait has passed)
     sync_threads()
     if gl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
         gl.store(cnt_ptr, 0)
         gl.store(cnt_ptr + 1, 0)
-        gl.store(cnt_ptr + 2, 0)
-        gl.store(cnt_ptr + 3, 0)
+        if ROUTE:
+            gl.store(cnt_ptr + 2, 0)
 
 
 @gluon.jit
-def _down_acc(args, ids, tk, j, q_lo, TOPK: gl.constexpr, SHARED: gl.constexpr,
-              BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              num_warps: gl.constexpr, q_hi):
-    """The consumer's side of _down_tiles: a down item's [BN, BK] accumulators (its two row
-    groups) over its local slots q_lo .. q_hi - 1, h from the staged buffer -> (acc_a, acc_b,
-    ring position)."""
-    (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
-     I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
-    tile: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    kcol: gl.constexpr = gl.SliceLayout(0, tile)
-    acc_a = gl.zeros([BN, BK], gl.float32, layout=tile)
-    acc_b = gl.zeros([BN, BK], gl.float32, layout=tile)
-    for q in range(q_lo, q_hi):
-        sl = _slot(q, TOPK, SHARED)
-        local, e = _local(ids, tk, sl, first, E, TOPK)
-        if local:
-            r0 = _h_row(sl, I, IS, TOPK, BK)
-            for t in range(_k_steps(sl, I, IS, TOPK, BK)):
-                va = gl.expand_dims(hs.index(r0 + 2 * t).load(kcol), 0)
-                vb = gl.expand_dims(hs.index(r0 + 2 * t + 1).load(kcol), 0)
-                acc_a, acc_b = _consume(ring, ready, empty, j, va, vb, acc_a, acc_b, tile,
-                                        STAGES)
-                j += 1
-    return acc_a, acc_b, j
-
-
-@gluon.jit
-def _row(buf, R: gl.constexpr, W: gl.constexpr, r):
-    """Row r of a [R, W] shared buffer as a one-dimensional view."""
+def _row(sel, TK: gl.constexpr):
+    """Row 0 of a [1, TK] shared buffer as a one-dimensional view."""
     rows1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    return reinterpret(buf, buf.dtype, [R, W], rows1).index(r)
+    return reinterpret(sel, sel.dtype, [1, TK], rows1).index(0)
 
 
 @gluon.jit
@@ -407,7 +347,7 @@ def moe_row_kernel(
     dg, du, dd, dgs, dus, dds,             # TMA descriptors: gate, up [E*I, D], down [E*D, I],
                                            # shared gate, up [Is, D], shared down [D, Is]
     items_ptr, counts_ptr, G, L,           # the plan: items [G, L, 4], counts [G, 3]
-    h_ptr, out_ptr, cnt_ptr,               # cnt: phase, done, route, shared-h counters
+    h_ptr, out_ptr, cnt_ptr,               # cnt: phase, done, route counters
     # ROUTE (gluon_route; x_ptr is the attention output, ids / wts outputs): the residual, the
     # norm weight, the router weight [NE, D] and bias, the logits workspace [NE] fp32, the
     # new residual and normed rows [D], 1 / D, eps, NE, experts a group, groups, the scaling
@@ -415,8 +355,7 @@ def moe_row_kernel(
     TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr, XR: gl.constexpr,
     HR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, ROUTE: gl.constexpr = 0,
-    RSPEC: gl.constexpr = None, ROUTER_REGS: gl.constexpr = 0, EARLY: gl.constexpr = 0,
-    MD: gl.constexpr = 1, PDL: gl.constexpr = 0,
+    RSPEC: gl.constexpr = None, ROUTER_REGS: gl.constexpr = 0, PDL: gl.constexpr = 0,
 ):
     dtype: gl.constexpr = dg.dtype
     ring = gl.allocate_shared_memory(dtype, [4 * STAGES, BN, BK], dg.layout)
@@ -438,10 +377,7 @@ def moe_row_kernel(
     mbarrier.init(routed, count=1)
     sel = (gl.allocate_shared_memory(gl.int32, [1, TK], plain),      # the chosen ids
            gl.allocate_shared_memory(gl.float32, [1, TK], plain),    # and weights
-           routed,
-           # EARLY: the down items' shared-expert sums, [its down items, BN] a row group
-           gl.allocate_shared_memory(gl.float32, [MD, BN], plain),
-           gl.allocate_shared_memory(gl.float32, [MD, BN], plain))
+           routed)
     args = (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr,
             first, E, I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L)
     rargs = (x_ptr, r_ptr, nw_ptr, rw_ptr, bias_ptr, lg_ptr, h_out, y_out, wts_ptr, ids_ptr,
@@ -449,13 +385,13 @@ def moe_row_kernel(
     if ROUTE:                 # a third partition, one warp: the choice (gluon_route.choose)
         gl.warp_specialize(
             [(_consumer, (args, sel, rargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
-                          EARLY, num_warps)),
-             (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE, EARLY)),
+                          num_warps)),
+             (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE)),
              (choose, (rargs, sel, G, TOPK, TK, RSPEC))],
             [1, 1], [PRODUCER_REGS, ROUTER_REGS])
     else:
         gl.warp_specialize(
             [(_consumer, (args, sel, rargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
-                          EARLY, num_warps)),
-             (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE, EARLY))],
+                          num_warps)),
+             (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE))],
             [1], [PRODUCER_REGS])
