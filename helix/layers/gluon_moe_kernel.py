@@ -382,6 +382,8 @@ def moe_row_kernel(
             first, E, I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L)
     rargs = (x_ptr, r_ptr, nw_ptr, rw_ptr, bias_ptr, lg_ptr, h_out, y_out, wts_ptr, ids_ptr,
              inv_d, eps, D, NE, EG, NG, scaling, cnt_ptr + 2)
+    # the partition lists are written out in both branches: a tuple holding constexprs loses
+    # them when bound to a name first (triton 3.6)
     if ROUTE:                 # a third partition, one warp: the choice (gluon_route.choose)
         gl.warp_specialize(
             [(_consumer, (args, sel, rargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,

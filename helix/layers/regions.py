@@ -6,7 +6,8 @@ continues. fn must only read tensors at fixed addresses (static inputs, earlier 
 return the tensors later code reads. Names in use: "attention" (partial attention, and the KV
 append where the layer does not fold it into an earlier launch: without context parallelism
 MLA's absorbed steps append in the captured kv-row kernel, GQA in the captured rotation kernel,
-fused_qk_norm.rope_append), "moe" (routed experts).
+fused_qk_norm.rope_append), "moe" (routed experts; at one row on sm_90 also the router and
+its add + norm, which ride in the experts' launch: MoE._routed_row).
 """
 
 from __future__ import annotations
