@@ -329,8 +329,8 @@ def set_kernels(mode: str) -> None:
     'after-moerow-stages6' / '-stages4': gluon_moe's weight ring 6 / 4 stages deep, not 8 (less
     shared memory held beside the next kernel); 'after-noroute': one row's MoE launch without
     the router in it (the router's own launch before it: gluon_moe.ROUTED off);
-    'after-nomlaout': absorbed MLA's split merge and W_UV as two launches, not mla_out's
-    one (mla_out.ENABLED off)."""
+    'after-nomlaout': absorbed MLA's split merge, W_UV and o_proj as three launches, not
+    mla_out's one (mla_out.ENABLED off)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"

@@ -138,8 +138,8 @@ class MLAAttention(NormedInput, nn.Module):
             o = overlapped(lambda a, b: attend_rows(a, b, meta.rows(a, b)),
                            lambda o, lse: self.exchange(o, lse, backend), R,
                            meta.micro_batches, q.device)
-        elif cp is None and self._absorbs_splits(q_latent, R, meta, backend, w_uv):
-            return self._attend_absorbed(q_latent, q_rope, kv_cache, meta, backend, w_uv, ctx)
+        elif cp is None and self._one_launch_out(q_latent, R, meta, backend, w_uv):
+            return self._attend_out(q_latent, q_rope, kv_cache, meta, backend, w_uv, ctx)
         elif cp is None:                                   # the row is in the pool already
             with phase("attn"):
                 o, lse = region(ctx, "attention", lambda: attend_rows(0, R, meta))
@@ -150,15 +150,15 @@ class MLAAttention(NormedInput, nn.Module):
         with phase("oproj"):
             return self.o_proj(absorb_v(o, w_uv))                             # [T, H/N * v]
 
-    def _absorbs_splits(self, q_latent, R, meta, backend, w_uv) -> bool:
-        """Whether a decode step's split merge and W_UV run as one launch
+    def _one_launch_out(self, q_latent, R, meta, backend, w_uv) -> bool:
+        """Whether a decode step's split merge, W_UV and o_proj run as one launch
         (helix.layers.mla_out): one KVP rank, the backend's split partials, decode rows only."""
         return (meta.is_decode and backend.split_partials
-                and mla_out.fits(q_latent, R, self.exchange.kvp, w_uv))
+                and mla_out.fits(q_latent, R, self.exchange.kvp, w_uv, self.o_proj.weight))
 
-    def _attend_absorbed(self, q_latent, q_rope, kv_cache, meta, backend, w_uv, ctx):
-        """The decode rows' attention as split partials, then mla_out's merge + W_UV launch,
-        then o_proj -> [T, D]."""
+    def _attend_out(self, q_latent, q_rope, kv_cache, meta, backend, w_uv, ctx):
+        """The decode rows' attention as split partials, then mla_out's one launch ->
+        [T, D] (o_proj's all-reduce and bias after it)."""
         live = []       # live_splits' rule of the partials: from static shapes, so fixed at
                         # capture like the launch that reads it
 
@@ -171,8 +171,9 @@ class MLAAttention(NormedInput, nn.Module):
         with phase("attn"):
             o_ws, lse_ws = region(ctx, "attention", attend)
         with phase("oproj"):
-            return self.o_proj(mla_out.absorb_splits(o_ws, lse_ws, meta.kv_lens, tuple(live),
-                                                     w_uv))
+            return self.o_proj.reduce_partial(
+                mla_out.project(o_ws, lse_ws, meta.kv_lens, tuple(live), w_uv,
+                                self.o_proj.weight))
 
     def _attend_cp(self, q_latent, q_rope, row, meta, kv_cache, backend, T):
         """Pass-KV (meta.cp): append this rank's rows, attend its decode rows the Helix way and

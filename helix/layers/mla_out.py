@@ -1,35 +1,43 @@
-"""Absorbed MLA's split merge and W_UV's absorption in ONE launch at decode.
+"""The absorbed MLA layer's output at decode in ONE launch: the merge of the attention kernel's
+split partials, W_UV's absorption and o_proj.
 
-    absorb_splits(o_ws [T, H, S, Dl], lse_ws [T, H, S], kv_lens [T], live, w_uv [H, v, Dl])
-        -> [T, H * v] = absorb_v(merge(o_ws, lse_ws), w_uv)       (o_proj's input)
+    project(o_ws [T, H, S, Dl], lse_ws [T, H, S], kv_lens [T], live, w_uv [H, v, Dl],
+            w_o [N, H * v]) -> [T, N]
+      = linear(absorb_v(merge(o_ws, lse_ws), w_uv), w_o)
 
+(o_proj's product before its all-reduce and bias: RowShardLinear.reduce_partial adds those.)
 `live` = (block_n, min_chunk) of triton_splits.live_splits: the splits a short sequence leaves
 empty hold nothing and are skipped, as reduce_splits skips them; (0, 0): every split is read.
 
-Why. At one row the layer's attention output was three launches after the attention kernel:
-reduce_splits, the W_UV GEMV (skinny_gemm.absorb_v), the o_proj GEMV; each is a few us of
-launch, ramp and dependency for well under a us of bytes. Here the first two are one:
+Why. At one row the three launches this replaces (reduce_splits, the W_UV GEMV, the o_proj
+GEMV) are each a few us of launch, ramp and dependency for well under a us of bytes; in a
+DeepSeek-V2-Lite step at batch 1 they were ~10 us of a layer's critical path. Here:
 
-- grid: one program an item (row b, head h, latent chunk c of CHUNK columns). Before the PDL
-  wait it loads its W_UV[h, :, chunk] tile (weights are no kernel's output: the tile streams
-  while the attention kernel runs).
-- the exact log-sum-exp merge of the chunk's splits (triton_splits.lse_weights, the rule
-  reduce_splits uses), rounded to the weights' dtype as reduce_splits' output is; its
-  product with the tile: an fp32 partial of head h's v outputs.
-- the head's last chunk to arrive (helix.triton_util.last_to_arrive, a counter per row and
-  head) sums the C partials in chunk order (deterministic) and stores the head's outputs,
-  rounded as absorb_v rounds them.
-o_proj stays its own GEMV launch, which loads its weight tiles before its PDL wait, so they
-stream while this launch runs.
+- grid: P <= SM-count programs, every one resident at once (a grid barrier follows). Before
+  the PDL wait each program loads its first W_UV tile (weights are no kernel's output, so it
+  streams while the attention kernel runs; o_proj's rows are NOT loaded there: asked of L2
+  before the wait they slowed the attention kernel beside them by ~2 us a layer on the H200,
+  profiling/results/mla_out.md).
+- phase 1, items (row, head, latent chunk of CHUNK): the exact log-sum-exp merge of the
+  chunk's splits (triton_splits.lse_weights, the rule reduce_splits uses), rounded to the
+  weights' dtype as reduce_splits' output is; its product with W_UV[head, :, chunk]: an fp32
+  partial of that head's v outputs. The head's last chunk to arrive (an arrival counter per
+  row and head) sums its chunks' partials in chunk order (deterministic) and stores the
+  head's W_UV output, rounded as absorb_v rounds it.
+- the program's first block of o_proj rows loads (registers) while it waits at a grid barrier
+  (helix.triton_util.grid_barrier: every program counted in after its stores).
+- phase 2, items (blocks of o_proj's rows): the W_UV outputs of every row times the block's
+  rows, rounded once.
 
-Measured and not kept (profiling/results/mla_out.md): o_proj in this launch too, after a grid
-barrier. Correct, but slower on the H200 (DeepSeek-V2-Lite 1 x 1K 1.80 -> 1.86-1.89 ms): the
-barrier costs about what a launch boundary does, and o_proj's rows no longer stream under an
-earlier kernel (asked of L2 there, they slowed the attention kernel beside them).
+The barrier needs every program resident: P <= the SM count and a program's footprint is
+small, so once the kernel before it drains they all are; under PDL the kernel after this one
+launches only when every program of this one has passed its wait (all resident), so it cannot
+take their place. In Triton's interpreter programs run one after another and a barrier would
+never open: there the two phases are two launches of the same kernel (PHASE 1, then 2).
 
-Rounding: the merge and the output round where the two launches do; W_UV's K sum runs in
-chunks (fp32, summed in order) where the GEMV summed it at once, so an output may differ from
-absorb_v's in its last bf16 bit (tests bound it).
+Rounding: the merge, W_UV and o_proj round where the three launches do; W_UV's K sum runs in
+chunks (fp32, summed in order) where the GEMV summed it at once, so its output may differ
+from absorb_v's in the last bf16 bit (tests bound it).
 """
 
 from __future__ import annotations
@@ -37,13 +45,14 @@ from __future__ import annotations
 import torch
 
 from helix.layers.fused_ops import use_triton
-from helix.triton_util import (HAS_TRITON, arrival_counters, last_to_arrive, pdl_sync, pow2,
-                               run_kernel, tl, triton)
+from helix.triton_util import (HAS_TRITON, _INTERPRETED, arrival_counters, grid_barrier,
+                               last_to_arrive, pdl_sync, pow2, run_kernel, tl, triton)
 
 ENABLED = True          # module flag (benches switch it); read per call
 MAX_ROWS = 2            # decode rows a launch takes (the one-tile GEMV's regime)
-PART_ELEMENTS = 8192    # elements of an item's tiles: partials [splits, CHUNK], W_UV [v, CHUNK]
-NUM_WARPS = 4
+TILE = 32768            # o_proj weight elements x rows of a phase-2 item (registers)
+PART_ELEMENTS = 8192    # elements of a phase-1 tile: partials [splits, CHUNK], W_UV [v, CHUNK]
+NUM_WARPS = 8
 
 
 def takes(rows: int, kvp: int) -> bool:
@@ -53,12 +62,13 @@ def takes(rows: int, kvp: int) -> bool:
     return ENABLED and kvp == 1 and 0 < rows <= MAX_ROWS
 
 
-def fits(x: torch.Tensor, rows: int, kvp: int, w_uv: torch.Tensor) -> bool:
-    """Whether MLAAttention takes absorb_splits() for a decode step of `rows` rows (x: a
-    tensor of the step, for its device): takes(), a Triton device, a float W_UV with unit
-    stride along the latent dims."""
-    return (takes(rows, kvp) and use_triton(x) and w_uv.dtype.is_floating_point
-            and w_uv.stride(2) == 1)
+def fits(x: torch.Tensor, rows: int, kvp: int, w_uv: torch.Tensor, w_o: torch.Tensor) -> bool:
+    """Whether MLAAttention takes project() for a decode step of `rows` rows (x: a tensor of
+    the step, for its device): takes(), a Triton device, one float dtype for both weights,
+    unit strides along their K axes."""
+    return (takes(rows, kvp) and use_triton(x) and w_uv.dtype == w_o.dtype
+            and w_uv.dtype.is_floating_point and w_uv.stride(2) == 1 and w_o.stride(1) == 1
+            and w_o.shape[1] == w_uv.shape[0] * w_uv.shape[1])
 
 
 if HAS_TRITON:
@@ -114,55 +124,128 @@ if HAS_TRITON:
             tl.store(cnt, 0)
 
     @triton.jit
-    def _absorb_splits_kernel(ows_ptr, lws_ptr, lens_ptr, wuv_ptr, part_ptr, y_ptr, cnt_ptr,
-                              H, DL, V,
-                              s_ob, s_oh, s_os,     # o_ws [T, H, S, DL] (unit stride along DL)
-                              s_lb, s_lh,           # lse_ws [T, H, S] (unit stride along S)
-                              s_wh, s_wv,           # w_uv [H, V, DL] (unit stride along DL)
-                              NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                              CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
-                              LIVE_BLOCK_N: tl.constexpr, LIVE_MIN_CHUNK: tl.constexpr,
-                              PDL: tl.constexpr = False):
-        """Module doc; program i = item (b, h, c). Partials part_ptr [C, ROWS, H * V] fp32,
-        y [T, H * V], counters cnt_ptr [b * H + h]."""
-        i = tl.program_id(0)
+    def _wo_tile(wo_ptr, nb, N, HV, s_wo, BLOCK_NO: tl.constexpr, BLOCK_HV: tl.constexpr):
+        """o_proj's rows of phase-2 block nb: [BLOCK_NO, BLOCK_HV]."""
+        n = nb * BLOCK_NO + tl.arange(0, BLOCK_NO)
+        j = tl.arange(0, BLOCK_HV)
+        return tl.load(wo_ptr + n.to(tl.int64)[:, None] * s_wo + j[None, :],
+                       mask=(n < N)[:, None] & (j < HV)[None, :], other=0.0)
+
+    @triton.jit
+    def _project_block(nb, w, y, out_ptr, T, N, s_out, BLOCK_NO: tl.constexpr,
+                       ROWS: tl.constexpr):
+        """Phase-2 block nb with its o_proj rows w: every row of y [ROWS, BLOCK_HV] (fp32 of
+        the rounded W_UV outputs) times w, rounded once."""
+        n = nb * BLOCK_NO + tl.arange(0, BLOCK_NO)
+        rid = tl.arange(0, ROWS)[:, None]
+        for r in tl.static_range(ROWS):
+            if r < T:
+                yr = tl.sum(tl.where(rid == r, y, 0.0), axis=0)                  # row r
+                acc = tl.sum(w.to(tl.float32) * yr[None, :], axis=1)
+                tl.store(out_ptr + r * s_out + n, acc.to(out_ptr.dtype.element_ty), mask=n < N)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _mla_out_kernel(ows_ptr, lws_ptr, lens_ptr, wuv_ptr, wo_ptr, part_ptr, y_ptr, out_ptr,
+                        cnt_ptr,
+                        T, H, DL, V, N,
+                        s_ob, s_oh, s_os,          # o_ws [T, H, S, DL] (unit stride along DL)
+                        s_lb, s_lh,                # lse_ws [T, H, S] (unit stride along S)
+                        s_wh, s_wv,                # w_uv [H, V, DL] (unit stride along DL)
+                        s_wo,                      # w_o [N, H * V] (unit stride along H * V)
+                        s_out,                     # out [T, N] (unit stride along N)
+                        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+                        BLOCK_V: tl.constexpr, BLOCK_NO: tl.constexpr, BLOCK_HV: tl.constexpr,
+                        ROWS: tl.constexpr, LIVE_BLOCK_N: tl.constexpr,
+                        LIVE_MIN_CHUNK: tl.constexpr, PHASE: tl.constexpr,
+                        PDL: tl.constexpr = False):
+        """Module doc. PHASE 0: both phases and the barrier (one launch); 1 or 2: that phase
+        alone (the interpreter's two launches). Partials part_ptr: [C, ROWS, H * V] fp32.
+        Program p's first phase-1 item (p itself) runs on the W_UV tile loaded before the
+        wait, later ones (p + P, ...) load theirs; its first block of o_proj rows loads under
+        the barrier, later blocks in phase 2. Counters cnt_ptr: [0] the barrier's, [1 + b * H
+        + h] row b's head h's chunks."""
+        pid = tl.program_id(0)
+        P = tl.num_programs(0)
+        HV = H * V
         C = tl.cdiv(DL, CHUNK)
-        w = _wuv_tile(wuv_ptr, i, H, C, V, DL, s_wh, s_wv, CHUNK, BLOCK_V)
+        items = T * H * C                          # phase 1: (row, head, latent chunk)
+        blocks = tl.cdiv(N, BLOCK_NO)              # phase 2: blocks of o_proj's rows
+        wuv0 = _wuv_tile(wuv_ptr, pid, H, C, V, DL, s_wh, s_wv, CHUNK, BLOCK_V)
         pdl_sync(PDL)
-        _merge_absorb(i, w, ows_ptr, lws_ptr, lens_ptr, part_ptr, y_ptr, cnt_ptr, H, C, V, DL,
-                      s_ob, s_oh, s_os, s_lb, s_lh, NUM_SPLITS, BLOCK_S, CHUNK, BLOCK_V, ROWS,
-                      LIVE_BLOCK_N, LIVE_MIN_CHUNK)
+        if PHASE != 2:
+            if pid < items:
+                _merge_absorb(pid, wuv0, ows_ptr, lws_ptr, lens_ptr, part_ptr, y_ptr,
+                              cnt_ptr + 1, H, C, V, DL,
+                              s_ob, s_oh, s_os, s_lb, s_lh, NUM_SPLITS, BLOCK_S, CHUNK, BLOCK_V,
+                              ROWS, LIVE_BLOCK_N, LIVE_MIN_CHUNK)
+            for i in range(pid + P, items, P):
+                _merge_absorb(i, _wuv_tile(wuv_ptr, i, H, C, V, DL, s_wh, s_wv, CHUNK, BLOCK_V),
+                              ows_ptr, lws_ptr, lens_ptr, part_ptr, y_ptr, cnt_ptr + 1,
+                              H, C, V, DL,
+                              s_ob, s_oh, s_os, s_lb, s_lh, NUM_SPLITS, BLOCK_S, CHUNK, BLOCK_V,
+                              ROWS, LIVE_BLOCK_N, LIVE_MIN_CHUNK)
+        wo0 = _wo_tile(wo_ptr, pid, N, HV, s_wo, BLOCK_NO, BLOCK_HV)   # under the barrier
+        if PHASE == 0:
+            grid_barrier(cnt_ptr, P)
+        if PHASE != 1:
+            r = tl.arange(0, ROWS)
+            j = tl.arange(0, BLOCK_HV)
+            y = tl.load(y_ptr + r[:, None] * HV + j[None, :],
+                        mask=(r < T)[:, None] & (j < HV)[None, :], other=0.0,
+                        cache_modifier=".cg").to(tl.float32)                     # [ROWS, HV]
+            if pid < blocks:
+                _project_block(pid, wo0, y, out_ptr, T, N, s_out, BLOCK_NO, ROWS)
+            for nb in range(pid + P, blocks, P):
+                _project_block(nb, _wo_tile(wo_ptr, nb, N, HV, s_wo, BLOCK_NO, BLOCK_HV), y,
+                               out_ptr, T, N, s_out, BLOCK_NO, ROWS)
 
 
-def plan(T: int, H: int, V: int, DL: int, splits: int) -> dict:
-    """Tiles from shapes only (graph-safe): CHUNK latent columns an item, its [splits, CHUNK]
-    partials and [v, CHUNK] of W_UV tiles of at most PART_ELEMENTS. DeepSeek-V2-Lite at one
-    row, 128 splits: 16 heads x 8 chunks of 64, 128 programs."""
+def plan(T: int, H: int, V: int, DL: int, N: int, splits: int, sm_count: int) -> dict:
+    """Tiles and grid from shapes only (graph-safe): CHUNK latent columns a phase-1 item (its
+    [splits, CHUNK] partials and [v, CHUNK] of W_UV: tiles of at most PART_ELEMENTS),
+    BLOCK_NO o_proj rows a phase-2 item (a [BLOCK_NO, H * v] tile of at most TILE / rows
+    elements, halved while the blocks would not occupy half the SMs), P programs: the larger item
+    count, at most the SM count. DeepSeek-V2-Lite at one row, 132 SMs, 128 splits: 16 heads x
+    8 chunks of 64, 128 blocks of 16 rows, 128 programs (at two rows: 256 blocks of 8, 132
+    programs)."""
     block_s = pow2(splits)
+    block_hv = pow2(H * V)
     chunk = min(pow2(DL), max(16, PART_ELEMENTS // block_s), max(16, PART_ELEMENTS // pow2(V)))
-    return dict(programs=T * H * -(-DL // chunk), BLOCK_S=block_s, CHUNK=chunk,
-                BLOCK_V=pow2(V), ROWS=pow2(T))
+    block_no = max(1, TILE // (block_hv * pow2(T)))
+    while block_no > 1 and -(-N // block_no) < sm_count // 2:
+        block_no //= 2
+    items = T * H * -(-DL // chunk)
+    programs = max(1, min(sm_count, max(items, -(-N // block_no))))
+    return dict(programs=programs, BLOCK_S=block_s, CHUNK=chunk, BLOCK_V=pow2(V),
+                BLOCK_NO=block_no, BLOCK_HV=block_hv, ROWS=pow2(T))
 
 
-def absorb_splits(o_ws: torch.Tensor, lse_ws: torch.Tensor, kv_lens: torch.Tensor,
-                  live: tuple[int, int], w_uv: torch.Tensor) -> torch.Tensor:
-    """Module doc, on the kernel (the caller checks fits())."""
+def project(o_ws: torch.Tensor, lse_ws: torch.Tensor, kv_lens: torch.Tensor,
+                   live: tuple[int, int], w_uv: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
+    """Module doc, on the kernel: one launch (two in Triton's interpreter). The caller checks
+    fits()."""
+    from helix.attention.triton_splits import sm_count_of
     T, H, S, DL = o_ws.shape
     V = w_uv.shape[1]
-    assert T <= MAX_ROWS and w_uv.shape == (H, V, DL) and w_uv.stride(2) == 1
+    N = w_o.shape[0]
+    assert T <= MAX_ROWS and w_uv.shape == (H, V, DL) and w_o.shape[1] == H * V
     assert lse_ws.shape == (T, H, S) and lse_ws.stride(2) == 1 and o_ws.stride(3) == 1
-    y = torch.empty((T, H * V), dtype=w_uv.dtype, device=w_uv.device)
+    assert w_uv.stride(2) == 1 and w_o.stride(1) == 1
+    out = torch.empty((T, N), dtype=w_o.dtype, device=w_o.device)
     if T == 0:
-        return y
-    p = plan(T, H, V, DL, S)
+        return out
+    p = plan(T, H, V, DL, N, S, sm_count_of(o_ws.device))
     programs = p.pop("programs")
-    part = torch.empty((-(-DL // p["CHUNK"]), p["ROWS"], H * V), dtype=torch.float32,
-                       device=o_ws.device)
-    cnt = arrival_counters(o_ws.device, T * H)
+    C = -(-DL // p["CHUNK"])
+    part = torch.empty((C, p["ROWS"], H * V), dtype=torch.float32, device=o_ws.device)
+    y = torch.empty((p["ROWS"], H * V), dtype=w_uv.dtype, device=o_ws.device)
+    cnt = arrival_counters(o_ws.device, 1 + p["ROWS"] * H)     # the barrier's, one a head
     block_n, min_chunk = live
-    run_kernel(_absorb_splits_kernel, (programs,), o_ws, lse_ws, kv_lens, w_uv, part, y, cnt,
-               H, DL, V, o_ws.stride(0), o_ws.stride(1), o_ws.stride(2), lse_ws.stride(0),
-               lse_ws.stride(1), w_uv.stride(0), w_uv.stride(1), NUM_SPLITS=S,
-               LIVE_BLOCK_N=block_n, LIVE_MIN_CHUNK=min_chunk, num_warps=NUM_WARPS,
-               num_stages=1, **p)
-    return y
+    args = (o_ws, lse_ws, kv_lens, w_uv, w_o, part, y, out, cnt, T, H, DL, V, N,
+            o_ws.stride(0), o_ws.stride(1), o_ws.stride(2), lse_ws.stride(0), lse_ws.stride(1),
+            w_uv.stride(0), w_uv.stride(1), w_o.stride(0), out.stride(0))
+    meta = dict(NUM_SPLITS=S, LIVE_BLOCK_N=block_n, LIVE_MIN_CHUNK=min_chunk,
+                num_warps=NUM_WARPS, num_stages=1, **p)
+    for phase in ((1, 2) if _INTERPRETED else (0,)):
+        run_kernel(_mla_out_kernel, (programs,), *args, PHASE=phase, **meta)
+    return out

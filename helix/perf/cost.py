@@ -150,8 +150,8 @@ def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size
         o_w = hm * v * lora + hm * v * D                 # W_UV of the merged heads, o_proj shard
         o_kern = 2                                       # W_UV absorption, GEMM
         att_kern = 2                                     # splits, merge
-        if mla_out.takes(B, lay.kvp):                    # the merge in W_UV's launch
-            att_kern = 1
+        if mla_out.takes(B, lay.kvp):                    # merge, W_UV, o_proj: one launch
+            o_kern, att_kern = 1, 1
     else:
         d = cfg.head_dim
         kv0, kv1 = kv_head_range(cfg, lay.tpa, 0)
