@@ -48,7 +48,7 @@ try:
     import triton.language as tl  # noqa: F401
     HAS_TRITON = True
 except ImportError:                      # pragma: no cover - triton is the optional "kernels" extra
-    triton = tl = pdl_sync = prefetch_l2 = prefetching = grid_barrier = None
+    triton = tl = pdl_sync = prefetch_l2 = prefetching = None
     HAS_TRITON = False
 
 
@@ -138,28 +138,6 @@ if HAS_TRITON:
         through L2 (.cg loads) and resets the counter to 0 (tl.store(cnt_ptr, 0)) when done."""
         tl.debug_barrier()
         return tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == programs - 1
-
-    @triton.jit
-    def grid_barrier(bar_ptr, programs):
-        """Wait until all `programs` programs of the launch have reached this point, every one
-        of them resident at once (the caller's grid rule: at most one program per SM of small
-        footprint), their earlier stores visible after it. `bar_ptr`: one of arrival_counters,
-        zero on entry and again once the last program is through (CUDA-graph safe). Counted in
-        with a release atomic after a CTA barrier, waited for with acquire LOADS (sm_90 inline
-        PTX: pollers do not queue behind each other's atomics at the counter's L2 slice), and
-        counted out; the last out resets it. GPU only: in Triton's interpreter programs run one
-        after another and no barrier opens."""
-        tl.debug_barrier()
-        tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-        ptr = bar_ptr + tl.zeros([1], dtype=tl.int32)
-        seen = 0
-        while seen < programs:
-            seen = tl.max(tl.inline_asm_elementwise(
-                "ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                is_pure=False, pack=1), axis=0)
-        tl.debug_barrier()
-        if tl.atomic_add(bar_ptr, 1, sem="relaxed", scope="gpu") == 2 * programs - 1:
-            tl.store(bar_ptr, 0)
 
     @triton.jit
     def prefetching(PDL: tl.constexpr):

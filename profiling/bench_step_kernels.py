@@ -281,7 +281,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-noqknorm", "after-gqa-twolaunch", "after-gqa-waves1", "after-gqa-waves05",
               "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend",
               "after-nomoerow", "after-moerow-stages6", "after-moerow-stages4",
-              "after-noroute", "after-nomlaout")
+              "after-noroute", "after-nomlaout", "after-mlaout-noprefetch")
 
 
 def set_kernels(mode: str) -> None:
@@ -330,7 +330,8 @@ def set_kernels(mode: str) -> None:
     shared memory held beside the next kernel); 'after-noroute': one row's MoE launch without
     the router in it (the router's own launch before it: gluon_moe.ROUTED off);
     'after-nomlaout': absorbed MLA's split merge, W_UV and o_proj as three launches, not
-    mla_out's one (mla_out.ENABLED off)."""
+    mla_out's one (mla_out.ENABLED off); 'after-mlaout-noprefetch': mla_out's one launch
+    without o_proj's rows asked of L2 before its wait (mla_out.PREFETCH off)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -361,6 +362,7 @@ def set_kernels(mode: str) -> None:
     gluon_moe.ENABLED = mode not in ("before", "after-nomoerow")
     gluon_moe.ROUTED = mode not in ("before", "after-nomoerow", "after-noroute")
     mla_out.ENABLED = mode not in ("before", "after-nomlaout")
+    mla_out.PREFETCH = mode != "after-mlaout-noprefetch"
     gluon_moe.STAGES = {"after-moerow-stages6": 6, "after-moerow-stages4": 4}.get(mode,
                                                                                   _MOE_STAGES)
     start = mode == "after-attn-7a34bf8"
