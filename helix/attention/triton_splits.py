@@ -223,8 +223,8 @@ class SplitPartials(NamedTuple):
 
 
 def finish_splits(o: torch.Tensor, lse: torch.Tensor, o_ws: torch.Tensor, lse_ws: torch.Tensor,
-                  num_splits: int, merge: bool, kv_lens: torch.Tensor | None = None,
-                  block_n: int = 0, min_chunk: int = 0):
+                  num_splits: int, merge: bool, kv_lens: torch.Tensor | None = None, block_n: int = 0,
+                  min_chunk: int = 0):
     """The end of a split decode (o_ws, lse_ws from split_workspace): merge -> (o, lse), the
     splits reduced (reduce_splits; with one split the kernel wrote o itself); else
     SplitPartials. block_n > 0: the splits past a sequence's tokens are empty (live_splits)."""
