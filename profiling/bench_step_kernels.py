@@ -48,7 +48,6 @@ from helix.layers import fused_mla  # noqa: E402
 from helix.layers import fused_moe as fm  # noqa: E402
 from helix.layers import fused_qk_norm  # noqa: E402
 from helix.layers import gluon_moe  # noqa: E402
-from helix.layers import mla_out  # noqa: E402
 from helix.layers import moe_decode as md  # noqa: E402
 from helix.layers import router as rt  # noqa: E402
 from helix.layers import skinny_gemm  # noqa: E402
@@ -281,7 +280,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-noqknorm", "after-gqa-twolaunch", "after-gqa-waves1", "after-gqa-waves05",
               "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend",
               "after-nomoerow", "after-moerow-stages6", "after-moerow-stages4",
-              "after-noroute", "after-nomlaout", "after-mlaout-noprefetch")
+              "after-noroute")
 
 
 def set_kernels(mode: str) -> None:
@@ -328,10 +327,7 @@ def set_kernels(mode: str) -> None:
     moe_decode's two Triton launches, not gluon_moe's one launch (gluon_moe.ENABLED off);
     'after-moerow-stages6' / '-stages4': gluon_moe's weight ring 6 / 4 stages deep, not 8 (less
     shared memory held beside the next kernel); 'after-noroute': one row's MoE launch without
-    the router in it (the router's own launch before it: gluon_moe.ROUTED off);
-    'after-nomlaout': absorbed MLA's split merge, W_UV and o_proj as three launches, not
-    mla_out's one (mla_out.ENABLED off); 'after-mlaout-noprefetch': mla_out's one launch
-    without o_proj's rows asked of L2 before its wait (mla_out.PREFETCH off)."""
+    the router in it (the router's own launch before it: gluon_moe.ROUTED off)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -361,8 +357,6 @@ def set_kernels(mode: str) -> None:
     skinny_gemm.NORM_IN_GEMV = mode not in ("before", "after-nonormgemv")
     gluon_moe.ENABLED = mode not in ("before", "after-nomoerow")
     gluon_moe.ROUTED = mode not in ("before", "after-nomoerow", "after-noroute")
-    mla_out.ENABLED = mode not in ("before", "after-nomlaout")
-    mla_out.PREFETCH = mode != "after-mlaout-noprefetch"
     gluon_moe.STAGES = {"after-moerow-stages6": 6, "after-moerow-stages4": 4}.get(mode,
                                                                                   _MOE_STAGES)
     start = mode == "after-attn-7a34bf8"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sm90_compile
-from helix.attention import gluon_mla, triton_splits
+from helix.attention import gluon_mla
 from helix.attention.triton_splits import fill_num_splits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,7 +192,7 @@ def _record(monkeypatch, B, H, splits, variant="seesaw", ctx=256, page=64):
         calls["reduce_live"] = (kv_lens, block_n, min_chunk)
 
     monkeypatch.setattr(gluon_mla, "launch", launch)
-    monkeypatch.setattr(triton_splits, "reduce_splits", reduce)
+    monkeypatch.setattr(gluon_mla, "reduce_splits", reduce)
     kv = torch.zeros(B * ctx // page, page, 576, dtype=torch.bfloat16)
     q = torch.zeros(B, H, 576, dtype=torch.bfloat16)
     bt = torch.arange(B * ctx // page, dtype=torch.int32).view(B, -1)

@@ -17,9 +17,6 @@ from helix.kv.manager import LocalKVMeta
 
 class AttentionBackend:
     name = "abstract"
-    # whether decode_mla takes merge=False: its split partials unmerged
-    # (triton_splits.SplitPartials), for a launch that merges them itself (helix.layers.mla_out)
-    split_partials = False
 
     def prepare(self, device: torch.device, mla: bool) -> None:
         """Once per engine, before any graph is captured: a backend may compile or self-check

@@ -45,7 +45,7 @@ import torch
 import triton
 
 from helix import triton_util
-from helix.attention.triton_splits import (LOG2E, fill_num_splits, finish_splits, sm_count_of,
+from helix.attention.triton_splits import (LOG2E, fill_num_splits, reduce_splits, sm_count_of,
                                            split_workspace)
 
 BLOCK_H = 64                 # query heads per program: the wgmma M (heads < 64 are padded)
@@ -221,7 +221,7 @@ def make_descriptors(kv_cache: torch.Tensor, plan_: GluonMLAPlan):
 def mla_decode_gluon(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                      block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                      num_splits: int | None = None, variant: str = "seesaw",
-                     partial_dtype: torch.dtype = torch.float32, merge: bool = True):
+                     partial_dtype: torch.dtype = torch.float32):
     """triton_mla.mla_decode's contract (module doc), on the Gluon kernel."""
     if variant == "few":
         from helix.attention.gluon_mla_few_kernel import mla_decode_few_kernel as kernel
@@ -242,7 +242,7 @@ def mla_decode_gluon(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: tor
     o = torch.empty((B, H, Dl), dtype=q_latent.dtype, device=q_latent.device)
     lse = torch.empty((B, H), dtype=torch.float32, device=q_latent.device)
     if B == 0:
-        return finish_splits(o, lse, o, lse, 1, merge)
+        return o, lse
     p = plan(B, H, block_tables.shape[1] * page_size, sm_count_of(q_latent.device), page_size,
              num_splits, variant)
     o_ws, lse_ws, so, sl = split_workspace(o, lse, p.num_splits, partial_dtype)
@@ -251,8 +251,10 @@ def mla_decode_gluon(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: tor
            kv_lens, o_ws, lse_ws, scale * LOG2E, q_latent.stride(0), q_latent.stride(1),
            q_rope.stride(0), q_rope.stride(1), block_tables.stride(0), *so, *sl, H, p.num_splits,
            **p.meta(page_size))
-    return finish_splits(o, lse, o_ws, lse_ws, p.num_splits, merge,
-                         *((kv_lens, BLOCK_N, MIN_SPLIT_TOKENS[variant]) if p.skip_empty else ()))
+    if p.num_splits > 1:
+        reduce_splits(o_ws, lse_ws, o, lse, *((kv_lens, BLOCK_N, MIN_SPLIT_TOKENS[variant])
+                                              if p.skip_empty else ()))
+    return o, lse
 
 
 def launch(kernel, grid, *args, **meta):

@@ -68,7 +68,6 @@ def device_name(device: torch.device) -> str | None:
 
 class TritonAttention(AttentionBackend):
     name = "triton"
-    split_partials = True
     graph_safe = True          # decode needs no host sync: capturable (helix.runtime.decode_graphs)
 
     def __init__(self, prefill: str | None = None):
@@ -124,20 +123,17 @@ class TritonAttention(AttentionBackend):
             return None
         return kernel
 
-    def decode_mla(self, q_latent, q_rope, kv_cache, kv_lora_rank, meta: LocalKVMeta, scale,
-                   merge: bool = True):
-        """q_latent [B, H, Dl], q_rope [B, H, Dr] -> o [B, H, Dl], lse [B, H]; merge=False:
-        the split partials (triton_splits.SplitPartials)."""
+    def decode_mla(self, q_latent, q_rope, kv_cache, kv_lora_rank, meta: LocalKVMeta, scale):
+        """q_latent [B, H, Dl], q_rope [B, H, Dr] -> o [B, H, Dl], lse [B, H]."""
         _check_device(q_latent)
         assert kv_cache.shape[-1] == kv_lora_rank + q_rope.shape[-1]
         if self.gluon_mla and self._gluon_fits(q_latent, q_rope, kv_cache):
             from helix.attention import gluon_mla
             return gluon_mla.mla_decode_gluon(q_latent, q_rope, kv_cache, meta.block_tables,
                                               meta.kv_lens, scale,
-                                              variant=self.gluon_variant(q_latent.shape[1]),
-                                              merge=merge)
+                                              variant=self.gluon_variant(q_latent.shape[1]))
         return triton_mla.mla_decode(q_latent, q_rope, kv_cache, meta.block_tables, meta.kv_lens,
-                                     scale, merge=merge)
+                                     scale)
 
     def gluon_variant(self, heads: int) -> str:
         """The Gluon variant a launch of `heads` query heads runs."""

@@ -68,7 +68,7 @@ import triton.language as tl
 
 from helix.attention import triton_mla_few
 from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, fill_num_splits,
-                                           next_page_id, page_rows, finish_splits, sm_count_of,
+                                           next_page_id, page_rows, reduce_splits, sm_count_of,
                                            split_range, split_workspace, token_rows)
 from helix.triton_util import pdl_sync, run_kernel
 
@@ -355,17 +355,17 @@ def ensure_tma_allocator() -> None:
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                num_splits: int | None = None, block_n: int | None = None,
-               block_h: int | None = None, config: dict | None = None, merge: bool = True):
+               block_h: int | None = None,
+               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent [B, H, Dl], q_rope [B, H, Dr], kv_cache [P, page, Dl + Dr] (latent, rope key),
     block_tables [B, max_pages] int32, kv_lens [B] int32 -> o [B, H, Dl] in q_latent.dtype,
     lse [B, H] fp32 (natural log, -inf where kv_len == 0). `config` overrides any of
     MLA_TUNABLES (block_n / block_h: shorthands for BLOCK_N / BLOCK_H). Few heads go to
-    triton_mla_few's kernel (triton_mla_few.routes) when no tunable of this kernel is given.
-    merge=False: triton_splits.SplitPartials instead of (o, lse), the splits unmerged."""
+    triton_mla_few's kernel (triton_mla_few.routes) when no tunable of this kernel is given."""
     B, H, Dl = q_latent.shape
     if triton_mla_few.routes(H) and config is None and block_n is None and block_h is None:
         return triton_mla_few.mla_decode_few(q_latent, q_rope, kv_cache, block_tables, kv_lens,
-                                             scale, num_splits, merge=merge)
+                                             scale, num_splits)
     Dr = q_rope.shape[-1]
     _, page_size, width = kv_cache.shape
     assert width == Dl + Dr and kv_cache.stride(-1) == 1
@@ -376,7 +376,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
     o = torch.empty((B, H, Dl), dtype=q_latent.dtype, device=q_latent.device)
     lse = torch.empty((B, H), dtype=torch.float32, device=q_latent.device)
     if B == 0:
-        return finish_splits(o, lse, o, lse, 1, merge)
+        return o, lse
     config = dict(config or {})
     if block_n is not None:
         config["BLOCK_N"] = block_n
@@ -404,4 +404,6 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), *so, *sl,
         H, num_splits, kv_cache.shape[0] * page_size, Dl, Dr, PAGE_SIZE=page_size,
         DOT_PRECISION=precision, **cfg)
-    return finish_splits(o, lse, o_ws, lse_ws, num_splits, merge)
+    if num_splits > 1:
+        reduce_splits(o_ws, lse_ws, o, lse)
+    return o, lse

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, fill_num_splits,
-                                           finish_splits, run_kernel, sm_count_of, split_range,
+                                           reduce_splits, run_kernel, sm_count_of, split_range,
                                            split_workspace, token_rows)
 from helix.triton_util import pdl_sync
 
@@ -165,8 +165,8 @@ def few_plan(batch: int, heads: int, d_latent: int, d_rope: int, dtype: torch.dt
 
 def mla_decode_few(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                    block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float,
-                   num_splits: int | None = None, config: dict | None = None,
-                   merge: bool = True):
+                   num_splits: int | None = None,
+                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """triton_mla.mla_decode's contract for H <= FEW_HEADS_MAX: q_latent [B, H, Dl], q_rope
     [B, H, Dr], kv_cache [P, page, Dl + Dr], block_tables [B, max_pages] int32, kv_lens [B]
     int32 -> o [B, H, Dl] in q_latent.dtype, lse [B, H] fp32 (natural log)."""
@@ -181,7 +181,7 @@ def mla_decode_few(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch
     o = torch.empty((B, H, Dl), dtype=q_latent.dtype, device=q_latent.device)
     lse = torch.empty((B, H), dtype=torch.float32, device=q_latent.device)
     if B == 0:
-        return finish_splits(o, lse, o, lse, 1, merge)
+        return o, lse
     cfg, num_splits, partial_dtype = few_plan(B, H, Dl, Dr, kv_cache.dtype,
                                               block_tables.shape[1] * page_size,
                                               q_latent.device, config, num_splits)
@@ -194,4 +194,6 @@ def mla_decode_few(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0), *so, *sl,
         H, num_splits, D_LATENT=Dl, D_ROPE=Dr, PAGE_SIZE=page_size, DOT_PRECISION=precision,
         **cfg)
-    return finish_splits(o, lse, o_ws, lse_ws, num_splits, merge)
+    if num_splits > 1:
+        reduce_splits(o_ws, lse_ws, o, lse)
+    return o, lse

@@ -9,15 +9,12 @@
 - `lse_weights` / `lse_merge`: the exact LSE merge of per-split partials, written once: every
   merge (the second launch below, the GQA kernel's own) uses it; `live_splits`: which splits of
   a sequence hold tokens.
-- `reduce_splits`: stage 2, the merge as a second launch, one program per (batch, head);
-  `finish_splits`: a split decode's end, that merge or its partials as they are
-  (`SplitPartials`, for a launch that merges them itself: helix.layers.mla_out).
+- `reduce_splits`: stage 2, the merge as a second launch, one program per (batch, head).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import triton
@@ -210,31 +207,6 @@ def split_workspace(o: torch.Tensor, lse: torch.Tensor, num_splits: int,
     lse_ws = torch.empty((B, H, num_splits), dtype=torch.float32, device=o.device)
     return (o_ws, lse_ws, (o_ws.stride(0), o_ws.stride(1), o_ws.stride(2)),
             (lse_ws.stride(0), lse_ws.stride(1)))
-
-
-class SplitPartials(NamedTuple):
-    """A split decode's outputs before reduce_splits (its merge=False): o_ws [B, H, S, d]
-    (with one split, o itself), lse_ws [B, H, S] fp32, and `live`: live_splits' (BLOCK_N,
-    MIN_CHUNK) where the kernel leaves a short sequence's last splits empty, (0, 0) where
-    every split holds partials. helix.layers.mla_out merges them in its own launch."""
-    o_ws: torch.Tensor
-    lse_ws: torch.Tensor
-    live: tuple[int, int]
-
-
-def finish_splits(o: torch.Tensor, lse: torch.Tensor, o_ws: torch.Tensor, lse_ws: torch.Tensor,
-                  num_splits: int, merge: bool, kv_lens: torch.Tensor | None = None, block_n: int = 0,
-                  min_chunk: int = 0):
-    """The end of a split decode (o_ws, lse_ws from split_workspace): merge -> (o, lse), the
-    splits reduced (reduce_splits; with one split the kernel wrote o itself); else
-    SplitPartials. block_n > 0: the splits past a sequence's tokens are empty (live_splits)."""
-    if not merge:
-        if num_splits == 1:
-            return SplitPartials(o[:, :, None], lse[:, :, None], (0, 0))
-        return SplitPartials(o_ws, lse_ws, (block_n, min_chunk))
-    if num_splits > 1:
-        reduce_splits(o_ws, lse_ws, o, lse, *((kv_lens, block_n, min_chunk) if block_n else ()))
-    return o, lse
 
 
 def reduce_splits(o_ws: torch.Tensor, lse_ws: torch.Tensor, o: torch.Tensor,

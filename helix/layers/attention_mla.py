@@ -21,7 +21,6 @@ from helix.layers.cp_attention import ContextParallel
 from helix.layers.exchange import KVPExchange
 from helix.layers.hopb import overlapped
 from helix.layers.fused_mla import mla_absorb_kv_row
-from helix.layers import mla_out
 from helix.layers.linear import ColumnShardLinear, MergedColumnLinear, RowShardLinear
 from helix.layers.mla_prefill import MLADims, decompress_plan, decompressed_attention
 from helix.layers.norm import RMSNorm
@@ -138,8 +137,6 @@ class MLAAttention(NormedInput, nn.Module):
             o = overlapped(lambda a, b: attend_rows(a, b, meta.rows(a, b)),
                            lambda o, lse: self.exchange(o, lse, backend), R,
                            meta.micro_batches, q.device)
-        elif cp is None and self._one_launch_out(q_latent, R, meta, backend, w_uv):
-            return self._attend_out(q_latent, q_rope, kv_cache, meta, backend, w_uv, ctx)
         elif cp is None:                                   # the row is in the pool already
             with phase("attn"):
                 o, lse = region(ctx, "attention", lambda: attend_rows(0, R, meta))
@@ -149,31 +146,6 @@ class MLAAttention(NormedInput, nn.Module):
                                                                  kv_cache, backend, T))
         with phase("oproj"):
             return self.o_proj(absorb_v(o, w_uv))                             # [T, H/N * v]
-
-    def _one_launch_out(self, q_latent, R, meta, backend, w_uv) -> bool:
-        """Whether a decode step's split merge, W_UV and o_proj run as one launch
-        (helix.layers.mla_out): one KVP rank, the backend's split partials, decode rows only."""
-        return (meta.is_decode and backend.split_partials
-                and mla_out.fits(q_latent, R, self.exchange.kvp, w_uv, self.o_proj.weight))
-
-    def _attend_out(self, q_latent, q_rope, kv_cache, meta, backend, w_uv, ctx):
-        """The decode rows' attention as split partials, then mla_out's one launch ->
-        [T, D] (o_proj's all-reduce and bias after it)."""
-        live = []       # live_splits' rule of the partials: from static shapes, so fixed at
-                        # capture like the launch that reads it
-
-        def attend():
-            parts = backend.decode_mla(q_latent, q_rope, kv_cache, self.lora, meta, self.scale,
-                                       merge=False)
-            live[:] = parts.live
-            return parts.o_ws, parts.lse_ws
-
-        with phase("attn"):
-            o_ws, lse_ws = region(ctx, "attention", attend)
-        with phase("oproj"):
-            return self.o_proj.reduce_partial(
-                mla_out.project(o_ws, lse_ws, meta.kv_lens, tuple(live), w_uv,
-                                self.o_proj.weight))
 
     def _attend_cp(self, q_latent, q_rope, row, meta, kv_cache, backend, T):
         """Pass-KV (meta.cp): append this rank's rows, attend its decode rows the Helix way and

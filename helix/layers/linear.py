@@ -94,11 +94,7 @@ class RowShardLinear(nn.Module):
         self.comm, self.axis, self.reduce = comm, axis, reduce
 
     def forward(self, x):
-        return self.reduce_partial(linear(x, self.weight))
-
-    def reduce_partial(self, y):
-        """This rank's product y [T, out] (x @ weight.T, however computed) -> the layer's
-        output: all-reduced over `axis`, the bias added once."""
+        y = linear(x, self.weight)
         if not self.reduce:  # partial sum: the caller reduces; bias counted once, on rank 0
             return y + self.bias if self.bias is not None and self.comm.mesh.rank == 0 else y
         y = self.comm.all_reduce(y, self.axis)

@@ -45,7 +45,6 @@ from helix.kv.ownership import KVSharding
 from helix.layers.attention_gqa import kv_head_range
 from helix.layers.fused_moe import decode_kernels
 from helix.layers.gluon_moe import route_fits, shape_fits
-from helix.layers import mla_out
 from helix.layers.router import route_spec
 from helix.layers.skinny_gemm import norm_in_gemv
 
@@ -150,8 +149,6 @@ def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size
         o_w = hm * v * lora + hm * v * D                 # W_UV of the merged heads, o_proj shard
         o_kern = 2                                       # W_UV absorption, GEMM
         att_kern = 2                                     # splits, merge
-        if mla_out.takes(B, lay.kvp):                    # merge, W_UV, o_proj: one launch
-            o_kern, att_kern = 1, 1
     else:
         d = cfg.head_dim
         kv0, kv1 = kv_head_range(cfg, lay.tpa, 0)
