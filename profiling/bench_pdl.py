@@ -22,6 +22,12 @@ deterministic), and the time per launch of both is reported.
   (e) a decode layer's projection chain, 27 times: norm -> q -> W_UK, norm -> kv_a, W_UV -> o,
       cuBLAS (PDL on for the norms) against the skinny kernels (all PDL).
 
+  (f) synchronisation costs, 132 programs (one an SM) of 4 warps: a chain of N empty PDL
+      kernels (each waits for the previous one, program 0 stores a word) against ONE launch
+      whose programs meet N times at a grid barrier (count in with a release atomic, then
+      poll with acquire loads, or with atomic reads) -- what a persistent kernel pays per
+      dependent phase against what a kernel boundary costs. `--sync-only` runs only this.
+
     python profiling/bench_pdl.py --out pdl.json
 """
 
@@ -153,6 +159,77 @@ def layer_chain(layers: int, skinny: bool):
     return fn, out, layers * 6
 
 
+if triton_util.HAS_TRITON:
+    from helix.triton_util import pdl_sync, tl, triton
+
+    @triton.jit
+    def _empty_kernel(x_ptr, PDL: tl.constexpr = False):
+        pdl_sync(PDL)
+        if tl.program_id(0) == 0:
+            tl.store(x_ptr, 1)
+
+    @triton.jit
+    def _barriers_kernel(cnt_ptr, x_ptr, ROUNDS: tl.constexpr, ATOMIC_POLL: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        """ROUNDS grid barriers on one monotone counter (round r waits for (r + 1) * P
+        arrivals); a second counter counts the programs out and the last resets both."""
+        pdl_sync(PDL)
+        P = tl.num_programs(0)
+        ptr = cnt_ptr + tl.zeros([1], dtype=tl.int32)
+        for r in range(ROUNDS):
+            tl.debug_barrier()
+            tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+            seen = 0
+            while seen < (r + 1) * P:
+                if ATOMIC_POLL:
+                    seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+                else:
+                    seen = tl.max(tl.inline_asm_elementwise(
+                        "ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                        is_pure=False, pack=1), axis=0)
+            tl.debug_barrier()
+        if tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu") == P - 1:
+            tl.store(cnt_ptr, 0)
+            tl.store(cnt_ptr + 1, 0)
+        if tl.program_id(0) == 0:
+            tl.store(x_ptr, ROUNDS)
+
+
+def sync_costs(args) -> list[dict]:
+    """Part (f): us per kernel boundary (a chain of empty PDL kernels in a CUDA graph) and
+    per in-kernel grid barrier (one launch, two polling ways), same programs and warps."""
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.zeros(1, dtype=torch.int32, device="cuda")
+    cnt = torch.zeros(2, dtype=torch.int32, device="cuda")
+    n = args.n
+    recs = []
+
+    def chain():
+        for _ in range(n):
+            triton_util.run_kernel(_empty_kernel, (programs,), x, num_warps=4)
+    chain_us = graph_time_us(chain, args.iters)
+    recs.append(dict(case="empty PDL kernel chain", programs=programs, syncs=n,
+                     us=chain_us, us_per_sync=chain_us / n))
+    for atomic in (False, True):
+        def one():
+            triton_util.run_kernel(_barriers_kernel, (programs,), cnt, x, ROUNDS=n,
+                                   ATOMIC_POLL=atomic, num_warps=4)
+
+        def empty():
+            triton_util.run_kernel(_barriers_kernel, (programs,), cnt, x, ROUNDS=0,
+                                   ATOMIC_POLL=atomic, num_warps=4)
+        us, base = graph_time_us(one, args.iters), graph_time_us(empty, args.iters)
+        torch.cuda.synchronize()
+        assert int(torch.count_nonzero(cnt)) == 0, cnt        # reset by the last program out
+        recs.append(dict(case="grid barrier, " + ("atomic" if atomic else "acquire-load")
+                         + " polling", programs=programs, syncs=n, us=us, launch_us=base,
+                         us_per_sync=(us - base) / n))
+    for r in recs:
+        r["device"] = torch.cuda.get_device_name()
+        print(json.dumps(r), flush=True)
+    return recs
+
+
 def run(args) -> list[dict]:
     recs = []
     cases = [("norm x1 row", lambda: norm_chain(1, args.n, False)),
@@ -189,6 +266,7 @@ def main():
     ap.add_argument("--n", type=int, default=256, help="launches per chain (about)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sync-only", action="store_true", help="part (f) alone")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_pdl needs a CUDA GPU")
@@ -196,10 +274,14 @@ def main():
         raise SystemExit("PDL needs compute capability >= 9 and HELIX_PDL unset or not 0")
     from profiling.roofline import copy_bandwidth
     copy_bw = copy_bandwidth()
-    recs = run(args) + projections(args, copy_bw)
+    recs = (sync_costs(args) if args.sync_only
+            else run(args) + projections(args, copy_bw) + sync_costs(args))
     lines = [f"copy rate {copy_bw / 1e9:.0f} GB/s"]
     for r in recs:
-        if "off_us" in r:
+        if "us_per_sync" in r:
+            lines.append(f"{r['case']} ({r['programs']} programs): {r['us_per_sync']:.2f} us "
+                         f"a sync ({r['syncs']} syncs)")
+        elif "off_us" in r:
             lines.append(f"{r['case']}: {r['off_us_per_launch']:.2f} -> "
                          f"{r['on_us_per_launch']:.2f} us a launch ({r['launches']} launches; "
                          f"bitwise equal: {r['bitwise_equal']})")
