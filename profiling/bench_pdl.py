@@ -23,7 +23,8 @@ deterministic), and the time per launch of both is reported.
       cuBLAS (PDL on for the norms) against the skinny kernels (all PDL).
 
   (f) synchronisation costs, 132 programs (one an SM) of 4 warps: a chain of N empty PDL
-      kernels (each waits for the previous one, program 0 stores a word) against ONE launch
+      kernels (each waits for the previous one, program 0 stores a word), the same with every
+      program loading the word the previous kernel wrote, against ONE launch
       whose programs meet N times at a grid barrier (count in with a release atomic, then
       poll with acquire loads, or with atomic reads) -- what a persistent kernel pays per
       dependent phase against what a kernel boundary costs. `--sync-only` runs only this.
@@ -169,6 +170,15 @@ if triton_util.HAS_TRITON:
             tl.store(x_ptr, 1)
 
     @triton.jit
+    def _dependent_kernel(x_ptr, PDL: tl.constexpr = False):
+        """Every program reads the word the previous kernel wrote (a dependent L2 load after
+        the wait); program 0 writes it plus one."""
+        pdl_sync(PDL)
+        v = tl.load(x_ptr, cache_modifier=".cg")
+        if tl.program_id(0) == 0:
+            tl.store(x_ptr, v + 1)
+
+    @triton.jit
     def _barriers_kernel(cnt_ptr, x_ptr, ROUNDS: tl.constexpr, ATOMIC_POLL: tl.constexpr,
                          PDL: tl.constexpr = False):
         """ROUNDS grid barriers on one monotone counter (round r waits for (r + 1) * P
@@ -210,6 +220,13 @@ def sync_costs(args) -> list[dict]:
     chain_us = graph_time_us(chain, args.iters)
     recs.append(dict(case="empty PDL kernel chain", programs=programs, syncs=n,
                      us=chain_us, us_per_sync=chain_us / n))
+
+    def dependent():
+        for _ in range(n):
+            triton_util.run_kernel(_dependent_kernel, (programs,), x, num_warps=4)
+    dep_us = graph_time_us(dependent, args.iters)
+    recs.append(dict(case="PDL kernel chain, a dependent load each", programs=programs,
+                     syncs=n, us=dep_us, us_per_sync=dep_us / n))
     for atomic in (False, True):
         def one():
             triton_util.run_kernel(_barriers_kernel, (programs,), cnt, x, ROUNDS=n,
