@@ -22,12 +22,13 @@ deterministic), and the time per launch of both is reported.
   (e) a decode layer's projection chain, 27 times: norm -> q -> W_UK, norm -> kv_a, W_UV -> o,
       cuBLAS (PDL on for the norms) against the skinny kernels (all PDL).
 
-  (f) synchronisation costs, 132 programs (one an SM) of 4 warps: a chain of N empty PDL
-      kernels (each waits for the previous one, program 0 stores a word), the same with every
-      program loading the word the previous kernel wrote, against ONE launch
-      whose programs meet N times at a grid barrier (count in with a release atomic, then
-      poll with acquire loads, or with atomic reads) -- what a persistent kernel pays per
-      dependent phase against what a kernel boundary costs. `--sync-only` runs only this.
+  (f) synchronisation costs, one program an SM, 4 warps: a chain of N empty PDL kernels
+      (each waits for the previous one, program 0 stores a word), the same with every
+      program loading the word the previous kernel wrote, against ONE launch whose programs
+      meet N times at a grid barrier (count in with a release atomic, then poll with acquire
+      loads, or with atomic reads): what a persistent kernel pays per dependent phase
+      against what a kernel boundary costs (profiling/results/mla_out.md). `--sync-only`
+      runs only this.
 
     python profiling/bench_pdl.py --out pdl.json
 """
