@@ -242,3 +242,110 @@ def test_engine_takes_the_routed_launch_and_matches(monkeypatch):
     assert len(routed) == len(plain)
     for a, b in zip(routed, plain):
         assert (a - b).abs().max().item() <= 2e-2 * b.abs().max().item() + 1e-3
+
+
+# -- the next layer's input projection in the launch (moe_row_routed's proj) -----------------
+
+def _proj_case(rand, dim, rows):
+    return (1.0 + rand(dim, scale=0.1)), rand(rows, dim, scale=0.02)
+
+
+def _check_proj(got, norm_w2, w2):
+    """q, h2 of the launch against the next layer's own launch (skinny_gemm's add + norm
+    GEMV) on the launch's out and h: h2 bitwise, q within bf16 rounding of the sum order; and
+    q against fp32 torch."""
+    import torch.nn.functional as F
+
+    from helix.layers.skinny_gemm import add_norm_linear_triton
+    out, h, q, h2 = got[0], got[1], got[5], got[6]
+    q_ref, h2_ref = add_norm_linear_triton(out, h, norm_w2, 1e-6, w2)
+    assert torch.equal(h2, h2_ref)
+    _check(q, q_ref.float())
+    y2 = F.rms_norm(h2.float(), (h2.shape[-1],), eps=1e-6).to(h2.dtype).float() * norm_w2.float()
+    _check(q, y2.to(h2.dtype).float() @ w2.float().t())
+
+
+@needs_sm90
+@pytest.mark.parametrize("name,rows", [("dsv2lite", 3648), ("qwen3", 9216),
+                                       ("v3_sigmoid", 152)])
+def test_routed_launch_with_the_next_projection(name, rows):
+    """DeepSeek-V2-Lite's x projection, Qwen3's qkv, and a projection whose last item is half
+    past its rows: the MoE outputs as without it, the projection and the next residual as the
+    next layer's own GEMV computes them from those outputs; three calls (counters reset)."""
+    spec, gate, up, down, shared, router, bias, norm_w, rand = _routed_case(name)
+    dim = gate.shape[2]
+    norm_w2, w2 = _proj_case(rand, dim, rows)
+    for _ in range(3):
+        a, res = rand(1, dim, scale=1.0), rand(1, dim, scale=1.0)
+        got = gm.moe_row_routed(a, res, norm_w, 1e-6, router, bias, spec, gate, up, down, 0,
+                                shared, (norm_w2, 1e-6, w2))
+        torch.cuda.synchronize()
+        assert len(got) == 7 and got[5].shape == (1, rows)
+        _check_routed(got[:5], _two_launches(a, res, norm_w, router, bias, spec, gate, up, down,
+                                             shared))
+        _check_proj(got, norm_w2, w2)
+    from helix import triton_util
+    assert int(triton_util.arrival_counters(a.device, 1).abs().sum()) == 0
+
+
+@needs_sm90
+def test_launch_with_the_next_projection_in_a_cuda_graph():
+    spec, gate, up, down, shared, router, bias, norm_w, rand = _routed_case("dsv2lite", 5)
+    dim = gate.shape[2]
+    norm_w2, w2 = _proj_case(rand, dim, 3648)
+    a, res = rand(1, dim, scale=1.0), rand(1, dim, scale=1.0)
+    args = (norm_w, 1e-6, router, bias, spec, gate, up, down, 0, shared, (norm_w2, 1e-6, w2))
+    gm.moe_row_routed(a, res, *args)                  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = gm.moe_row_routed(a, res, *args)
+    for _ in range(4):
+        a.copy_(rand(1, dim, scale=1.0))
+        res.copy_(rand(1, dim, scale=1.0))
+        g.replay()
+        torch.cuda.synchronize()
+        _check_proj(got, norm_w2, w2)
+        eager = gm.moe_row_routed(a, res, *args)
+        torch.cuda.synchronize()
+        assert torch.equal(eager[5], got[5]) and torch.equal(eager[6], got[6])
+
+
+@needs_sm90
+@pytest.mark.parametrize("model,layers", [("tiny-deepseek-v3", 0), ("tiny-qwen3-moe", 0),
+                                          ("deepseek-v2-lite", 3)])
+def test_engine_takes_the_next_projection_and_matches(model, layers, monkeypatch):
+    """Whole captured decodes with the next layer's projection in the MoE launch against the
+    same engine without it (gluon_moe.PROJ off): the same greedy tokens, logits to bf16
+    rounding; the launch took the projection in every MoE layer but the last."""
+    from helix import LLM, Layout, RuntimeConfig, SamplingParams
+    taken = []
+    real = gm.moe_row_routed
+
+    def spy(*a, **kw):
+        taken.append(len(a) > 12 and a[12] is not None)
+        return real(*a, **kw)
+    monkeypatch.setattr(gm, "moe_row_routed", spy)
+
+    def decode():
+        rt = RuntimeConfig(device="cuda", dtype="bfloat16", layers=layers, seed=0, max_batch=1,
+                           max_context=256, page_size=64, attention_backend="triton",
+                           graph_buckets=(1,))
+        with LLM(model, Layout(), rt) as llm:
+            rid = llm.add_request([5, 17, 42, 3], SamplingParams(max_new_tokens=6,
+                                                                 ignore_eos=True))
+            logits = []
+            while llm.has_unfinished():
+                llm.step()
+                logits.append(llm.engine.last_logits.float().clone())
+            return llm.outputs[rid], logits
+
+    tokens, logits = decode()
+    assert any(taken) and not all(taken), taken      # the last MoE layer has no next layer
+    monkeypatch.setattr(gm, "PROJ", False)
+    n = len(taken)
+    tokens2, logits2 = decode()
+    assert not any(taken[n:])
+    assert tokens == tokens2
+    for a, b in zip(logits, logits2):
+        assert (a - b).abs().max().item() <= 2e-2 * b.abs().max().item() + 1e-3
