@@ -280,7 +280,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-noqknorm", "after-gqa-twolaunch", "after-gqa-waves1", "after-gqa-waves05",
               "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend",
               "after-nomoerow", "after-moerow-stages6", "after-moerow-stages4",
-              "after-noroute", "after-noproj")
+              "after-noroute")
 
 
 def set_kernels(mode: str) -> None:
@@ -327,9 +327,7 @@ def set_kernels(mode: str) -> None:
     moe_decode's two Triton launches, not gluon_moe's one launch (gluon_moe.ENABLED off);
     'after-moerow-stages6' / '-stages4': gluon_moe's weight ring 6 / 4 stages deep, not 8 (less
     shared memory held beside the next kernel); 'after-noroute': one row's MoE launch without
-    the router in it (the router's own launch before it: gluon_moe.ROUTED off);
-    'after-noproj': the next layer's input projection as its own launch, not in the one-row
-    MoE launch (gluon_moe.PROJ off)."""
+    the router in it (the router's own launch before it: gluon_moe.ROUTED off)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -359,7 +357,6 @@ def set_kernels(mode: str) -> None:
     skinny_gemm.NORM_IN_GEMV = mode not in ("before", "after-nonormgemv")
     gluon_moe.ENABLED = mode not in ("before", "after-nomoerow")
     gluon_moe.ROUTED = mode not in ("before", "after-nomoerow", "after-noroute")
-    gluon_moe.PROJ = mode not in ("before", "after-nomoerow", "after-noroute", "after-noproj")
     gluon_moe.STAGES = {"after-moerow-stages6": 6, "after-moerow-stages4": 4}.get(mode,
                                                                                   _MOE_STAGES)
     start = mode == "after-attn-7a34bf8"

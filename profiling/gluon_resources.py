@@ -58,14 +58,12 @@ def record_launch(heads: int, page: int, variant: str, num_splits: int, batch: i
 
 
 def record_moe_launch(topk: int = 6, experts: int = 64, inter: int = 1408, dim: int = 2048,
-                      shared: int = 2816, dtype=torch.bfloat16, route: dict | None = None,
-                      proj: int = 0):
+                      shared: int = 2816, dtype=torch.bfloat16, route: dict | None = None):
     """(kernel, args, meta) of one gluon_moe.moe_row launch on CPU tensors (DeepSeek-V2-Lite's
     MoE layer by default; shared 0: no shared experts). route: the launch with its router
     (moe_row_routed) instead, of triton_router.RouteSpec fields {k, sigmoid, groups,
     topk_group, group_rule, norm, scaling} plus `experts` (all of them: the router's rows) and
-    `router_dtype`. proj (with route): the rows of the next layer's input projection in the
-    launch too (0: none)."""
+    `router_dtype`."""
     from helix import triton_util
     from helix.layers import gluon_moe
     got = []
@@ -89,13 +87,13 @@ def record_moe_launch(topk: int = 6, experts: int = 64, inter: int = 1408, dim: 
             if route is None:
                 gluon_moe.moe_row(x, gate, gate, down, w, ids, 0, sh)
             else:
-                _record_routed(gluon_moe, x, gate, down, sh, dict(route), proj)
+                _record_routed(gluon_moe, x, gate, down, sh, dict(route))
         except _Recorded:
             pass
     return got[0]
 
 
-def _record_routed(gluon_moe, x, gate, down, sh, route, proj=0):
+def _record_routed(gluon_moe, x, gate, down, sh, route):
     from helix.layers.triton_router import RouteSpec
     n_all = route.pop("experts")
     rdt = route.pop("router_dtype", torch.float32)
@@ -103,9 +101,7 @@ def _record_routed(gluon_moe, x, gate, down, sh, route, proj=0):
     rw = torch.zeros(n_all, x.shape[1], dtype=rdt)
     bias = torch.zeros(n_all) if spec.sigmoid else None
     with mock.patch.object(gluon_moe, "route_unsupported", lambda *a, **k: None):
-        nxt = (x[0], 1e-6, torch.zeros(proj, x.shape[1], dtype=x.dtype)) if proj else None
-        gluon_moe.moe_row_routed(x, x, x[0], 1e-6, rw, bias, spec, gate, gate, down, 0, sh,
-                                 nxt)
+        gluon_moe.moe_row_routed(x, x, x[0], 1e-6, rw, bias, spec, gate, gate, down, 0, sh)
 
 
 def check_moe(pdl: int = 1, **shape) -> dict:

@@ -27,10 +27,10 @@ def test_plan_covers_every_feature_once_gate_up_first(topk, inter, ws, dim):
     slots = ([topk] if ws else []) + list(range(topk))
     width = {s: ws if s == topk else inter for s in slots}
     up, down = [], []
-    for lst, (lead, n_up, n_down, n_proj) in zip(p.items, p.counts(topk)):
+    for lst, (lead, n_up, n_down) in zip(p.items, p.counts(topk)):
         kinds = [it[0] for it in lst]
         assert kinds == sorted(kinds), "a down item before a gate/up item"
-        assert (n_up, n_down, n_proj) == (kinds.count(0), kinds.count(1), 0)
+        assert (n_up, n_down) == (kinds.count(0), kinds.count(1))
         assert all(it[1] == topk for it in lst[:lead]) and ws or lead == 0
         assert all(it[1] != topk for it in lst[lead:n_up]), "shared items lead the gate/up"
         up += [it[1:] for it in lst if it[0] == 0]
@@ -58,32 +58,8 @@ def test_plan_balances_each_phase(topk, inter, ws, dim):
     assert max(loads) <= 1.10 * sum(loads) / len(loads)
 
 
-@pytest.mark.parametrize("topk,inter,ws,dim,rows", [(6, 1408, 2816, 2048, 3648),
-                                                    (8, 1536, 0, 4096, 9216),
-                                                    (2, 128, 128, 256, 144)])
-def test_plan_with_the_next_projection(topk, inter, ws, dim, rows):
-    """The next layer's projection items (kind 2, rows [n0, n0 + 2 BN) each) come last in
-    every program's list, cover every row block once, are balanced on their own (they all
-    wait for the last down item), and, on as many programs, leave the gate/up and down items
-    where the plan without them puts them (DeepSeek-V2-Lite's x projection: 228 items, 1 or
-    2 a program)."""
-    p = gm.plan(topk, inter, ws, dim, 132, gm.BN, rows)
-    base = gm.plan(topk, inter, ws, dim, 132)
-    proj = []
-    for g, (lst, (lead, n_up, n_down, n_proj)) in enumerate(zip(p.items, p.counts(topk))):
-        kinds = [it[0] for it in lst]
-        assert kinds == sorted(kinds) and n_proj == kinds.count(2)
-        proj += [it[2] for it in lst if it[0] == 2]
-        if base.programs == p.programs:
-            assert lst[:n_up + n_down] == base.items[g]
-    assert sorted(proj) == list(range(0, rows, 2 * gm.BN))
-    per = [c[3] for c in p.counts(topk)]
-    assert max(per) - min(per) <= 1
-    assert p.programs == min(132, base.programs + len(proj))
-
-
 def test_tables_hold_the_plan():
-    p = gm.plan(3, 256, 512, 512, 16, gm.BN, 72)
+    p = gm.plan(3, 256, 512, 512, 16)
     items, counts = gm._tables(p, 3, torch.device("cpu"))
     assert items.shape == (p.programs, p.max_items, gm.FIELDS)
     for g, lst in enumerate(p.items):
@@ -171,52 +147,6 @@ def test_replayed_plan_matches_the_reference(ids, first, with_shared):
     torch.testing.assert_close(got, ref, atol=2e-3 * ref.abs().max().item(), rtol=2e-2)
 
 
-def _replay_proj(p, out, h, norm_w, eps, w):
-    """The projection phase's arithmetic in torch: h2 = out + h rounded to h's dtype, y2 its
-    norm (fused_ops' roundings) as rows of BK (0 past D), then each item's rows [n0, n0 + 2 BN)
-    over D's stages of two BK-wide K steps (TMA: 0 past the weight's last row), stored where
-    n < N -> (q [1, N], h2 [1, D])."""
-    D, N = h.shape[-1], w.shape[0]
-    h2 = (out.float() + h.float()).to(h.dtype)
-    hf = h2.float()
-    rstd = 1.0 / torch.sqrt((hf * hf).sum() / D + eps)
-    y2 = ((hf * rstd).to(h.dtype).float() * norm_w.float()).to(h.dtype).float().reshape(-1)
-    y2 = torch.cat([y2, torch.zeros(2 * gm.k_steps(D) * gm.BK - D)])
-    q = torch.full((N,), float("nan"))
-    for kind, _, n0 in (it for lst in p.items for it in lst if it[0] == 2):
-        acc = torch.zeros(2 * gm.BN)
-        for t in range(gm.k_steps(D)):
-            for half in range(2):
-                k = (2 * t + half) * gm.BK
-                wk = torch.zeros(2 * gm.BN, gm.BK)
-                tile = w[n0:n0 + 2 * gm.BN, k:k + gm.BK].float()
-                wk[:tile.shape[0], :tile.shape[1]] = tile
-                acc += wk @ y2[k:k + gm.BK]
-        q[n0:n0 + 2 * gm.BN] = acc[:min(2 * gm.BN, N - n0)]
-    return q.to(h.dtype).view(1, N), h2
-
-
-@pytest.mark.parametrize("dim,rows", [(768, 72), (1280, 152)])
-def test_replayed_projection_matches_add_norm_linear(dim, rows):
-    """The projection items' arithmetic (rows past N, D not a multiple of 2 BK) against
-    skinny_gemm.add_norm_linear(out, h, ...), the next layer's own launch: h2 bitwise, the
-    projection within bf16 rounding (sum order)."""
-    from helix.layers.skinny_gemm import add_norm_linear
-    gen = torch.Generator().manual_seed(3)
-
-    def rand(*s, scale=1.0):
-        return (torch.randn(*s, generator=gen) * scale).to(torch.bfloat16)
-
-    out, h = rand(1, dim), rand(1, dim)
-    norm_w, w = 1.0 + rand(dim, scale=0.1), rand(rows, dim, scale=0.05)
-    p = gm.plan(2, 128, 128, dim, 16, gm.BN, rows)
-    assert rows % (2 * gm.BN) and dim % (2 * gm.BK)
-    q, h2 = _replay_proj(p, out, h, norm_w, 1e-6, w)
-    q_ref, h_ref = add_norm_linear(out, h, norm_w, 1e-6, w)
-    assert torch.equal(h2, h_ref)
-    torch.testing.assert_close(q.float(), q_ref.float(), rtol=1.6e-2, atol=1e-2)
-
-
 def test_reference_is_fused_moe_torch_plus_the_shared_mlp():
     gen = torch.Generator().manual_seed(1)
     gate, up = torch.randn(4, 32, 16, generator=gen), torch.randn(4, 32, 16, generator=gen)
@@ -285,18 +215,6 @@ def test_compiles_for_sm90(tmp_path):
         assert (r["gdc_waits"], r["gdc_launches"]) == (2, 1)
 
 
-def test_proj_unsupported_names_the_reason():
-    bf = torch.bfloat16
-    a, nw, w = torch.zeros(1, 256, dtype=bf), torch.zeros(256, dtype=bf), torch.zeros(72, 256,
-                                                                                    dtype=bf)
-    assert gm.proj_unsupported(a, nw, w) is None
-    assert "projection" in gm.proj_unsupported(a, nw, torch.zeros(72, 128, dtype=bf))
-    assert "norm" in gm.proj_unsupported(a, torch.zeros(128, dtype=bf), w)
-    assert "dtype" in gm.proj_unsupported(a, nw, w.float())
-    assert "dtype" in gm.proj_unsupported(a, nw.float(), w)
-    assert "contiguous" in gm.proj_unsupported(a, nw, torch.zeros(256, 72, dtype=bf).t())
-
-
 def test_route_unsupported_names_the_reason():
     from helix.layers.triton_router import RouteSpec
     bf = torch.bfloat16
@@ -327,38 +245,6 @@ ROUTE_RULES = {
     "v3_sigmoid": dict(k=8, sigmoid=True, groups=8, topk_group=4, group_rule="top2", norm=True,
                        scaling=2.5, experts=256),
 }
-
-
-@pytest.mark.sm90
-def test_launch_with_the_next_projection_compiles_for_sm90(tmp_path):
-    """The routed launch with the next layer's input projection in it (PROJ) compiles for
-    sm_90 at DeepSeek-V2-Lite's layer (its x projection, 3648 rows), Qwen3's (its qkv, 9216
-    rows of 4096) and tiny-deepseek-v3's (144 rows: the last item half past N): no spills, 128
-    registers, the shared-memory limit, one wait for the previous kernel and one launch of the
-    next (the projection's barrier is a counter, not a kernel boundary)."""
-    import json
-    out = tmp_path / "moe.json"
-    rules = {n: dict(r) for n, r in ROUTE_RULES.items()}
-    code = ("import json, sys, torch; sys.path.insert(0, 'profiling'); "
-            "import gluon_resources as g; "
-            f"rules = {rules!r}; "
-            "recs = [g.check_moe(1, topk=6, route=rules['dsv2lite'], proj=3648)]; "
-            "q = dict(k=8, sigmoid=False, groups=1, topk_group=1, group_rule='none', "
-            "norm=True, scaling=1.0, experts=128, router_dtype=torch.bfloat16); "
-            "recs.append(g.check_moe(1, topk=8, experts=16, inter=1536, dim=4096, shared=0, "
-            "route=q, proj=9216)); "
-            "t = dict(k=2, sigmoid=True, groups=4, topk_group=2, group_rule='top2', "
-            "norm=True, scaling=2.5, experts=8); "
-            "recs.append(g.check_moe(1, topk=2, experts=8, inter=128, dim=256, shared=128, "
-            "route=t, proj=144)); "
-            f"open({str(out)!r}, 'w').write(json.dumps(recs, default=str))")
-    sm90_compile.run(tmp_path, ["-c", code], timeout=600)
-    for r in json.loads(out.read_text()):
-        assert r["ok"], r.get("error", "")[-3000:]
-        assert r["stack_bytes"] == 0 and r["local_loads"] == r["local_stores"] == 0
-        assert r["registers"] == 128
-        assert r["shared_bytes"] <= 232448
-        assert (r["gdc_waits"], r["gdc_launches"]) == (1, 1)
 
 
 @pytest.mark.sm90

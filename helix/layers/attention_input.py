@@ -6,29 +6,15 @@ q + kv_a), with the decoder layer's input norm in the projection's launch where 
         -> (forward(norm(residual + h)), residual + h)
 
 Both end in the layer's attend_projected(y, pos, T, meta, cache, backend, ctx), y being the
-projection's joint output for the rows this rank projects. add_norm_forward also takes h as a
-`Projected`: the previous layer's last launch did the add, the norm and the projection
-already (the one-row MoE launch, MoE.add_norm_forward's `then`), and residual is its h2.
-Under a pass-KV plan (meta.cp) a rank projects only the rows it owns (meta.cp.rows), so the
-norm runs first, on all rows; otherwise the add + norm go into the projection
-(skinny_gemm.add_norm_linear: one GEMV launch at one or two rows on CUDA, the norm kernel then
-the GEMM elsewhere).
+projection's joint output for the rows this rank projects. Under a pass-KV plan (meta.cp) a
+rank projects only the rows it owns (meta.cp.rows), so the norm runs first, on all rows;
+otherwise the add + norm go into the projection (skinny_gemm.add_norm_linear: one GEMV launch
+at one or two rows on CUDA, the norm kernel then the GEMM elsewhere).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import torch
-
 from helix.tracing import phase
-
-
-class Projected(NamedTuple):
-    """A layer's input projection done by the launch before it: y [R, sum of parts] =
-    in_proj.add_norm_joint(h, residual, norm)[0] (DecoderLayer hands the previous layer's FFN
-    the norm and projection, `input_step`; only without a pass-KV plan)."""
-    y: torch.Tensor
 
 
 class NormedInput:
@@ -47,11 +33,7 @@ class NormedInput:
 
     def add_norm_forward(self, h, residual, norm, pos, meta, cache, backend, ctx=None):
         """-> (forward(norm(residual + h)), residual + h), the add + norm in the input
-        projection's launch where it can be; h a Projected: the projection is done, residual
-        is residual + h already."""
-        if isinstance(h, Projected):
-            return self.attend_projected(h.y, pos, h.y.shape[0], meta, cache, backend,
-                                         ctx), residual
+        projection's launch where it can be."""
         if meta.cp is not None:
             x, residual = norm.add_forward(h, residual)
             return self.forward(x, pos, meta, cache, backend, ctx), residual

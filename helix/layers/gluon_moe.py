@@ -14,15 +14,6 @@ the same launch with the router's (triton_router.route_add_norm_triton) inside i
 post-attention add + norm, the logits, the top-k choice (gluon_route). MoE.add_norm_forward
 takes it at one row where `route_unsupported` says nothing (module flag ROUTED).
 
-    moe_row_routed(..., proj=(norm_w2, eps2, w2 [N, D]))
-        -> (out, h, y, weights, ids, q [1, N], h2 [1, D])
-
-also the NEXT layer's input add + norm and projection (skinny_gemm.add_norm_linear(out, h,
-norm_w2, eps2, w2)) in the launch, after a second barrier: its weights stream into the ring
-right behind the down tiles, so the projection does not start a launch of its own that has to
-ramp its weight stream up after the experts' last program. DecoderLayer hands MoE the next
-layer's norm and projection where the MoE's output needs no all-reduce (module flag PROJ).
-
 Why: at one row the two Triton launches (moe_decode) stream 138 MB a DeepSeek-V2-Lite layer at
 79 % (gate/up) and 62 % (down) of the copy rate. Each launch ramps up, drains, and waits for the
 kernel before it; a persistent Triton kernel holding both halves was slower still, since its
@@ -52,7 +43,6 @@ from helix.triton_util import pow2
 BN = 8                       # rows of a box: a gate/up item's features, half a down item's
 BK = 256                     # K elements of a box (512 bytes; unswizzled: CUDA-core reads)
 STAGES = 8                   # ring stages of four boxes: 128 KB of weights in flight an SM
-PROJ = True                  # the next layer's input projection in the launch where it can be
 PRODUCER_REGS = 40           # the producer warp's registers (setmaxnreg)
 ROUTER_REGS = 80             # the router warp's (gluon_route.choose: up to 8 experts a thread)
 MAXNREG = 128                # registers a thread at launch: half the register file stays free
@@ -60,15 +50,13 @@ MAXNREG = 128                # registers a thread at launch: half the register f
                              # 255, bench_moe_row)
 NUM_WARPS = 4                # the consumer partition
 FIELDS = 4                   # int32 fields of an item (gluon_moe_kernel.ITEM_FIELDS)
-COUNTS = 4                   # a program's item counts (gluon_moe_kernel.COUNTS)
 ENABLED = True
 ROUTED = True                # the router in the launch (moe_row_routed) where MoE can (benches)
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    items: tuple            # per program: ((kind, slot, n0), ...): gate/up (kind 0), down
-                            # (1), the next layer's projection (2), in that order
+    items: tuple            # per program: ((kind, slot, n0), ...), gate/up (kind 0) first
     h_rows: int             # rows of BK in the h buffer
 
     @property
@@ -79,15 +67,13 @@ class Plan:
     def max_items(self) -> int:
         return max(len(p) for p in self.items)
 
-    def counts(self, topk: int) -> list[tuple[int, int, int, int]]:
-        """Per program: (its leading shared gate/up items, gate/up items, down items,
-        projection items)."""
+    def counts(self, topk: int) -> list[tuple[int, int, int]]:
+        """Per program: (its leading shared gate/up items, gate/up items, down items)."""
         out = []
         for lst in self.items:
-            kinds = [it[0] for it in lst]
             up = [it for it in lst if it[0] == 0]
             lead = next((i for i, it in enumerate(up) if it[1] != topk), len(up))
-            out.append((lead, len(up), kinds.count(1), kinds.count(2)))
+            out.append((lead, len(up), len(lst) - len(up)))
         return out
 
 
@@ -98,38 +84,31 @@ def k_steps(width: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def plan(topk: int, inter: int, shared_width: int, dim: int, sm_count: int, bn: int = BN,
-         proj_rows: int = 0) -> Plan:
+def plan(topk: int, inter: int, shared_width: int, dim: int, sm_count: int, bn: int = BN) -> Plan:
     """Items of one launch (module doc); slot topk is the shared experts (width shared_width,
-    0: none); bn: BN (benches vary the module's); proj_rows: the next layer's projection's
-    output rows (0: none), in items of 2 bn rows over all of D. Work in ring stages: a gate/up
-    or projection item k_steps(D), a down item the sum of every slot's k_steps(width). Every
-    down item waits for the last gate/up item of the launch (the barrier between the phases),
-    so the gate/up items are balanced first, on their own (each to the program with the least
-    gate/up work so far), then each down item goes to the program with the least work in all.
-    The projection items wait for the last down item (a second barrier): balanced on their
-    own again, ties to the program with the least work before them (its producer reaches
-    them first). A program's list holds its gate/up items (the shared ones first: the producer
-    loads them before the wait for the router), then its down items, then its projection's."""
+    0: none); bn: BN (benches vary the module's). Work in ring stages: a gate/up item
+    k_steps(D), a down item the sum of every slot's k_steps(width). Every down item waits for
+    the last gate/up item of the launch (the barrier between the phases), so the gate/up items
+    are balanced first, on their own (each to the program with the least gate/up work so far),
+    then each down item goes to the program with the least work in all. A program's list holds
+    its gate/up items (the shared ones first: the producer loads them before the wait for the
+    router), then its down items."""
     slots = ([topk] if shared_width else []) + list(range(topk))
     width = {s: shared_width if s == topk else inter for s in slots}
     up = [(0, s, n0) for s in slots for n0 in range(0, width[s], bn)]
     down = [(1, 0, n0) for n0 in range(0, dim, 2 * bn)]
-    proj = [(2, 0, n0) for n0 in range(0, proj_rows, 2 * bn)]
-    cost = {0: k_steps(dim), 1: sum(k_steps(width[s]) for s in slots), 2: k_steps(dim)}
-    programs = min(sm_count, len(up) + len(down) + len(proj))
+    cost = {0: k_steps(dim), 1: sum(k_steps(width[s]) for s in slots)}
+    programs = min(sm_count, len(up) + len(down))
     lists = [[] for _ in range(programs)]
     loads = [0] * programs
-    for phase, on_its_own in ((up, True), (down, False), (proj, True)):
-        before = list(loads)
-        heap = [((0, before[p]) if on_its_own else (loads[p],), p) for p in range(programs)]
+    for phase in (up, down):
+        heap = [(loads[p], p) for p in range(programs)]
         heapq.heapify(heap)
         for it in phase:
-            key, p = heapq.heappop(heap)
+            load, p = heapq.heappop(heap)
             lists[p].append(it)
-            loads[p] += cost[it[0]]
-            key = (key[0] + cost[it[0]],) + key[1:]
-            heapq.heappush(heap, (key, p))
+            loads[p] = load + cost[it[0]]
+            heapq.heappush(heap, (loads[p], p))
     h_rows = 2 * k_steps(shared_width) + topk * 2 * k_steps(inter)
     return Plan(items=tuple(tuple(x) for x in lists), h_rows=h_rows)
 
@@ -138,8 +117,8 @@ _TABLES: dict = {}
 
 
 def _tables(p: Plan, topk: int, device: torch.device):
-    """(items [G, L, FIELDS] int32, counts [G, COUNTS] int32) on `device`, kept for the
-    process (a captured graph holds their addresses)."""
+    """(items [G, L, FIELDS] int32, counts [G, 3] int32) on `device`, kept for the process (a
+    captured graph holds their addresses)."""
     key = (p, topk, device)
     if key not in _TABLES:
         items = torch.zeros((p.programs, p.max_items, FIELDS), dtype=torch.int32)
@@ -191,17 +170,13 @@ def moe_row(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.T
 
 def moe_row_routed(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
                    router_w: torch.Tensor, bias: torch.Tensor | None, spec, gate: torch.Tensor,
-                   up: torch.Tensor, down: torch.Tensor, first: int, shared=None, proj=None):
+                   up: torch.Tensor, down: torch.Tensor, first: int, shared=None):
     """The router's launch and moe_row's in one (gluon_route): from the attention output a and
     the residual [1, D] -> (out [1, D] this rank's MoE, h = residual + a [1, D] the next
     residual, y = rms_norm(h) * norm_w [1, D], weights [1, k], ids [1, k] int64): the values of
-    triton_router.route_add_norm_triton then moe_row. spec: triton_router.RouteSpec.
-    proj = (norm_w2 [D], eps2, w2 [N, D]): the next layer's input norm and projection too
-    (`proj_unsupported`), two more outputs: q = rms_norm(h2) * norm_w2 @ w2^T [1, N] and
-    h2 = h + out [1, D], skinny_gemm.add_norm_linear(out, h, norm_w2, eps2, w2)'s values."""
+    triton_router.route_add_norm_triton then moe_row. spec: triton_router.RouteSpec."""
     why = (unsupported(a, gate, up, down, shared)
-           or route_unsupported(a, residual, norm_w, router_w, bias, spec)
-           or (proj is not None and proj_unsupported(a, proj[0], proj[2])))
+           or route_unsupported(a, residual, norm_w, router_w, bias, spec))
     if why:
         raise ValueError(f"gluon one-row MoE with its router: {why}; use the router kernel "
                          "and moe_decode")
@@ -209,29 +184,8 @@ def moe_row_routed(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor
     weights = torch.empty((1, spec.k), dtype=a.dtype, device=a.device)
     ids = torch.empty((1, spec.k), dtype=torch.int64, device=a.device)
     route = (residual, norm_w, eps, router_w, bias, spec, h, y)
-    nxt = None
-    if proj is not None:
-        norm_w2, eps2, w2 = proj
-        nxt = (norm_w2, eps2, w2, torch.empty((1, w2.shape[0]), dtype=a.dtype, device=a.device),
-               torch.empty_like(a))
-    _launch(a, gate, up, down, weights, ids, first, shared, out, spec.k, route, nxt)
-    return (out, h, y, weights, ids) + (() if nxt is None else nxt[3:])
-
-
-def proj_unsupported(a: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor) -> str | None:
-    """Why the next layer's input projection cannot ride in the routed launch (None: it
-    can): a norm weight [D] and a weight [N, D] in the rows' dtype, contiguous, 16-byte
-    aligned (TMA), without bias (the caller's to check)."""
-    D = a.shape[-1]
-    if norm_w.shape != (D,) or w.dim() != 2 or w.shape[1] != D:
-        return f"projection {tuple(w.shape)} / norm {tuple(norm_w.shape)} for rows of {D}"
-    if norm_w.dtype != a.dtype or w.dtype != a.dtype:
-        return "projection or its norm weight not of the rows' dtype"
-    if not (norm_w.is_contiguous() and w.is_contiguous()) or w.data_ptr() % 16:
-        return "projection weight not contiguous and 16-byte aligned"
-    if w.numel() >= 2**31:
-        return "projection offsets past int32"
-    return None
+    _launch(a, gate, up, down, weights, ids, first, shared, out, spec.k, route)
+    return out, h, y, weights, ids
 
 
 MAX_ROUTE_TILE = 1024         # experts in the router's [groups, experts a group] choice tile
@@ -281,16 +235,14 @@ def _route_meta(spec, NE: int, has_bias: bool) -> dict:
                        int(spec.norm), int(has_bias), bg, beg, layout))
 
 
-def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=None, nxt=None):
+def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=None):
     """One moe_row_kernel launch; route: (residual, norm_w, eps, router_w, bias, spec, h, y)
     with x the attention output and weights / ids outputs, or None (x the normed rows, weights
-    / ids the router's); nxt (with route): (norm_w2, eps2, w2, q, h2), the next layer's input
-    projection and its outputs."""
+    / ids the router's)."""
     from helix.layers.gluon_moe_kernel import moe_row_kernel
     E, inter, dim = gate.shape
     ws = shared[0].shape[0] if shared is not None else 0
-    rows = nxt[2].shape[0] if nxt is not None else 0
-    p = plan(topk, inter, ws, dim, sm_count_of(x.device), BN, rows)
+    p = plan(topk, inter, ws, dim, sm_count_of(x.device), BN)
     items, counts = _tables(p, topk, x.device)
     descs = _descriptors(gate, up, down, shared)
     h = torch.empty((p.h_rows * BK,), dtype=torch.float32, device=x.device)
@@ -305,36 +257,29 @@ def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=Non
                  logits, h_new.reshape(-1), y.reshape(-1), 1.0 / dim, float(eps), NE,
                  NE // spec.groups, spec.groups, spec.scaling)
         meta = _route_meta(spec, NE, bias is not None)
-    if nxt is None:
-        pargs = (descs[0], x, 0.0, x, x, 1)
-    else:
-        norm_w2, eps2, w2, q, h2 = nxt
-        pargs = (_desc(w2), norm_w2, float(eps2), q.reshape(-1), h2.reshape(-1), rows)
-        meta["PROJ"] = 1
-    counters = triton_util.arrival_counters(x.device, 4)
+    counters = triton_util.arrival_counters(x.device, 3)
     triton_util.run_kernel(
         moe_row_kernel, (p.programs,), x.reshape(-1), ids.reshape(-1), weights.reshape(-1),
         first, E, inter, dim, ws, *descs, items, counts, p.programs, p.max_items, h, out,
-        counters, *rargs, *pargs, TOPK=topk, TK=max(2, pow2(topk)), SHARED=int(ws > 0),
+        counters, *rargs, TOPK=topk, TK=max(2, pow2(topk)), SHARED=int(ws > 0),
         XR=pow2(2 * k_steps(dim)), HR=pow2(p.h_rows), BN=BN, BK=BK, STAGES=STAGES,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS,
         **({"maxnreg": MAXNREG} if MAXNREG else {}), **meta)
 
 
-def _desc(m):
-    """A TMA descriptor of [BN, BK] boxes over m viewed as rows of its last dimension."""
+def _descriptors(gate, up, down, shared):
+    """TMA descriptors of [BN, BK] boxes: gate, up as [E * I, D], down as [E * D, I], the
+    shared shard's three (the routed ones again where there is none: never read)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    m = m.reshape(-1, m.shape[-1])
-    return TensorDescriptor(m, list(m.shape), list(m.stride()), [BN, BK], layout)
 
+    def desc(m):
+        m = m.reshape(-1, m.shape[-1])
+        return TensorDescriptor(m, list(m.shape), list(m.stride()), [BN, BK], layout)
 
-def _descriptors(gate, up, down, shared):
-    """TMA descriptors: gate, up as [E * I, D], down as [E * D, I], the shared shard's three
-    (the routed ones again where there is none: never read)."""
-    routed = [_desc(gate), _desc(up), _desc(down)]
-    return routed + ([_desc(w) for w in shared] if shared is not None else routed)
+    routed = [desc(gate), desc(up), desc(down)]
+    return routed + ([desc(w) for w in shared] if shared is not None else routed)
 
 
 _STATUS: dict = {}

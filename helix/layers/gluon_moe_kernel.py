@@ -45,10 +45,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from helix.gluon_util import grid_wait, pdl_wait, reinterpret, sync_threads, tma_load
-from helix.layers.gluon_route import add_norm_rows, choose, route_rows
+from helix.layers.gluon_route import choose, route_rows
 
 ITEM_FIELDS = gl.constexpr(4)    # kind, slot, n0, - (gluon_moe.FIELDS)
-COUNTS = gl.constexpr(4)         # a program's counts: shared gate/up, gate/up, down, PROJ items
 
 
 @gluon.jit
@@ -138,21 +137,19 @@ def _down_boxes(ring, s, bar, desc, row, k, BN: gl.constexpr, BK: gl.constexpr):
 
 
 @gluon.jit
-def _producer(args, sel, pargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
+def _producer(args, sel, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
               ROUTE: gl.constexpr):
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
-    dp = pargs[0]
     sel_ids, sel_wts, routed = sel
     pid = gl.program_id(0)
     stage_bytes: gl.constexpr = 4 * BN * BK * 2
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     tk = gl.arange(0, TK, layout=vec)
-    n_sh = gl.load(counts_ptr + COUNTS * pid)     # its first n_sh items: shared gate/up
-    n_up = gl.load(counts_ptr + COUNTS * pid + 1)
-    n_down = gl.load(counts_ptr + COUNTS * pid + 2)
-    n_proj = gl.load(counts_ptr + COUNTS * pid + 3)
+    n_sh = gl.load(counts_ptr + 3 * pid)          # its first n_sh items: shared gate/up
+    n_up = gl.load(counts_ptr + 3 * pid + 1)
+    n_down = gl.load(counts_ptr + 3 * pid + 2)
     j = 0
     nxt = _item(items_ptr, pid, 0, L)
     for it in range(n_sh):            # the shared experts' weights: before waiting for anyone
@@ -165,7 +162,7 @@ def _producer(args, sel, pargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl
     else:                             # the router kernel's ids
         grid_wait(PDL)
         ids = gl.load(ids_ptr + tk, mask=tk < TOPK, other=-1).to(gl.int32)
-    for it in range(n_sh, n_up + n_down + n_proj):
+    for it in range(n_sh, n_up + n_down):
         slot, n0 = nxt
         nxt = _item(items_ptr, pid, it + 1, L)
         if it < n_up:                                                  # routed gate/up
@@ -173,11 +170,6 @@ def _producer(args, sel, pargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl
             if local:
                 j = _up_tiles(ring, ready, empty, dg, du, e * I + n0, j, D, BK, STAGES,
                               stage_bytes)
-        elif it >= n_up + n_down:          # PROJ: the next layer's input projection, rows
-            for t in range(gl.cdiv(D, 2 * BK)):                        # [n0, n0 + 2 BN)
-                s, bar = _claim(ready, empty, j, STAGES, stage_bytes)
-                _down_boxes(ring, s, bar, dp, n0, 2 * t * BK, BN, BK)
-                j += 1
         else:                                                          # down: every slot
             for q in range(TOPK + SHARED):
                 sl = _slot(q, TOPK, SHARED)
@@ -269,10 +261,9 @@ def _up_item(args, it, j, nxt, ids, wts, tk, TOPK: gl.constexpr, BN: gl.constexp
 
 
 @gluon.jit
-def _consumer(args, sel, rargs, pargs, TOPK: gl.constexpr, TK: gl.constexpr,
-              SHARED: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              PDL: gl.constexpr, ROUTE: gl.constexpr, PROJ: gl.constexpr,
-              num_warps: gl.constexpr):
+def _consumer(args, sel, rargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
+              BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+              ROUTE: gl.constexpr, num_warps: gl.constexpr):
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
     sel_ids, sel_wts, routed = sel
@@ -283,9 +274,9 @@ def _consumer(args, sel, rargs, pargs, TOPK: gl.constexpr, TK: gl.constexpr,
     rows = gl.arange(0, BN, layout=gl.SliceLayout(1, tile))
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     tk = gl.arange(0, TK, layout=vec)
-    n_sh = gl.load(counts_ptr + COUNTS * pid)
-    n_up = gl.load(counts_ptr + COUNTS * pid + 1)
-    n_down = gl.load(counts_ptr + COUNTS * pid + 2)
+    n_sh = gl.load(counts_ptr + 3 * pid)
+    n_up = gl.load(counts_ptr + 3 * pid + 1)
+    n_down = gl.load(counts_ptr + 3 * pid + 2)
     if ROUTE:                             # add + norm here, and this program's logits
         route_rows(rargs, xs2, G, BK, PDL, num_warps)
     else:                                 # x, the ids and weights: the previous kernel's output
@@ -334,8 +325,6 @@ def _consumer(args, sel, rargs, pargs, TOPK: gl.constexpr, TK: gl.constexpr,
         ty = out_ptr.dtype.element_ty
         gl.store(out_ptr + n0 + rows, gl.sum(acc_a, axis=1).to(ty))
         gl.store(out_ptr + n0 + BN + rows, gl.sum(acc_b, axis=1).to(ty))
-    if PROJ:                              # phase C: the next layer's input projection
-        j = _proj_items(args, rargs, pargs, j, nxt, n_up + n_down, BN, BK, STAGES, num_warps)
     # the last program to finish resets the counters (every wait has passed)
     sync_threads()
     if gl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
@@ -343,62 +332,6 @@ def _consumer(args, sel, rargs, pargs, TOPK: gl.constexpr, TK: gl.constexpr,
         gl.store(cnt_ptr + 1, 0)
         if ROUTE:
             gl.store(cnt_ptr + 2, 0)
-        if PROJ:
-            gl.store(cnt_ptr + 3, 0)
-
-
-@gluon.jit
-def _proj_items(args, rargs, pargs, j, nxt, it0, BN: gl.constexpr, BK: gl.constexpr,
-                STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """PROJ (gluon_moe.moe_row_routed's `proj`): after every program's down items (a second
-    barrier, counter 3), the next layer's residual h2 = h + out and its input norm y2 =
-    rms_norm(h2) * its weight into the x rows (gluon_route.add_norm_rows: the rule of
-    skinny_gemm's ADD_NORM prologue; program 0 stores h2), then this program's items: rows
-    [n0, n0 + 2 BN) of the projection's weight (their tiles are in the ring already: the
-    producer streamed them after its down tiles) times y2 -> the projection's output. Returns
-    the ring position."""
-    (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
-     I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
-    a_ptr, r_ptr, inv_d = rargs[0], rargs[1], rargs[10]
-    dp, pnw_ptr, p_out, p_h, p_eps, NP = pargs
-    pid = gl.program_id(0)
-    n_proj = gl.load(counts_ptr + COUNTS * pid + 3)
-    tile: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    kcol: gl.constexpr = gl.SliceLayout(0, tile)
-    rows = gl.arange(0, BN, layout=gl.SliceLayout(1, tile))
-    R: gl.constexpr = xs2.shape[0]
-    r = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(1, tile)), 1)
-    k = r * BK + gl.expand_dims(gl.arange(0, BK, layout=kcol), 0)
-    km = k < D
-    # this layer's residual output h = residual + a again (route_rows' rounding; inputs of
-    # the launch, so loaded before the barrier)
-    h = (gl.load(a_ptr + k, mask=km, other=0.0).to(gl.float32)
-         + gl.load(r_ptr + k, mask=km, other=0.0).to(gl.float32)).to(p_h.dtype.element_ty)
-    sync_threads()                        # every down output of this program is stored
-    gl.atomic_add(cnt_ptr + 3, 1, sem="release", scope="gpu")
-    if (n_proj > 0) | (pid == 0):
-        while gl.atomic_add(cnt_ptr + 3, 0, sem="acquire", scope="gpu") < G:
-            pass
-        h2, y2 = add_norm_rows(out_ptr, h, pnw_ptr, k, km, inv_d, p_eps, xs2.dtype, ".cg")
-        xs2.store(y2)
-        if pid == 0:
-            gl.store(p_h + k, h2, mask=km)
-        sync_threads()
-    for it in range(it0, it0 + n_proj):
-        slot, n0 = nxt
-        nxt = _item(items_ptr, pid, it + 1, L)
-        acc_a = gl.zeros([BN, BK], gl.float32, layout=tile)
-        acc_b = gl.zeros([BN, BK], gl.float32, layout=tile)
-        for t in range(gl.cdiv(D, 2 * BK)):
-            v0 = gl.expand_dims(xs.index(2 * t).load(kcol).to(gl.float32), 0)
-            v1 = gl.expand_dims(xs.index(2 * t + 1).load(kcol).to(gl.float32), 0)
-            acc_a, acc_b = _consume(ring, ready, empty, j, v0, v1, acc_a, acc_b, tile, STAGES)
-            j += 1
-        ty = p_out.dtype.element_ty
-        na = n0 + rows
-        gl.store(p_out + na, gl.sum(acc_a, axis=1).to(ty), mask=na < NP)
-        gl.store(p_out + na + BN, gl.sum(acc_b, axis=1).to(ty), mask=na + BN < NP)
-    return j
 
 
 @gluon.jit
@@ -419,14 +352,10 @@ def moe_row_kernel(
     # norm weight, the router weight [NE, D] and bias, the logits workspace [NE] fp32, the
     # new residual and normed rows [D], 1 / D, eps, NE, experts a group, groups, the scaling
     r_ptr, nw_ptr, rw_ptr, bias_ptr, lg_ptr, h_out, y_out, inv_d, eps, NE, EG, NG, scaling,
-    # PROJ (with ROUTE): the next layer's input projection, its weight [NP, D] (a TMA
-    # descriptor of [BN, BK] boxes), input norm weight and eps, output [NP] and residual [D]
-    dp, pnw_ptr, p_eps, p_out, p_h, NP,
     TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr, XR: gl.constexpr,
     HR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, ROUTE: gl.constexpr = 0,
-    RSPEC: gl.constexpr = None, ROUTER_REGS: gl.constexpr = 0, PROJ: gl.constexpr = 0,
-    PDL: gl.constexpr = 0,
+    RSPEC: gl.constexpr = None, ROUTER_REGS: gl.constexpr = 0, PDL: gl.constexpr = 0,
 ):
     dtype: gl.constexpr = dg.dtype
     ring = gl.allocate_shared_memory(dtype, [4 * STAGES, BN, BK], dg.layout)
@@ -453,19 +382,18 @@ def moe_row_kernel(
             first, E, I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L)
     rargs = (x_ptr, r_ptr, nw_ptr, rw_ptr, bias_ptr, lg_ptr, h_out, y_out, wts_ptr, ids_ptr,
              inv_d, eps, D, NE, EG, NG, scaling, cnt_ptr + 2)
-    pargs = (dp, pnw_ptr, p_out, p_h, p_eps, NP)
     # the partition lists are written out in both branches: a tuple holding constexprs loses
     # them when bound to a name first (triton 3.6)
     if ROUTE:                 # a third partition, one warp: the choice (gluon_route.choose)
         gl.warp_specialize(
-            [(_consumer, (args, sel, rargs, pargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL,
-                          ROUTE, PROJ, num_warps)),
-             (_producer, (args, sel, pargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE)),
+            [(_consumer, (args, sel, rargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
+                          num_warps)),
+             (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE)),
              (choose, (rargs, sel, G, TOPK, TK, RSPEC))],
             [1, 1], [PRODUCER_REGS, ROUTER_REGS])
     else:
         gl.warp_specialize(
-            [(_consumer, (args, sel, rargs, pargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL,
-                          ROUTE, PROJ, num_warps)),
-             (_producer, (args, sel, pargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE))],
+            [(_consumer, (args, sel, rargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
+                          num_warps)),
+             (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE))],
             [1], [PRODUCER_REGS])

@@ -140,22 +140,6 @@ def _logit(y, w, ROUND: gl.constexpr):
 
 
 @gluon.jit
-def add_norm_rows(x_ptr, r, nw_ptr, k, km, inv_d, eps, y_dt: gl.constexpr,
-                  CACHE: gl.constexpr):
-    """The decoder's residual add and RMS norm of one row held as a tile [R, BK] of K
-    offsets k (km: k < D): h = x + r rounded to r's dtype, y = (h * rstd rounded to that dtype)
-    * the norm weight, rounded to y_dt (fused_ops' rule, as skinny_gemm's ADD_NORM prologue
-    rounds) -> (h, y). x is read here (CACHE: its loads' cache modifier, ".cg" for rows other
-    programs of the launch wrote), r is a tile already loaded."""
-    h = (gl.load(x_ptr + k, mask=km, other=0.0, cache_modifier=CACHE).to(gl.float32)
-         + r.to(gl.float32)).to(r.dtype)
-    hf = h.to(gl.float32)
-    rstd = gl.div_rn(1.0, gl.sqrt_rn(gl.sum(gl.sum(hf * hf, axis=1), axis=0) * inv_d + eps))
-    xn = (hf * rstd).to(r.dtype).to(gl.float32)
-    return h, (xn * gl.load(nw_ptr + k, mask=km, other=0.0).to(gl.float32)).to(y_dt)
-
-
-@gluon.jit
 def route_rows(rargs, xs2, G, BK: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
     """The consumer's part (module doc, 1): y into xs2 (rows of BK), h and y stored by
     program 0, this program's logits, its count on the route counter."""
@@ -170,8 +154,13 @@ def route_rows(rargs, xs2, G, BK: gl.constexpr, PDL: gl.constexpr, num_warps: gl
     km = k < D
     w0 = gl.load(rw_ptr + pid * D + k, mask=km & (pid < NE), other=0.0)   # before the wait
     pdl_wait(PDL)                          # x and the residual: the previous kernel's output
-    h, y = add_norm_rows(a_ptr, gl.load(r_ptr + k, mask=km, other=0.0), nw_ptr, k, km, inv_d,
-                         eps, y_out.dtype.element_ty, "")
+    h_dt: gl.constexpr = h_out.dtype.element_ty
+    h = (gl.load(a_ptr + k, mask=km, other=0.0).to(gl.float32)
+         + gl.load(r_ptr + k, mask=km, other=0.0).to(gl.float32)).to(h_dt)
+    hf = h.to(gl.float32)
+    rstd = gl.div_rn(1.0, gl.sqrt_rn(gl.sum(gl.sum(hf * hf, axis=1), axis=0) * inv_d + eps))
+    xn = (hf * rstd).to(h_dt).to(gl.float32)
+    y = (xn * gl.load(nw_ptr + k, mask=km, other=0.0).to(gl.float32)).to(y_out.dtype.element_ty)
     xs2.store(y)
     if pid == 0:
         gl.store(h_out + k, h, mask=km)

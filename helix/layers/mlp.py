@@ -34,10 +34,9 @@ class ParallelMLP(nn.Module):
         """x [T, D] replicated -> [T, D] (replicated if reduce, else this rank's partial sum)."""
         return self.down_proj(silu_mul(self.gate_up_proj.joint(x)))   # [T, 2I] -> [T, I]
 
-    def add_norm_forward(self, a: torch.Tensor, residual: torch.Tensor, norm, ctx=None,
-                         then=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm_forward(self, a: torch.Tensor, residual: torch.Tensor, norm, ctx=None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(residual + a)), residual + a): the add + norm in gate/up's launch
-        where it can be (MergedColumnLinear.add_norm_joint). then (the next layer's input
-        step, DecoderLayer.forward) is not taken here."""
+        where it can be (MergedColumnLinear.add_norm_joint)."""
         gate_up, residual = self.gate_up_proj.add_norm_joint(a, residual, norm)
         return self.down_proj(silu_mul(gate_up)), residual

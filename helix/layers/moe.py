@@ -16,7 +16,6 @@ from torch import nn
 
 from helix.config import ModelConfig
 from helix.layers import fused_moe as fm
-from helix.layers.attention_input import Projected
 from helix.layers import gluon_moe, moe_decode
 from helix.layers.fused_moe import HAS_TRITON, fused_moe
 from helix.layers.fused_ops import use_triton
@@ -103,31 +102,24 @@ class MoE(nn.Module):
         """x [T, D] replicated -> [T, D] replicated."""
         return self._experts(x, *self.gate(x), ctx)
 
-    def add_norm_forward(self, a: torch.Tensor, residual: torch.Tensor, norm, ctx=None,
-                         then=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm_forward(self, a: torch.Tensor, residual: torch.Tensor, norm, ctx=None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward(norm(residual + a)) and residual + a, the norm in the router's launch where
         it can be (Router.add_norm_forward), at one row on sm_90 the router inside the
-        experts' launch (`_routed_row`) -> (out, new residual). then: the next layer's
-        (input norm, input projection) (DecoderLayer.input_step); where the experts' launch
-        takes it too (`_next_projection`) -> (Projected(that projection of out + new
-        residual), out + new residual)."""
-        row = self._routed_row(a, residual, norm, then)
+        experts' launch (`_routed_row`) -> (out, new residual)."""
+        row = self._routed_row(a, residual, norm)
         if row is not None:
-            run, projected = row
-            y, residual = region(ctx, "moe", run)
-            if projected:
-                return Projected(y), residual
+            y, residual = region(ctx, "moe", row)
             return self.comm.all_reduce(y, "world"), residual
         x, residual, weights, ids = self.gate.add_norm_forward(a, residual, norm)
         return self._experts(x, weights, ids, ctx), residual
 
-    def _routed_row(self, a, residual, norm, then=None):
-        """(a call of gluon_moe.moe_row_routed (the add, the norm, the router, the routed and
-        shared experts of one row in one launch) -> (this rank's out, new residual), False),
-        or with the next layer's projection in it (`_next_projection`) (a call -> (its y,
-        out + new residual), True); None where the launch does not apply: not one row, the
-        router not on its fused path, the shared experts not folded, or the launch's own rules
-        (moe_decode.row_launch, gluon_moe.route_unsupported); module flag gluon_moe.ROUTED."""
+    def _routed_row(self, a, residual, norm):
+        """A call of gluon_moe.moe_row_routed (the add, the norm, the router, the routed and
+        shared experts of one row in one launch) -> (this rank's out, new residual), or None
+        where it does not apply: not one row, the router not on its fused path, the shared
+        experts not folded, or the launch's own rules (moe_decode.row_launch,
+        gluon_moe.route_unsupported); module flag gluon_moe.ROUTED."""
         ex, gate, mlp = self.experts, self.gate, self.shared_experts
         if not (gluon_moe.ROUTED and a.shape[0] == 1 and ex.graph_safe and use_triton(a)
                 and gate.path(a) == "fused" and (mlp is None or fm.FOLD_SHARED)):
@@ -141,26 +133,12 @@ class MoE(nn.Module):
                                                gate.spec)):
             return None
 
-        proj = self._next_projection(a, then)
-
         def run():
-            got = gluon_moe.moe_row_routed(
+            out, h, *_ = gluon_moe.moe_row_routed(
                 a, residual, norm.weight, norm.eps, gate.weight, bias, gate.spec, ex.gate_proj,
-                ex.up_proj, ex.down_proj, ex.first, shared, proj)
-            return got[5:] if proj is not None else got[:2]
-        return run, proj is not None
-
-    def _next_projection(self, a, then):
-        """(norm weight, eps, weight) of the next layer's input projection for the routed
-        launch to take, or None: no next layer (`then` None), module flag gluon_moe.PROJ off,
-        more than one rank (the MoE's output is all-reduced before the next layer reads it),
-        a projection bias, or gluon_moe.proj_unsupported."""
-        if then is None or not gluon_moe.PROJ or self.comm.size("world") != 1:
-            return None
-        norm, lin = then
-        if lin.bias is not None or gluon_moe.proj_unsupported(a, norm.weight, lin.weight):
-            return None
-        return norm.weight, norm.eps, lin.weight
+                ex.up_proj, ex.down_proj, ex.first, shared)
+            return out, h
+        return run
 
     def _experts(self, x, weights, ids, ctx):
         mlp = self.shared_experts

@@ -7,8 +7,7 @@ return the tensors later code reads. Names in use: "attention" (partial attentio
 append where the layer does not fold it into an earlier launch: without context parallelism
 MLA's absorbed steps append in the captured kv-row kernel, GQA in the captured rotation kernel,
 fused_qk_norm.rope_append), "moe" (routed experts; at one row on sm_90 also the router and
-its add + norm, which ride in the experts' launch, and on one GPU the next layer's input add +
-norm + projection: MoE._routed_row).
+its add + norm, which ride in the experts' launch: MoE._routed_row).
 """
 
 from __future__ import annotations

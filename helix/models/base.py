@@ -21,20 +21,12 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.ffn_phase = "moe" if type(mlp).__name__ == "MoE" else "ffn"
 
-    def input_step(self):
-        """(input norm, input projection) of this layer's attention, for the previous layer's
-        FFN launch to take (MoE.add_norm_forward's `then`), or None."""
-        proj = getattr(self.self_attn, "in_proj", None)
-        return None if proj is None else (self.input_layernorm, proj)
-
-    def forward(self, h, pos, meta, cache, backend, ctx=None, residual=None, then=None):
+    def forward(self, h, pos, meta, cache, backend, ctx=None, residual=None):
         """-> (out, residual): this layer's hidden state is out + residual. The residual adds are
         left to the next norm, which fuses them (RMSNorm.add_forward: one kernel on CUDA), and
         the norm to its consumer where that launch can take it (the attention's input
         projection, the router, the MLP's gate/up: their add_norm_forward): residual=None
-        means h is the whole hidden state (the first layer). then: the next layer's
-        input_step(), which the FFN's launch may take too; out is then a Projected (the next
-        layer's projection) and residual that layer's input hidden state."""
+        means h is the whole hidden state (the first layer)."""
         if residual is None:
             a = self.self_attn(self.input_layernorm(h), pos, meta, cache, backend, ctx)
             residual = h
@@ -42,8 +34,7 @@ class DecoderLayer(nn.Module):
             a, residual = self.self_attn.add_norm_forward(h, residual, self.input_layernorm, pos,
                                                           meta, cache, backend, ctx)
         with phase(self.ffn_phase):       # the router's or gate/up's launch: likewise
-            return self.mlp.add_norm_forward(a, residual, self.post_attention_layernorm, ctx,
-                                             then)
+            return self.mlp.add_norm_forward(a, residual, self.post_attention_layernorm, ctx)
 
 
 class DecoderStack(nn.Module):
@@ -78,12 +69,8 @@ class CausalLM(nn.Module):
         prefill_graphs.py): the head's row count is the step's sequence count."""
         h = self.model.embed_tokens(ids)
         residual = None
-        layers = self.model.layers
-        for i, (layer, cache) in enumerate(zip(layers, caches)):
-            # the next layer's input norm + projection, for this layer's FFN launch to take
-            # (not under a pass-KV plan: its ranks project only the rows they own)
-            then = layers[i + 1].input_step() if i + 1 < len(layers) and meta.cp is None else None
-            h, residual = layer(h, pos, meta, cache, backend, ctx, residual, then)
+        for layer, cache in zip(self.model.layers, caches):
+            h, residual = layer(h, pos, meta, cache, backend, ctx, residual)
         return h, residual
 
     def head(self, h, residual, last):

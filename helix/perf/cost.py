@@ -7,8 +7,6 @@ The busiest rank is rank 0: KVP rank 0 owns at least as many positions as any ot
   embed      token ids -> h: embedding rows (+ all-reduce over the world)
   attn_proj  input norm, q/k/v (GQA) or q_a/q_b/kv_a and the W_UK absorption (MLA), rope and
              the KV append (in the rope launch; MLA: the latent-row launch)            x layers
-             (attn_proj_in_moe: the same, its add + norm and first GEMM in the previous
-             layer's MoE launch)
   attention  partial attention over the local KV shard (+ the KVP all-to-all)          x layers
   o_proj     (MLA: W_UV of the merged heads) row-parallel o_proj (+ all-reduce)            x layers
   ffn        dense FFN shard (+ all-reduce)                                          x dense layers
@@ -29,9 +27,7 @@ so (at one or two rows), except layer 0's (no residual yet: counted in `embed`);
 router's launch does the post-attention add + norm; the shared experts and the top-k sum ride
 in the two expert launches (moe_decode) up to its pair count, and at one row the experts are one
 launch (helix.layers.gluon_moe, where its shape rule holds: the H200's path) with the router,
-its add + norm included, inside it (where gluon_moe.route_fits), and on one GPU the next
-layer's input add + norm and first projection too (MoE._next_projection: the layers after a
-MoE layer count as attn_proj_in_moe).
+its add + norm included, inside it (where gluon_moe.route_fits).
 
 The roofline floor of a step is sum over phases of max(bytes / read rate, FLOPs / matmul rate)
 (a per-phase max: within a phase the kernels overlap neither with each other nor across phases,
@@ -41,7 +37,7 @@ the planner's business (helix.perf.planner), which reuses these counts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from helix.attention.triton_decode import gqa_launches
 from helix.config import Layout, ModelConfig
@@ -207,33 +203,12 @@ def _ffn_phases(cfg: ModelConfig, lay: Layout, B: int, es: int) -> list[Phase]:
         # experts and the top-k sum in them); at one row all of it in one launch (gluon_moe,
         # its router in it where the routing fits); more pairs: the router, sort / align, two
         # grouped GEMMs, silu, sum, the shared MLP and its add
-        one_row = _moe_row(cfg, lay, B)
-        kernels = (((1 if _moe_routed(cfg, lay, B) else 2) if one_row else 3)
+        one_row = B == 1 and shape_fits(D, cfg.moe_intermediate_size // lay.tpf,
+                                        cfg.moe_intermediate_size * cfg.num_shared_experts // n)
+        kernels = (((1 if route_fits(E, route_spec(cfg).groups) else 2) if one_row else 3)
                    if decode_kernels(B * k) else 1 + 6 + (4 if shared_w else 0))
         out.append(Phase("moe", moe_layers, nbytes, flops, kernels, reduce))
     return out
-
-
-def _moe_row(cfg: ModelConfig, lay: Layout, B: int) -> bool:
-    """Whether a MoE layer's experts are gluon_moe's one launch (one row, its shape rule)."""
-    n = lay.world_size
-    return (B == 1 and decode_kernels(B * cfg.experts_per_token)
-            and shape_fits(cfg.hidden_size, cfg.moe_intermediate_size // lay.tpf,
-                           cfg.moe_intermediate_size * cfg.num_shared_experts // n))
-
-
-def _moe_routed(cfg: ModelConfig, lay: Layout, B: int) -> bool:
-    """... with the router inside it (gluon_moe.route_fits)."""
-    return _moe_row(cfg, lay, B) and route_fits(cfg.num_experts, route_spec(cfg).groups)
-
-
-def _proj_in_moe(cfg: ModelConfig, lay: Layout, B: int) -> int:
-    """Layers whose input add + norm and first projection ride in the previous layer's MoE
-    launch (MoE._next_projection: the routed launch, one rank, no projection bias)."""
-    if not (cfg.is_moe and lay.world_size == 1 and _moe_routed(cfg, lay, B)
-            and not cfg.qkv_bias and not (cfg.is_mla and cfg.attention_bias)):
-        return 0
-    return sum(1 for i in range(1, cfg.num_layers) if cfg.moe_layers[i - 1])
 
 
 def step_cost(cfg: ModelConfig, layout: Layout, batch: int, context: int, dtype_bytes: int = 2,
@@ -253,13 +228,7 @@ def step_cost(cfg: ModelConfig, layout: Layout, batch: int, context: int, dtype_
     # final norm, LM-head GEMM, fp32 cast, (all-gather re-layout), argmax over B x V fp32 logits
     lm = Phase("lm_head", 1, D * es + shard * D * es + B * V * 4, 2 * B * D * shard,
                4 if n == 1 else 5, _world_comm("all_gather", n, B * shard * 4))
-    folded = _proj_in_moe(cfg, layout, B)
-    projs = (proj,)
-    if folded:        # their add + norm and first GEMM launch in the previous MoE launch
-        projs = ((replace(proj, count=proj.count - folded),) if folded < proj.count else ()) + (
-            replace(proj, name="attn_proj_in_moe", count=folded,
-                    kernels=proj.kernels - norm_kernels - 1),)
-    phases = (embed, *projs, att, o_proj, *_ffn_phases(cfg, layout, B, es), lm)
+    phases = (embed, proj, att, o_proj, *_ffn_phases(cfg, layout, B, es), lm)
     return StepCost(phases=phases, weight_bytes=weight_bytes(cfg, layout, es),
                     kv_bytes_per_position=cfg.num_layers * pos_bytes,
                     meta={"batch": B, "context": context, "dtype_bytes": es,
