@@ -33,10 +33,19 @@ FLAGS, from HELIX_PDL, benches switch it):
 The default ("1", = "wait") is PDL_ON alone: on the H200, whole DeepSeek-V2-Lite steps were
 6-8 % SLOWER with PDL_EARLY and with PDL_PREFETCH (profiling/results/pdl.md), so the two are
 opt-in modes kept for that measurement (HELIX_PDL=early / prefetch / full).
+
+Shared-memory carveout (HELIX_SMEM_CARVEOUT, module flag CARVEOUT). An SM splits its 256 KB
+between L1 and shared memory per kernel preference, and programs of kernels whose preferences
+differ cannot share an SM: a GEMV needing 64 bytes of shared memory cannot become resident
+(and stream its weights before its PDL wait) beside a Gluon launch holding 201 KB. With the
+flag, `run_kernel` asks the driver for the largest shared-memory carveout for every kernel it
+launches (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 100 %), so all of them prefer
+one configuration; without it, the default (-1) again.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import inspect
 import os
@@ -62,6 +71,9 @@ if _mode not in PDL_MODES:
 FLAGS = PDL_MODES[_mode]                # read at launch: benches switch it
 PDL = FLAGS != 0                         # the switch alone (FLAGS keeps the mode bits)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")   # fixed at import
+CARVEOUT = os.environ.get("HELIX_SMEM_CARVEOUT", "0") not in ("", "0")   # read at launch
+_CARVEOUT_ATTRIBUTE = 9            # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+_CARVED: dict = {}                 # CUfunction handle -> the carveout asked for it
 
 
 def run_kernel(kernel, grid, *args, cluster: int = 1, **meta):
@@ -87,7 +99,27 @@ def run_kernel(kernel, grid, *args, cluster: int = 1, **meta):
         nw, ctas, shared = compiled.packed_metadata
         assert ctas in (1, cluster), compiled.packed_metadata
         compiled.packed_metadata = (nw, cluster, shared)
-    return kernel[grid](*args, **meta)
+    compiled = kernel[grid](*args, **meta)
+    carve(compiled)
+    return compiled
+
+
+def carve(compiled) -> None:
+    """The shared-memory carveout rule (module doc) for a launched kernel: 100 % with CARVEOUT,
+    the driver's default (-1) without; asked once per kernel binary and value."""
+    handle = getattr(compiled, "function", None)
+    want = 100 if CARVEOUT else -1
+    if _INTERPRETED or not isinstance(handle, int) or _CARVED.get(handle, -1) == want:
+        return
+    err = _libcuda().cuFuncSetAttribute(ctypes.c_void_p(handle), _CARVEOUT_ATTRIBUTE, want)
+    if err:
+        raise RuntimeError(f"cuFuncSetAttribute(carveout {want}) failed with CUresult {err}")
+    _CARVED[handle] = want
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda():
+    return ctypes.CDLL("libcuda.so.1")
 
 
 def pdl_enabled(device: torch.device | None) -> bool:
