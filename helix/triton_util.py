@@ -30,9 +30,13 @@ FLAGS, from HELIX_PDL, benches switch it):
   - PDL_PREFETCH: a kernel may, before `pdl_sync`, ask L2 for bytes that NO kernel of the step
     writes (weights) with `prefetch_l2`; a projection resident under the previous kernel then
     streams its weights while that kernel runs, and reads them from L2 once it may start.
-The default ("1", = "wait") is PDL_ON alone: on the H200, whole DeepSeek-V2-Lite steps were
-6-8 % SLOWER with PDL_EARLY and with PDL_PREFETCH (profiling/results/pdl.md), so the two are
-opt-in modes kept for that measurement (HELIX_PDL=early / prefetch / full).
+The default ("auto") is PDL_ON, plus PDL_EARLY in decode steps of one row (`decode_flags`,
+module flag EARLY_ONE_ROW). Measured on the H200 in whole steps, same process: one row of
+DeepSeek-V2-Lite 2-3 % faster with PDL_EARLY at `5200b71` (1 x 32K 2.112-2.118 -> 2.066-2.075
+ms), the Qwen3 shape's one row equal, eight rows of either 1.3-1.6 % slower; in the first
+measurement (profiling/results/pdl.md, older kernels) PDL_EARLY and PDL_PREFETCH were 6-8 %
+slower at every batch. "1" / "wait" is PDL_ON alone at every batch; "early" / "prefetch" /
+"full" set their bits at every batch (HELIX_PDL, benches switch FLAGS).
 
 Shared-memory carveout (HELIX_SMEM_CARVEOUT, module flag CARVEOUT). An SM splits its 256 KB
 between L1 and shared memory per kernel preference, and programs of kernels whose preferences
@@ -45,6 +49,7 @@ one configuration; without it, the default (-1) again.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import inspect
@@ -62,14 +67,15 @@ except ImportError:                      # pragma: no cover - triton is the opti
 
 
 PDL_ON, PDL_EARLY, PDL_PREFETCH = 1, 2, 4
-PDL_MODES = {"0": 0, "1": PDL_ON, "wait": PDL_ON,
+PDL_MODES = {"0": 0, "1": PDL_ON, "wait": PDL_ON, "auto": PDL_ON,
               "early": PDL_ON | PDL_EARLY, "prefetch": PDL_ON | PDL_PREFETCH,
               "full": PDL_ON | PDL_EARLY | PDL_PREFETCH}
-_mode = os.environ.get("HELIX_PDL", "1")
+_mode = os.environ.get("HELIX_PDL", "auto")
 if _mode not in PDL_MODES:
     raise SystemExit(f"HELIX_PDL={_mode!r}: use one of {', '.join(PDL_MODES)}")
 FLAGS = PDL_MODES[_mode]                # read at launch: benches switch it
 PDL = FLAGS != 0                         # the switch alone (FLAGS keeps the mode bits)
+EARLY_ONE_ROW = _mode == "auto"          # decode_flags' rule (benches switch it)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")   # fixed at import
 CARVEOUT = os.environ.get("HELIX_SMEM_CARVEOUT", "0") not in ("", "0")   # read at launch
 _CARVEOUT_ATTRIBUTE = 9            # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
@@ -120,6 +126,25 @@ def carve(compiled) -> None:
 @functools.lru_cache(maxsize=None)
 def _libcuda():
     return ctypes.CDLL("libcuda.so.1")
+
+
+def decode_flags(rows: int) -> int:
+    """The PDL bits of a decode step of `rows` rows: FLAGS, with PDL_EARLY at one row under
+    EARLY_ONE_ROW (module doc)."""
+    if EARLY_ONE_ROW and rows == 1 and FLAGS:
+        return FLAGS | PDL_EARLY
+    return FLAGS
+
+
+@contextlib.contextmanager
+def launch_flags(flags: int):
+    """Within: run_kernel launches with PDL bits `flags` (FLAGS restored after)."""
+    global FLAGS
+    saved, FLAGS = FLAGS, flags
+    try:
+        yield
+    finally:
+        FLAGS = saved
 
 
 def pdl_enabled(device: torch.device | None) -> bool:

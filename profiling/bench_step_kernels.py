@@ -280,7 +280,8 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-noqknorm", "after-gqa-twolaunch", "after-gqa-waves1", "after-gqa-waves05",
               "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend",
               "after-nomoerow", "after-moerow-stages6", "after-moerow-stages4",
-              "after-noroute", "after-carveout", "after-carveout-early")
+              "after-noroute", "after-carveout", "after-carveout-early",
+              "after-noearlyrow")
 
 
 def set_kernels(mode: str) -> None:
@@ -331,7 +332,8 @@ def set_kernels(mode: str) -> None:
     'after-carveout': every Helix kernel asks for the largest shared-memory carveout
     (triton_util.CARVEOUT), so kernels of different shared-memory needs may share an SM;
     'after-carveout-early': the same with HELIX_PDL=early (the next kernel launched before the
-    wait, so chains of kernels may be resident ahead)."""
+    wait, so chains of kernels may be resident ahead); 'after-noearlyrow': one-row steps with
+    PDL_ON alone, not PDL_EARLY (triton_util.EARLY_ONE_ROW off: HELIX_PDL=wait)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -353,6 +355,7 @@ def set_kernels(mode: str) -> None:
     if mode == "after-carveout-early":
         pdl_mode = "early"
     triton_util.FLAGS = triton_util.PDL_MODES[pdl_mode] if pdl_mode else _FLAGS
+    triton_util.EARLY_ONE_ROW = _EARLY_ONE_ROW and mode != "after-noearlyrow"
     skinny_gemm.ENABLED = _SKINNY and mode not in ("after-cublas", "after-nopdl-cublas")
     fused_mla.FUSE_ABSORB = mode not in ("before", "after-noabsorbrow")
     skinny_gemm.GEMV = _GEMV and mode not in ("before", "after-nogemv", "after-noonetile")
@@ -390,6 +393,7 @@ _GLUON_FEW = triton_backend.GLUON_FEW_VARIANT
 _SKINNY_BOUND = skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS
 _PDL = triton_util.PDL
 _FLAGS = triton_util.FLAGS
+_EARLY_ONE_ROW = triton_util.EARLY_ONE_ROW
 _SKINNY = skinny_gemm.ENABLED
 _GEMV = skinny_gemm.GEMV
 _ONE_TILE_ELEMENTS = tr.ONE_TILE_ELEMENTS          # the library default (16384)

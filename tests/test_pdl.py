@@ -115,10 +115,13 @@ def test_pdl_modes_from_the_environment():
         import importlib, json, os
         from helix import triton_util as t
         got = {}
-        for v in ("0", "1", "wait", "early", "full"):
-            os.environ["HELIX_PDL"] = v
+        for v in ("0", "1", "wait", "auto", "early", "full", None):
+            if v is None:
+                os.environ.pop("HELIX_PDL")
+            else:
+                os.environ["HELIX_PDL"] = v
             importlib.reload(t)
-            got[v] = [str(t.FLAGS), str(t.PDL)]
+            got[str(v)] = [str(t.FLAGS), str(t.PDL), str(t.EARLY_ONE_ROW)]
         print(json.dumps(got))
     """)
 
@@ -130,8 +133,11 @@ def test_pdl_modes_from_the_environment():
     got = json.loads(run.stdout.strip().splitlines()[-1])
     code = "from helix import triton_util as t; print(t.FLAGS, t.PDL)"
     on, early, pre = triton_util.PDL_ON, triton_util.PDL_EARLY, triton_util.PDL_PREFETCH
-    assert got == {"0": ["0", "False"], "1": [str(on), "True"], "wait": [str(on), "True"],
-                   "early": [str(on | early), "True"], "full": [str(on | early | pre), "True"]}
+    assert got == {"0": ["0", "False", "False"], "1": [str(on), "True", "False"],
+                   "wait": [str(on), "True", "False"], "auto": [str(on), "True", "True"],
+                   "early": [str(on | early), "True", "False"],
+                   "full": [str(on | early | pre), "True", "False"],
+                   "None": [str(on), "True", "True"]}            # unset: auto
     bad = subprocess.run([sys.executable, "-c", code], env=env("fast"), capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "HELIX_PDL='fast': use one of" in bad.stderr
@@ -284,3 +290,54 @@ def test_carveout_is_asked_once_per_kernel_and_value(monkeypatch):
     monkeypatch.setattr(tu, "CARVEOUT", True)
     with pytest.raises(RuntimeError, match="CUresult 1"):
         tu.carve(k1)
+
+
+def test_decode_flags_add_early_launches_at_one_row(monkeypatch):
+    """HELIX_PDL=auto (the default): PDL_EARLY in one-row decode steps only; an explicit mode
+    (EARLY_ONE_ROW off) or PDL off keeps FLAGS at every batch."""
+    on, early = triton_util.PDL_ON, triton_util.PDL_EARLY
+    monkeypatch.setattr(triton_util, "FLAGS", on)
+    monkeypatch.setattr(triton_util, "EARLY_ONE_ROW", True)
+    assert [triton_util.decode_flags(r) for r in (1, 2, 8)] == [on | early, on, on]
+    monkeypatch.setattr(triton_util, "EARLY_ONE_ROW", False)
+    assert triton_util.decode_flags(1) == on
+    monkeypatch.setattr(triton_util, "EARLY_ONE_ROW", True)
+    monkeypatch.setattr(triton_util, "FLAGS", 0)
+    assert triton_util.decode_flags(1) == 0
+    with triton_util.launch_flags(on | early):
+        assert triton_util.FLAGS == on | early
+    assert triton_util.FLAGS == 0
+
+
+def test_decode_steps_launch_with_their_bucket_flags(monkeypatch):
+    """A decode step runs its model under decode_flags(bucket): the early bit in the one-row
+    steps, not in the two-row ones, FLAGS again outside (CPU engine: the flags are what
+    run_kernel would read)."""
+    from helix import LLM, Layout, RuntimeConfig, SamplingParams
+    from helix.models.base import CausalLM
+    monkeypatch.setattr(triton_util, "FLAGS", triton_util.PDL_ON)
+    monkeypatch.setattr(triton_util, "EARLY_ONE_ROW", True)
+    seen = []
+    real = CausalLM.forward
+
+    def forward(self, ids, *a, **kw):
+        seen.append((ids.shape[0], triton_util.FLAGS))
+        return real(self, ids, *a, **kw)
+    monkeypatch.setattr(CausalLM, "forward", forward)
+    rt = RuntimeConfig(device="cpu", dtype="float32", seed=0, max_batch=2, max_context=64,
+                       page_size=16)
+    with LLM("tiny-llama", Layout(), rt) as llm:
+        seen.clear()
+        llm.add_request([5, 17, 42], SamplingParams(max_new_tokens=3, ignore_eos=True))
+        while llm.has_unfinished():
+            llm.step()
+        one = list(seen)
+        seen.clear()
+        for p in ([5, 17], [9, 4, 2]):
+            llm.add_request(p, SamplingParams(max_new_tokens=3, ignore_eos=True))
+        while llm.has_unfinished():
+            llm.step()
+    on, early = triton_util.PDL_ON, triton_util.PDL_EARLY
+    assert (1, on | early) in one and all(f == on for r, f in one if r != 1)
+    assert (2, on) in seen
+    assert triton_util.FLAGS == on

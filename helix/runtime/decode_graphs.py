@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from helix import triton_util
 from helix.graphs import BucketLadder, GraphPool, GraphRunner, HostStaging, StaticBuffers
 from helix.kv.manager import LocalKVMeta
 from helix.runtime.sampler import Sampler
@@ -78,10 +79,12 @@ class DecodeGraphs:
                            kv_lens=bufs.view("kv_lens", bucket), cu_q=self.arange[:bucket + 1],
                            q_pos=bufs.view("pos", bucket), num_decode=bucket,
                            micro_batches=self.micro_batches(bucket), **self.geometry)
-        ids = self.sampler.select(bufs.view("src", bucket), bufs.view("ids", bucket))
-        # every row is its sequence's last token: last=None, no gather
-        logits = self.model(ids, meta.q_pos, meta, self.caches, self.backend, None, ctx)
-        self.sampler.greedy(logits)
+        # the bucket's PDL bits (one row: the next kernel launched before each wait)
+        with triton_util.launch_flags(triton_util.decode_flags(bucket)):
+            ids = self.sampler.select(bufs.view("src", bucket), bufs.view("ids", bucket))
+            # every row is its sequence's last token: last=None, no gather
+            logits = self.model(ids, meta.q_pos, meta, self.caches, self.backend, None, ctx)
+            self.sampler.greedy(logits)
         return logits
 
     def _sample_step(self, bucket: int, bufs: StaticBuffers, ctx):
