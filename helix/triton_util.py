@@ -30,13 +30,18 @@ FLAGS, from HELIX_PDL, benches switch it):
   - PDL_PREFETCH: a kernel may, before `pdl_sync`, ask L2 for bytes that NO kernel of the step
     writes (weights) with `prefetch_l2`; a projection resident under the previous kernel then
     streams its weights while that kernel runs, and reads them from L2 once it may start.
-The default ("auto") is PDL_ON, plus PDL_EARLY in decode steps of one row (`decode_flags`,
-module flag EARLY_ONE_ROW). Measured on the H200 in whole steps, same process: one row of
-DeepSeek-V2-Lite 2-3 % faster with PDL_EARLY at `5200b71` (1 x 32K 2.112-2.118 -> 2.066-2.075
-ms), the Qwen3 shape's one row equal, eight rows of either 1.3-1.6 % slower; in the first
-measurement (profiling/results/pdl.md, older kernels) PDL_EARLY and PDL_PREFETCH were 6-8 %
-slower at every batch. "1" / "wait" is PDL_ON alone at every batch; "early" / "prefetch" /
-"full" set their bits at every batch (HELIX_PDL, benches switch FLAGS).
+The default ("auto") is PDL_ON, plus PDL_EARLY in one-row decode steps of MLA models
+(`decode_flags`, module flag EARLY_ONE_ROW). At one row an MLA layer is a chain of short
+latency-bound launches (the kv row with W_UK, the split merge, W_UV: 2 MB, o_proj: 8 MB), so a
+launch that lets its successor start before it waits has the successor's weight tile stream
+under it; where the launches stream tens of MB each (Llama's projections) the early residents'
+weight loads compete with the running kernel's instead. Measured on the H200, whole steps,
+same process (profiling/results/step_twelfth.md): DeepSeek-V2-Lite one row 2-3 % faster
+(1 x 32K 2.112-2.118 -> 2.066-2.075 ms) and eight rows 1.5 % slower; Llama-3.1-8B one row
+1.1-2.6 % slower; the Qwen3 shape's one row equal, eight rows 1.3 % slower. (The first
+measurement, profiling/results/pdl.md with older kernels: 6-8 % slower at every batch.)
+"1" / "wait" is PDL_ON alone everywhere; "early" / "prefetch" / "full" set their bits at every
+batch (HELIX_PDL, benches switch FLAGS).
 
 Shared-memory carveout (HELIX_SMEM_CARVEOUT, module flag CARVEOUT). An SM splits its 256 KB
 between L1 and shared memory per kernel preference, and programs of kernels whose preferences
@@ -128,10 +133,11 @@ def _libcuda():
     return ctypes.CDLL("libcuda.so.1")
 
 
-def decode_flags(rows: int) -> int:
-    """The PDL bits of a decode step of `rows` rows: FLAGS, with PDL_EARLY at one row under
-    EARLY_ONE_ROW (module doc)."""
-    if EARLY_ONE_ROW and rows == 1 and FLAGS:
+def decode_flags(rows: int, mla: bool) -> int:
+    """The PDL bits of a decode step of `rows` rows of a model with (mla) or without MLA
+    attention: FLAGS, with PDL_EARLY at one row of an MLA model under EARLY_ONE_ROW (module
+    doc)."""
+    if EARLY_ONE_ROW and rows == 1 and mla and FLAGS:
         return FLAGS | PDL_EARLY
     return FLAGS
 

@@ -292,27 +292,29 @@ def test_carveout_is_asked_once_per_kernel_and_value(monkeypatch):
         tu.carve(k1)
 
 
-def test_decode_flags_add_early_launches_at_one_row(monkeypatch):
-    """HELIX_PDL=auto (the default): PDL_EARLY in one-row decode steps only; an explicit mode
-    (EARLY_ONE_ROW off) or PDL off keeps FLAGS at every batch."""
+def test_decode_flags_add_early_launches_at_one_row_of_mla(monkeypatch):
+    """HELIX_PDL=auto (the default): PDL_EARLY in one-row decode steps of MLA models only; an
+    explicit mode (EARLY_ONE_ROW off) or PDL off keeps FLAGS at every batch."""
     on, early = triton_util.PDL_ON, triton_util.PDL_EARLY
     monkeypatch.setattr(triton_util, "FLAGS", on)
     monkeypatch.setattr(triton_util, "EARLY_ONE_ROW", True)
-    assert [triton_util.decode_flags(r) for r in (1, 2, 8)] == [on | early, on, on]
+    assert [triton_util.decode_flags(r, True) for r in (1, 2, 8)] == [on | early, on, on]
+    assert triton_util.decode_flags(1, False) == on
     monkeypatch.setattr(triton_util, "EARLY_ONE_ROW", False)
-    assert triton_util.decode_flags(1) == on
+    assert triton_util.decode_flags(1, True) == on
     monkeypatch.setattr(triton_util, "EARLY_ONE_ROW", True)
     monkeypatch.setattr(triton_util, "FLAGS", 0)
-    assert triton_util.decode_flags(1) == 0
+    assert triton_util.decode_flags(1, True) == 0
     with triton_util.launch_flags(on | early):
         assert triton_util.FLAGS == on | early
     assert triton_util.FLAGS == 0
 
 
-def test_decode_steps_launch_with_their_bucket_flags(monkeypatch):
-    """A decode step runs its model under decode_flags(bucket): the early bit in the one-row
-    steps, not in the two-row ones, FLAGS again outside (CPU engine: the flags are what
-    run_kernel would read)."""
+@pytest.mark.parametrize("model,mla", [("tiny-deepseek-v3", True), ("tiny-llama", False)])
+def test_decode_steps_launch_with_their_bucket_flags(model, mla, monkeypatch):
+    """A decode step runs its model under decode_flags(bucket, mla): the early bit in the
+    one-row steps of an MLA model, not in its two-row ones nor in a GQA model's, FLAGS again
+    outside (CPU engine: the flags are what run_kernel would read)."""
     from helix import LLM, Layout, RuntimeConfig, SamplingParams
     from helix.models.base import CausalLM
     monkeypatch.setattr(triton_util, "FLAGS", triton_util.PDL_ON)
@@ -326,7 +328,7 @@ def test_decode_steps_launch_with_their_bucket_flags(monkeypatch):
     monkeypatch.setattr(CausalLM, "forward", forward)
     rt = RuntimeConfig(device="cpu", dtype="float32", seed=0, max_batch=2, max_context=64,
                        page_size=16)
-    with LLM("tiny-llama", Layout(), rt) as llm:
+    with LLM(model, Layout(), rt) as llm:
         seen.clear()
         llm.add_request([5, 17, 42], SamplingParams(max_new_tokens=3, ignore_eos=True))
         while llm.has_unfinished():
@@ -338,6 +340,6 @@ def test_decode_steps_launch_with_their_bucket_flags(monkeypatch):
         while llm.has_unfinished():
             llm.step()
     on, early = triton_util.PDL_ON, triton_util.PDL_EARLY
-    assert (1, on | early) in one and all(f == on for r, f in one if r != 1)
+    assert (1, on | early if mla else on) in one and all(f == on for r, f in one if r != 1)
     assert (2, on) in seen
     assert triton_util.FLAGS == on

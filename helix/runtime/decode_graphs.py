@@ -37,6 +37,7 @@ class DecodeGraphs:
         pool: the memory pool to capture into (shared with the prefill graphs)."""
         pool = pool if pool is not None else GraphPool()
         self.model, self.caches, self.backend, self.sampler = model, caches, backend, sampler
+        self.mla = bool(getattr(getattr(model, "config", None), "is_mla", False))
         self.geometry = kv_geometry
         self.ladder = ladder
         # block_tables last: an upload copies only the bucket's rows of the widest buffer
@@ -79,8 +80,8 @@ class DecodeGraphs:
                            kv_lens=bufs.view("kv_lens", bucket), cu_q=self.arange[:bucket + 1],
                            q_pos=bufs.view("pos", bucket), num_decode=bucket,
                            micro_batches=self.micro_batches(bucket), **self.geometry)
-        # the bucket's PDL bits (one row: the next kernel launched before each wait)
-        with triton_util.launch_flags(triton_util.decode_flags(bucket)):
+        # the bucket's PDL bits (one row of MLA: the next kernel launched before each wait)
+        with triton_util.launch_flags(triton_util.decode_flags(bucket, self.mla)):
             ids = self.sampler.select(bufs.view("src", bucket), bufs.view("ids", bucket))
             # every row is its sequence's last token: last=None, no gather
             logits = self.model(ids, meta.q_pos, meta, self.caches, self.backend, None, ctx)
