@@ -27,29 +27,36 @@ FLAGS, from HELIX_PDL, benches switch it):
     can be resident ahead of the one running (as far as SM resources allow). Still exact:
     every kernel waits before its first access, and a kernel cannot finish before the one it
     waits for, so waiting for the previous kernel implies every earlier one has finished.
+    What a kernel reads BEFORE its wait must then be written by no kernel at all, not only by
+    no kernel of the last two: a counter shared with an earlier launch is not such a read
+    (gluon_route.choose waits first under PDL_EARLY for that reason).
   - PDL_PREFETCH: a kernel may, before `pdl_sync`, ask L2 for bytes that NO kernel of the step
     writes (weights) with `prefetch_l2`; a projection resident under the previous kernel then
     streams its weights while that kernel runs, and reads them from L2 once it may start.
-The default ("auto") is PDL_ON, plus PDL_EARLY in one-row decode steps of MLA models
-(`decode_flags`, module flag EARLY_ONE_ROW). At one row an MLA layer is a chain of short
-latency-bound launches (the kv row with W_UK, the split merge, W_UV: 2 MB, o_proj: 8 MB), so a
-launch that lets its successor start before it waits has the successor's weight tile stream
-under it; where the launches stream tens of MB each (Llama's projections) the early residents'
-weight loads compete with the running kernel's instead. Measured on the H200, whole steps,
-same process (profiling/results/step_twelfth.md): DeepSeek-V2-Lite one row 2-3 % faster
-(1 x 32K 2.112-2.118 -> 2.066-2.075 ms) and eight rows 1.5 % slower; Llama-3.1-8B one row
-1.1-2.6 % slower; the Qwen3 shape's one row equal, eight rows 1.3 % slower. (The first
+The default ("1", = "wait") is PDL_ON alone. "auto" adds PDL_EARLY in one-row decode steps
+of MLA models (`decode_flags`, module flag EARLY_ONE_ROW). At one row an MLA layer is a chain
+of short latency-bound launches (the kv row with W_UK, the split merge, W_UV: 2 MB, o_proj:
+8 MB), so a launch that lets its successor start before it waits has the successor's weight
+tile stream under it; where the launches stream tens of MB each (Llama's projections) the
+early residents' weight loads compete with the running kernel's instead. Measured on the
+H200, whole steps, same process (profiling/results/step_twelfth.md): DeepSeek-V2-Lite one row
+2-3 % faster (1 x 32K 2.112-2.118 -> 2.066-2.075 ms) and eight rows 1.5 % slower;
+Llama-3.1-8B one row 1.1-2.6 % slower; the Qwen3 shape's one row equal, eight rows 1.3 %
+slower. (The first
 measurement, profiling/results/pdl.md with older kernels: 6-8 % slower at every batch.)
-"1" / "wait" is PDL_ON alone everywhere; "early" / "prefetch" / "full" set their bits at every
-batch (HELIX_PDL, benches switch FLAGS).
+"auto" is not the default yet: with PDL_EARLY at one row, tiny-deepseek-v3's captured and
+eager prefill-graph steps gave different tokens (a premature route counter in the one-row MoE
+launch, fixed in gluon_route.choose since, not yet re-run on a GPU). "early" / "prefetch" /
+"full" set their bits at every batch (HELIX_PDL, benches switch FLAGS).
 
 Shared-memory carveout (HELIX_SMEM_CARVEOUT, module flag CARVEOUT). An SM splits its 256 KB
-between L1 and shared memory per kernel preference, and programs of kernels whose preferences
-differ cannot share an SM: a GEMV needing 64 bytes of shared memory cannot become resident
-(and stream its weights before its PDL wait) beside a Gluon launch holding 201 KB. With the
-flag, `run_kernel` asks the driver for the largest shared-memory carveout for every kernel it
-launches (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 100 %), so all of them prefer
-one configuration; without it, the default (-1) again.
+between L1 and shared memory per kernel preference; Triton asks for the largest split only for
+kernels of > 48 KB. The idea tested: a GEMV needing 64 bytes of shared memory may not become
+resident (and stream its weights before its PDL wait) beside a Gluon launch holding 201 KB
+while their preferences differ. With the flag, `run_kernel` asks the driver for the largest
+shared-memory carveout for every kernel it launches
+(CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 100 %); without it, the default (-1)
+again. Measured 0.7-1.5 % slower on whole steps (step_twelfth.md): off by default.
 """
 
 from __future__ import annotations
@@ -75,7 +82,7 @@ PDL_ON, PDL_EARLY, PDL_PREFETCH = 1, 2, 4
 PDL_MODES = {"0": 0, "1": PDL_ON, "wait": PDL_ON, "auto": PDL_ON,
               "early": PDL_ON | PDL_EARLY, "prefetch": PDL_ON | PDL_PREFETCH,
               "full": PDL_ON | PDL_EARLY | PDL_PREFETCH}
-_mode = os.environ.get("HELIX_PDL", "auto")
+_mode = os.environ.get("HELIX_PDL", "1")
 if _mode not in PDL_MODES:
     raise SystemExit(f"HELIX_PDL={_mode!r}: use one of {', '.join(PDL_MODES)}")
 FLAGS = PDL_MODES[_mode]                # read at launch: benches switch it

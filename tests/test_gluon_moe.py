@@ -254,7 +254,9 @@ def test_routed_launch_compiles_for_sm90(tmp_path):
     groups) and at Qwen3's (a bf16 router, no shared experts): no spills, still 128 registers
     a thread and the shared-memory limit, and under PDL ONE wait for the previous kernel (the
     consumer's, after its router rows are loaded; the producer waits for its own consumer's
-    choice instead) and one launch of the next kernel."""
+    choice instead) and one launch of the next kernel. With PDL_EARLY (DeepSeek-V2-Lite's
+    rule, PDL value 3) the router partition waits too, before it reads the route counter
+    (gluon_route.choose): two waits."""
     import json
     out = tmp_path / "moe.json"
     rules = {n: dict(r) for n, r in ROUTE_RULES.items()}
@@ -266,11 +268,14 @@ def test_routed_launch_compiles_for_sm90(tmp_path):
             "norm=True, scaling=1.0, experts=128, router_dtype=torch.bfloat16); "
             "recs.append(g.check_moe(1, topk=8, experts=16, inter=1536, dim=4096, shared=0, "
             "route=q)); "
+            "recs.append(g.check_moe(3, topk=6, route=rules['dsv2lite'])); "
             f"open({str(out)!r}, 'w').write(json.dumps(recs, default=str))")
     sm90_compile.run(tmp_path, ["-c", code], timeout=600)
-    for r in json.loads(out.read_text()):
+    recs = json.loads(out.read_text())
+    for r in recs:
         assert r["ok"], r.get("error", "")[-3000:]
         assert r["stack_bytes"] == 0 and r["local_loads"] == r["local_stores"] == 0
         assert r["registers"] == 128
         assert r["shared_bytes"] <= 232448
-        assert (r["gdc_waits"], r["gdc_launches"]) == (1, 1)
+        assert (r["gdc_waits"], r["gdc_launches"]) == ((2, 1) if r["pdl"] == 3 else (1, 1))
+    assert recs[-1]["pdl"] == 3

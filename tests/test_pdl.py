@@ -137,7 +137,7 @@ def test_pdl_modes_from_the_environment():
                    "wait": [str(on), "True", "False"], "auto": [str(on), "True", "True"],
                    "early": [str(on | early), "True", "False"],
                    "full": [str(on | early | pre), "True", "False"],
-                   "None": [str(on), "True", "True"]}            # unset: auto
+                   "None": [str(on), "True", "False"]}           # unset: "1"
     bad = subprocess.run([sys.executable, "-c", code], env=env("fast"), capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "HELIX_PDL='fast': use one of" in bad.stderr
@@ -293,8 +293,8 @@ def test_carveout_is_asked_once_per_kernel_and_value(monkeypatch):
 
 
 def test_decode_flags_add_early_launches_at_one_row_of_mla(monkeypatch):
-    """HELIX_PDL=auto (the default): PDL_EARLY in one-row decode steps of MLA models only; an
-    explicit mode (EARLY_ONE_ROW off) or PDL off keeps FLAGS at every batch."""
+    """HELIX_PDL=auto: PDL_EARLY in one-row decode steps of MLA models only; the other modes
+    (EARLY_ONE_ROW off) or PDL off keep FLAGS at every batch."""
     on, early = triton_util.PDL_ON, triton_util.PDL_EARLY
     monkeypatch.setattr(triton_util, "FLAGS", on)
     monkeypatch.setattr(triton_util, "EARLY_ONE_ROW", True)

@@ -389,7 +389,7 @@ def moe_row_kernel(
             [(_consumer, (args, sel, rargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
                           num_warps)),
              (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE)),
-             (choose, (rargs, sel, G, TOPK, TK, RSPEC))],
+             (choose, (rargs, sel, G, TOPK, TK, RSPEC, PDL))],
             [1, 1], [PRODUCER_REGS, ROUTER_REGS])
     else:
         gl.warp_specialize(

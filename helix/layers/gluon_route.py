@@ -35,7 +35,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from helix.gluon_util import exp_f32, pdl_wait, sync_threads
+from helix.gluon_util import exp_f32, grid_wait, pdl_wait, sync_threads
 
 BIG = gl.constexpr(1 << 30)   # "no expert": above every id
 
@@ -175,15 +175,25 @@ def route_rows(rargs, xs2, G, BK: gl.constexpr, PDL: gl.constexpr, num_warps: gl
 
 
 @gluon.jit
-def choose(rargs, sel, G, TOPK: gl.constexpr, TK: gl.constexpr, RSPEC: gl.constexpr):
+def choose(rargs, sel, G, TOPK: gl.constexpr, TK: gl.constexpr, RSPEC: gl.constexpr,
+           PDL: gl.constexpr = 0):
     """The router partition (one warp; module doc, 2): once every program's logits are in
     (acquire), the choice into sel's shared buffers ([1, TK] ids, weights), then an arrival on
     its `routed` barrier. RSPEC = (SIGMOID, GROUP_RULE, TOPK_GROUP, NORM, HAS_BIAS, BG, BEG,
-    L3), L3 a one-warp layout of [1, BG, BEG]."""
+    L3), L3 a one-warp layout of [1, BG, BEG].
+
+    With PDL_EARLY (bit 2) it first waits for the previous kernel: the route counter is shared
+    with the SAME launch of the previous MoE layer, and early launches let a chain of kernels
+    be resident ahead, so this launch's programs may run while that one's counter still holds
+    its full count (not yet reset by its last program). Without PDL_EARLY the launch starts
+    only once the kernel before it has passed its own wait, so every earlier kernel, the
+    previous MoE launch included, has finished."""
     (a_ptr, r_ptr, nw_ptr, rw_ptr, bias_ptr, lg_ptr, h_out, y_out, w_out, id_out, inv_d, eps,
      D, NE, EG, NG, scaling, cnt_ptr) = rargs
     sel_ids, sel_wts, routed = sel
     L3: gl.constexpr = RSPEC[7]
+    if PDL & 2:
+        grid_wait(PDL)
     while gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < G:
         pass
     wts, ids = select(lg_ptr, bias_ptr, EG, NG, scaling, TOPK, TK, RSPEC[0], RSPEC[1],
