@@ -42,8 +42,8 @@ early residents' weight loads compete with the running kernel's instead. Measure
 H200, whole steps, same process (profiling/results/step_twelfth.md): DeepSeek-V2-Lite one row
 2-3 % faster (1 x 32K 2.112-2.118 -> 2.066-2.075 ms) and eight rows 1.5 % slower;
 Llama-3.1-8B one row 1.1-2.6 % slower; the Qwen3 shape's one row equal, eight rows 1.3 %
-slower. (The first
-measurement, profiling/results/pdl.md with older kernels: 6-8 % slower at every batch.)
+slower. (The first measurement, profiling/results/pdl.md with older kernels: 6-8 % slower at
+every batch.)
 "auto" is not the default yet: with PDL_EARLY at one row, tiny-deepseek-v3's captured and
 eager prefill-graph steps gave different tokens (a premature route counter in the one-row MoE
 launch, fixed in gluon_route.choose since, not yet re-run on a GPU). "early" / "prefetch" /
