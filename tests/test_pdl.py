@@ -343,3 +343,30 @@ def test_decode_steps_launch_with_their_bucket_flags(model, mla, monkeypatch):
     assert (1, on | early if mla else on) in one and all(f == on for r, f in one if r != 1)
     assert (2, on) in seen
     assert triton_util.FLAGS == on
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("model", ["tiny-deepseek-v3", "tiny-qwen3-moe"])
+def test_one_row_steps_with_pdl_early_equal_steps_without(model, monkeypatch):
+    """One request alone (every decode step one row: the one-row MoE launch with its router,
+    the one-tile GEMVs), captured and eager, with PDL_EARLY at every step and with the auto
+    rule: bitwise the tokens and logits of plain launches. (PDL_EARLY let the next MoE
+    launch's router partition read the route counter before the previous launch had reset it:
+    gluon_route.choose now waits first under PDL_EARLY.)"""
+    from gpu_decode import captured_decode
+    monkeypatch.setattr(triton_util, "PDL", True)
+    monkeypatch.setattr(triton_util, "FLAGS", triton_util.FLAGS)
+    monkeypatch.setattr(triton_util, "EARLY_ONE_ROW", False)
+    prompts = ([5, 17, 42, 3, 9, 11, 2],)
+    triton_util.FLAGS = 0
+    want_tokens, want_logits = captured_decode(model, 8, prompts)
+    early = triton_util.PDL_ON | triton_util.PDL_EARLY
+    for flags, auto in ((early, False), (triton_util.PDL_ON, True)):
+        triton_util.FLAGS = flags
+        monkeypatch.setattr(triton_util, "EARLY_ONE_ROW", auto)
+        for graph_eager in (False, True):
+            tokens, logits = captured_decode(model, 8, prompts, graph_eager)
+            assert tokens == want_tokens, (flags, auto, graph_eager)
+            for a, b in zip(logits, want_logits):
+                assert torch.equal(a, b), (flags, auto, graph_eager)
