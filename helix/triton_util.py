@@ -48,21 +48,11 @@ every batch.)
 eager prefill-graph steps gave different tokens (a premature route counter in the one-row MoE
 launch, fixed in gluon_route.choose since, not yet re-run on a GPU). "early" / "prefetch" /
 "full" set their bits at every batch (HELIX_PDL, benches switch FLAGS).
-
-Shared-memory carveout (HELIX_SMEM_CARVEOUT, module flag CARVEOUT). An SM splits its 256 KB
-between L1 and shared memory per kernel preference; Triton asks for the largest split only for
-kernels of > 48 KB. The idea tested: a GEMV needing 64 bytes of shared memory may not become
-resident (and stream its weights before its PDL wait) beside a Gluon launch holding 201 KB
-while their preferences differ. With the flag, `run_kernel` asks the driver for the largest
-shared-memory carveout for every kernel it launches
-(CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 100 %); without it, the default (-1)
-again. Measured 0.7-1.5 % slower on whole steps (step_twelfth.md): off by default.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import inspect
 import os
@@ -89,9 +79,6 @@ FLAGS = PDL_MODES[_mode]                # read at launch: benches switch it
 PDL = FLAGS != 0                         # the switch alone (FLAGS keeps the mode bits)
 EARLY_ONE_ROW = _mode == "auto"          # decode_flags' rule (benches switch it)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")   # fixed at import
-CARVEOUT = os.environ.get("HELIX_SMEM_CARVEOUT", "0") not in ("", "0")   # read at launch
-_CARVEOUT_ATTRIBUTE = 9            # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-_CARVED: dict = {}                 # CUfunction handle -> the carveout asked for it
 
 
 def run_kernel(kernel, grid, *args, cluster: int = 1, **meta):
@@ -117,27 +104,7 @@ def run_kernel(kernel, grid, *args, cluster: int = 1, **meta):
         nw, ctas, shared = compiled.packed_metadata
         assert ctas in (1, cluster), compiled.packed_metadata
         compiled.packed_metadata = (nw, cluster, shared)
-    compiled = kernel[grid](*args, **meta)
-    carve(compiled)
-    return compiled
-
-
-def carve(compiled) -> None:
-    """The shared-memory carveout rule (module doc) for a launched kernel: 100 % with CARVEOUT,
-    the driver's default (-1) without; asked once per kernel binary and value."""
-    handle = getattr(compiled, "function", None)
-    want = 100 if CARVEOUT else -1
-    if _INTERPRETED or not isinstance(handle, int) or _CARVED.get(handle, -1) == want:
-        return
-    err = _libcuda().cuFuncSetAttribute(ctypes.c_void_p(handle), _CARVEOUT_ATTRIBUTE, want)
-    if err:
-        raise RuntimeError(f"cuFuncSetAttribute(carveout {want}) failed with CUresult {err}")
-    _CARVED[handle] = want
-
-
-@functools.lru_cache(maxsize=None)
-def _libcuda():
-    return ctypes.CDLL("libcuda.so.1")
+    return kernel[grid](*args, **meta)
 
 
 def decode_flags(rows: int, mla: bool) -> int:

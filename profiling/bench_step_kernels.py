@@ -280,8 +280,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-noqknorm", "after-gqa-twolaunch", "after-gqa-waves1", "after-gqa-waves05",
               "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend",
               "after-nomoerow", "after-moerow-stages6", "after-moerow-stages4",
-              "after-noroute", "after-carveout", "after-carveout-early",
-              "after-noearlyrow")
+              "after-noroute", "after-noearlyrow")
 
 
 def set_kernels(mode: str) -> None:
@@ -329,10 +328,7 @@ def set_kernels(mode: str) -> None:
     'after-moerow-stages6' / '-stages4': gluon_moe's weight ring 6 / 4 stages deep, not 8 (less
     shared memory held beside the next kernel); 'after-noroute': one row's MoE launch without
     the router in it (the router's own launch before it: gluon_moe.ROUTED off);
-    'after-carveout': every Helix kernel asks for the largest shared-memory carveout
-    (triton_util.CARVEOUT), so kernels of different shared-memory needs may share an SM;
-    'after-carveout-early': the same with HELIX_PDL=early (the next kernel launched before the
-    wait, so chains of kernels may be resident ahead); 'after-noearlyrow': one-row steps with
+    'after-noearlyrow': one-row steps with
     PDL_ON alone, not PDL_EARLY (triton_util.EARLY_ONE_ROW off: HELIX_PDL=wait)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
@@ -352,8 +348,6 @@ def set_kernels(mode: str) -> None:
                                               if mode == "after-skinny-big" else _SKINNY_BOUND)
     triton_util.PDL = _PDL and mode not in ("after-nopdl", "after-nopdl-cublas")
     pdl_mode = mode.removeprefix("after-pdl-") if mode.startswith("after-pdl-") else None
-    if mode == "after-carveout-early":
-        pdl_mode = "early"
     triton_util.FLAGS = triton_util.PDL_MODES[pdl_mode] if pdl_mode else _FLAGS
     triton_util.EARLY_ONE_ROW = _EARLY_ONE_ROW and mode != "after-noearlyrow"
     skinny_gemm.ENABLED = _SKINNY and mode not in ("after-cublas", "after-nopdl-cublas")
@@ -366,7 +360,6 @@ def set_kernels(mode: str) -> None:
     skinny_gemm.NORM_IN_GEMV = mode not in ("before", "after-nonormgemv")
     gluon_moe.ENABLED = mode not in ("before", "after-nomoerow")
     gluon_moe.ROUTED = mode not in ("before", "after-nomoerow", "after-noroute")
-    triton_util.CARVEOUT = mode.startswith("after-carveout")
     gluon_moe.STAGES = {"after-moerow-stages6": 6, "after-moerow-stages4": 4}.get(mode,
                                                                                   _MOE_STAGES)
     start = mode == "after-attn-7a34bf8"

@@ -261,37 +261,6 @@ def test_pdl_modes_compile_to_their_instruction_order(tmp_path):
             assert n >= 1 and r["order"] == [pre] * n + [launch, wait], r
 
 
-def test_carveout_is_asked_once_per_kernel_and_value(monkeypatch):
-    """triton_util.carve: with CARVEOUT every launched binary asks the driver for the largest
-    shared-memory carveout (attribute 9, 100 %), once; without it, back to the default (-1)
-    where it had been asked; nothing for a launch without a CUDA function (the interpreter)."""
-    from types import SimpleNamespace
-
-    from helix import triton_util as tu
-    calls = []
-    fake = SimpleNamespace(cuFuncSetAttribute=lambda f, a, v: calls.append((f.value, a, v)) or 0)
-    monkeypatch.setattr(tu, "_libcuda", lambda: fake)
-    monkeypatch.setattr(tu, "_INTERPRETED", False)
-    monkeypatch.setattr(tu, "_CARVED", {})
-    k1, k2 = SimpleNamespace(function=1234), SimpleNamespace(function=5678)
-    monkeypatch.setattr(tu, "CARVEOUT", False)
-    tu.carve(k1)
-    assert calls == []                                   # the default: nothing to ask
-    monkeypatch.setattr(tu, "CARVEOUT", True)
-    tu.carve(k1)
-    tu.carve(k1)
-    tu.carve(k2)
-    tu.carve(SimpleNamespace())                         # interpreter launches: no function
-    assert calls == [(1234, 9, 100), (5678, 9, 100)]
-    monkeypatch.setattr(tu, "CARVEOUT", False)
-    tu.carve(k1)
-    assert calls[-1] == (1234, 9, -1)
-    fake.cuFuncSetAttribute = lambda f, a, v: 1
-    monkeypatch.setattr(tu, "CARVEOUT", True)
-    with pytest.raises(RuntimeError, match="CUresult 1"):
-        tu.carve(k1)
-
-
 def test_decode_flags_add_early_launches_at_one_row_of_mla(monkeypatch):
     """HELIX_PDL=auto: PDL_EARLY in one-row decode steps of MLA models only; the other modes
     (EARLY_ONE_ROW off) or PDL off keep FLAGS at every batch."""

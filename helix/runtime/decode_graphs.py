@@ -37,7 +37,7 @@ class DecodeGraphs:
         pool: the memory pool to capture into (shared with the prefill graphs)."""
         pool = pool if pool is not None else GraphPool()
         self.model, self.caches, self.backend, self.sampler = model, caches, backend, sampler
-        self.mla = bool(getattr(getattr(model, "config", None), "is_mla", False))
+        self.mla = model.config.is_mla
         self.geometry = kv_geometry
         self.ladder = ladder
         # block_tables last: an upload copies only the bucket's rows of the widest buffer
