@@ -61,6 +61,22 @@ def test_generate_json_matches_transformers(hf_checkpoint):
     assert len(result["step_ms"]) == 16
 
 
+def test_generate_logprobs_flag(llama_ckpt, capsys):
+    r = helix_here(capsys, *generate_args(llama_ckpt, PROMPTS[:2], 4, "--json", "--logprobs",
+                                          "2"))
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    with LLM(llama_ckpt, Layout(), RuntimeConfig(max_context=256, page_size=4)) as llm:
+        ids = [llm.add_request(p, SamplingParams(max_new_tokens=4, logprobs=2))
+               for p in PROMPTS[:2]]
+        while llm.has_unfinished():
+            llm.step()
+        want = [[{"logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                 for lp in llm.logprobs[i]] for i in ids]
+    assert result["logprobs"] == want and len(want[0]) == len(result["tokens"][0])
+    r = helix_here(capsys, *generate_args(llama_ckpt, PROMPTS[:1], 2, "--logprobs", "21"))
+    assert r.returncode == 2 and "logprobs must be in" in r.stderr
+
+
 def test_generate_text_output_and_sampling_flags(llama_ckpt, capsys):
     r = helix_here(capsys, *generate_args(llama_ckpt, PROMPTS[:2], 5, "--temperature", "0.8",
                                           "--top-k", "20", "--top-p", "0.9", "--sample-seed",

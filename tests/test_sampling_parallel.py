@@ -1,25 +1,36 @@
 """Seeded sampling on several ranks: every rank holds the same full logits and the same
-per-request generator, so each draws the same token; the run equals the single-rank run."""
+per-request generator, so each draws the same token; the run equals the single-rank run, and so
+do the tokens' log-probabilities."""
 
 from __future__ import annotations
 
 from helix import LLM, Layout, RuntimeConfig, SamplingParams
 
 PROMPTS = [[5, 17, 42, 3], [7, 8, 9], [11, 12]]
-PARAMS = [SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, seed=7, ignore_eos=True),
+PARAMS = [SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, seed=7, ignore_eos=True,
+                         logprobs=3),
           SamplingParams(max_new_tokens=12, temperature=1.2, top_p=0.9, seed=11, ignore_eos=True),
-          SamplingParams(max_new_tokens=12, ignore_eos=True)]
+          SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=1)]
 
 
-def _generate(layout: Layout) -> list[list[int]]:
+def _generate(layout: Layout, logprobs: list | None = None) -> list[list[int]]:
     with LLM("tiny-llama", layout, RuntimeConfig(page_size=4, max_batch=4)) as llm:
-        return llm.generate(PROMPTS, PARAMS)
+        out = llm.generate(PROMPTS, PARAMS)
+        if logprobs is not None:
+            logprobs += [llm.logprobs.get(i) for i in sorted(llm.outputs)]
+        return out
 
 
 def test_sampled_tokens_match_single_rank_on_kvp2_tpa2():
-    single = _generate(Layout())
-    multi = _generate(Layout(kvp=2, tpa=2))
+    lp_single, lp_multi = [], []
+    single = _generate(Layout(), lp_single)
+    multi = _generate(Layout(kvp=2, tpa=2), lp_multi)
     assert multi == single
+    assert lp_single[1] is None and lp_multi[1] is None
+    for a, b in ((lp_single[i], lp_multi[i]) for i in (0, 2)):
+        assert len(a) == len(b) == 12
+        assert [[t for t, _ in x.top] for x in a] == [[t for t, _ in x.top] for x in b]
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a, b)) <= 1e-5
     # the sampled requests really sampled: they differ from greedy decoding of the same prompt
     with LLM("tiny-llama", Layout(), RuntimeConfig(page_size=4, max_batch=4)) as llm:
         greedy = llm.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12, ignore_eos=True))

@@ -1,6 +1,7 @@
 """`helix serve`'s HTTP API against the official `openai` client: one server for the module (two
 CPU ranks, gloo; a tight KV pool, so concurrent requests queue and get preempted), its text
-equal to transformers' greedy text, streaming equal to non-streaming, 8 concurrent clients,
+equal to transformers' greedy text, streaming equal to non-streaming, log-probabilities equal to
+transformers' log-softmax (completions and chat, streamed or not), 8 concurrent clients,
 disconnects that free their pages, bad requests (400 naming the field) and overload (429) that
 leave the others untouched, Prometheus metrics, KV import by file, and (last) a killed rank
 reported as 503 naming it."""
@@ -125,6 +126,56 @@ def test_streaming_equals_non_streaming(served):
     assert whole.choices[0].message.role == "assistant"
 
 
+def _hf_logprobs(served, prompt: list[int], out: list[int]):
+    import torch
+    with torch.no_grad():
+        logits = served.hf(torch.tensor([prompt + out]), use_cache=False).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1:-1], -1)
+
+
+def test_logprobs_in_completions_and_chat(served):
+    c = served.client()
+    ids = served.tok.encode(TEXTS[5])
+    r = c.completions.create(model=NAME, prompt=TEXTS[5], max_tokens=8, temperature=0,
+                             logprobs=3)
+    out = r.choices[0].model_extra["token_ids"]
+    lp = r.choices[0].logprobs
+    want = _hf_logprobs(served, ids, out)
+    assert lp.tokens == [served.tok.token_text(t) for t in out]
+    assert max(abs(a - want[i, t].item()) for i, (a, t) in
+               enumerate(zip(lp.token_logprobs, out))) <= 1e-3
+    assert [len(d) for d in lp.top_logprobs] == [3] * 8
+    assert all(next(iter(d)) == s for d, s in zip(lp.top_logprobs, lp.tokens))   # greedy
+    assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(8)]
+    chunks = [ch for ch in c.completions.create(model=NAME, prompt=TEXTS[5], max_tokens=8,
+                                                 temperature=0, logprobs=3, stream=True)]
+    streamed = [x for ch in chunks if ch.choices[0].logprobs
+                for x in zip(ch.choices[0].logprobs.tokens, ch.choices[0].logprobs.text_offset)]
+    assert streamed == list(zip(lp.tokens, lp.text_offset))
+    plain = c.completions.create(model=NAME, prompt=TEXTS[5], max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+    msgs = [{"role": "user", "content": TEXTS[6]}]
+    chat = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0,
+                                     logprobs=True, top_logprobs=2)
+    out = chat.choices[0].model_extra["token_ids"]
+    want = _hf_logprobs(served, served.tok.chat(msgs), out)
+    content = chat.choices[0].logprobs.content
+    assert [e.token for e in content] == [served.tok.token_text(t) for t in out]
+    assert all(e.bytes == list(e.token.encode()) for e in content)
+    assert max(abs(e.logprob - want[i, t].item())
+               for i, (e, t) in enumerate(zip(content, out))) <= 1e-3
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in content)
+    parts = list(c.chat.completions.create(model=NAME, messages=msgs, max_tokens=6,
+                                           temperature=0, logprobs=True, stream=True))
+    got = [(e.token, len(e.top_logprobs)) for p in parts if p.choices and p.choices[0].logprobs
+           for e in p.choices[0].logprobs.content]
+    assert got == [(e.token, 0) for e in content]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=NAME, messages=msgs, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"
+
+
 def test_stop_strings_end_the_text_before_them(served):
     c = served.client()
     ids = served.tok.encode(TEXTS[0])
@@ -193,7 +244,8 @@ BAD = [
     (dict(temperature=-1), 400, "temperature"),
     (dict(top_p=2), 400, "top_p"),
     (dict(n=2), 400, "n"),
-    (dict(logprobs=2), 400, "logprobs"),
+    (dict(logprobs=21), 400, "logprobs"),
+    (dict(echo=True), 400, "echo"),
     (dict(prompt=[1, 128]), 400, "prompt"),
     (dict(prompt=""), 400, "prompt"),
     (dict(prompt="the cat", max_tokens=120), 400, "max_tokens"),       # never fits the pool

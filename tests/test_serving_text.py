@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from dataclasses import replace
 
 import pytest
 from hf_fixtures import hf_greedy
@@ -92,18 +93,24 @@ def test_stream_deltas_equal_generate(tok_ckpt):
     params = SamplingParams(max_new_tokens=N, ignore_eos=True)
     with LLM(path, Layout(), RuntimeConfig(page_size=4, max_context=128)) as llm:
         want = llm.generate(prompts, params)
-        ids = [llm.add_request(p, params) for p in prompts]
+        ids = [llm.add_request(p, params if i else replace(params, logprobs=1))
+               for i, p in enumerate(prompts)]
         got = {i: ([], "") for i in ids}
-        finished = []
+        finished, logprobs = [], []
         for d in stream(llm, ids, tok):
             toks, text = got[d.request_id]
             got[d.request_id] = (toks + d.token_ids, text + d.text)
             assert len(d.token_ids) <= 1
+            assert (d.logprobs is None) == (d.request_id != ids[0])
+            if d.request_id == ids[0]:
+                assert len(d.logprobs) == len(d.token_ids)
+                logprobs += d.logprobs
             if d.finish_reason:
                 finished.append((d.request_id, d.finish_reason))
         assert [got[i][0] for i in ids] == want
         assert [got[i][1] for i in ids] == [tok.decode(w) for w in want]
         assert sorted(finished) == [(i, "length") for i in ids]
+        assert logprobs == llm.logprobs[ids[0]] and len(logprobs) == N
 
 
 def test_detokenizer_holds_back_split_characters(tmp_path):

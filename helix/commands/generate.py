@@ -5,7 +5,8 @@
 
 Text prompts (--prompt, through the chat template with --chat) need a checkpoint that ships its
 tokenizer; their text streams to the terminal as it is generated, in request order. The last
-stdout line with --json is one JSON object (tokens, "text" per request: null without a tokenizer).
+stdout line with --json is one JSON object (tokens, "text" per request: null without a tokenizer;
+with --logprobs K, "logprobs" per request: per token {"logprob", "top": [[id, logprob], ...]}).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def run_batch(model: str, prompts: list[list[int]], args, tokenizer=None, on_del
             "text": [text[i] if tokenizer else None for i in ids],
             "finish_reasons": [llm.finish_reasons[i] for i in ids],
             "errors": [llm.errors.get(i) for i in ids],
+            "logprobs": None if params.logprobs is None else [
+                [{"logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                 for lp in llm.logprobs[i]] for i in ids],
             "layout": layout.as_dict(),
             "world_size": layout.world_size,
             "device": runtime.device,

@@ -115,6 +115,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop-ids", type=token_ids, default=(),
                    help="comma-separated ids that end a request")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos ids")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="each token's log-probability and its K most likely alternatives "
+                        "(0-20; in --json's \"logprobs\")")
 
 
 def configs(args) -> tuple[Layout, RuntimeConfig]:
@@ -141,4 +144,5 @@ def configs(args) -> tuple[Layout, RuntimeConfig]:
 def sampling(args) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.sample_seed,
-                          stop_token_ids=tuple(args.stop_ids), ignore_eos=args.ignore_eos)
+                          stop_token_ids=tuple(args.stop_ids), ignore_eos=args.ignore_eos,
+                          logprobs=args.logprobs)

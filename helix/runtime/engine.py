@@ -34,6 +34,7 @@ from helix.loader import build_and_load
 from helix.parallel.comm import Comm
 from helix.runtime import faults
 from helix.runtime.decode_graphs import DecodeGraphs
+from helix.runtime.logprobs import TokenLogprob
 from helix.runtime.memory import plan_kv_pool
 from helix.runtime.prefill_graphs import DEFAULT_MAX_TOKENS, LOCAL, PASS_KV, PrefillGraphs
 from helix.tracing import nvtx_range
@@ -51,6 +52,7 @@ class _Launched:
     host: torch.Tensor            # host buffer the tokens are copied into
     event: torch.cuda.Event | None  # recorded after that copy (None: already done)
     num_tokens: int               # tokens fed to the model
+    logprobs: tuple | None = None   # host (lp, top_lp, top_ids) of its rows, when one asked
 
 
 @dataclass
@@ -60,6 +62,8 @@ class StepOutput:
     num_tokens: int               # tokens fed to the model this step
     seconds: float                # wall time of the step on this rank
     errors: dict[int, str] | None = None   # request id -> message, for requests that failed
+    logprobs: dict[int, TokenLogprob] | None = None   # request id -> its token's, for requests
+                                                      # that asked (SamplingParams.logprobs)
 
 
 class Engine:
@@ -176,11 +180,13 @@ class Engine:
             if c.req.imported_kv is not None:         # admitted with KV from a prefill server
                 self._write_imported(c.req, c.start)
         launched = self._launch_confined(plan) if plan else None
+        tokens, logprobs = {}, {}
         try:
-            tokens = self._resolve(self.inflight) if self.inflight is not None else {}
+            if self.inflight is not None:
+                self._resolve(self.inflight, tokens, logprobs)
             self.inflight = launched
             if launched is not None and not self.overlap:
-                tokens.update(self._resolve(launched))
+                self._resolve(launched, tokens, logprobs)
                 self.inflight = None
         except Exception as e:                        # an asynchronous device fault
             raise self._die(f"reading back a step failed: {type(e).__name__}: {e}") from None
@@ -188,7 +194,7 @@ class Engine:
         finished = {r.id: r.finish_reason for r in retired}
         errors = {r.id: r.error for r in retired if r.finish_reason == "error"}
         return StepOutput(tokens, finished, launched.num_tokens if launched else 0,
-                          time.perf_counter() - t0, errors or None)
+                          time.perf_counter() - t0, errors or None, logprobs or None)
 
     # -- launching ----------------------------------------------------------------------------
     def _launch_confined(self, plan: StepPlan) -> _Launched | None:
@@ -285,8 +291,9 @@ class Engine:
             with nvtx_range("helix.sample"):
                 if sampled:
                     self.sampler.sample(logits, params, seeds, counters)
+        k = self._logprobs(sampled, logits)
         with nvtx_range("helix.readback"):
-            host, event = self.sampler.readback(len(sampled))
+            host, event, lps = self.sampler.readback(len(sampled), k)
         for r in plan.decode:
             r.computed = r.num_tokens
         for c in plan.prefill:
@@ -295,7 +302,23 @@ class Engine:
             r.pending += 1
             r.pending_row = i
         self.last_logits = logits
-        return _Launched(sampled, host, event, len(ids))
+        return _Launched(sampled, host, event, len(ids), lps)
+
+    def _logprobs(self, sampled: list[Request], logits: torch.Tensor) -> int | None:
+        """When a sampled row asks for log-probabilities: queue them for every row (the most
+        alternatives any row asks for) -> that k, else None. Runs after the step's tokens are
+        sampled (eagerly, after a graph's replay too); a row whose token is forced gets the
+        forced id's."""
+        asked = [r.params.logprobs for r in sampled if r.params.logprobs is not None]
+        if not asked:
+            return None
+        forced = [r.params.forced_tokens[i] if i < len(r.params.forced_tokens) else -1
+                  for r, i in ((r, len(r.output) + r.pending) for r in sampled)]
+        forced_t = None if max(forced) < 0 else upload(torch.tensor(forced, dtype=torch.long),
+                                                      self.device)
+        with nvtx_range("helix.logprobs"):
+            self.sampler.logprobs(logits, max(asked), forced_t)
+        return max(asked)
 
     def _forward_eager(self, ids: list[int], src: list[int], meta, last_t, num_seqs: int):
         """The model on this step's rows, no graph -> logits of rows last_t (None: all)."""
@@ -348,16 +371,19 @@ class Engine:
                   for cache in self.caches]
         return {"positions": pos, "heads": self._kv_heads(), "layers": layers}
 
-    def _resolve(self, step: _Launched) -> dict[int, int]:
-        """Wait for a queued step's tokens; append them and apply stop and length rules.
-        Rows of requests that ended meanwhile (a stop id one step earlier, an abort, an error)
-        are dropped."""
+    def _resolve(self, step: _Launched, out: dict[int, int],
+                 logprobs: dict[int, TokenLogprob]) -> None:
+        """Wait for a queued step's tokens; append them to `out` (request id -> token, and
+        their log-probabilities to `logprobs` for requests that asked) and apply stop and
+        length rules. Rows of requests that ended meanwhile (a stop id one step earlier, an
+        abort, an error) are dropped."""
         if step.event is not None:
             t = time.perf_counter()
             step.event.synchronize()
             self.wait_seconds += time.perf_counter() - t
-        out = {}
-        for r, tok in zip(step.batch, step.host[:len(step.batch)].tolist()):
+        n = len(step.batch)
+        lps = None if step.logprobs is None else [h.tolist() for h in step.logprobs]
+        for i, (r, tok) in enumerate(zip(step.batch, step.host[:n].tolist())):
             r.pending -= 1
             if r.finished:
                 continue
@@ -366,12 +392,14 @@ class Engine:
                 tok = forced[len(r.output)]
             r.output.append(tok)
             out[r.id] = tok
+            k = r.params.logprobs
+            if k is not None:
+                logprobs[r.id] = TokenLogprob(lps[0][i], tuple(zip(lps[2][i][:k], lps[1][i][:k])))
             if tok in self._stop_ids(r.params):
                 r.finish_reason = "stop"
             elif (len(r.output) >= r.params.max_new_tokens
                   or r.num_tokens - r.pending >= r.max_len):
                 r.finish_reason = "length"
-        return out
 
     def _retire(self) -> list[Request]:
         done = self.scheduler.retire()

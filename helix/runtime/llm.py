@@ -4,7 +4,7 @@
         rid = llm.add_request([5, 17, 42], SamplingParams(max_new_tokens=8))
         while llm.has_unfinished():
             out = llm.step()            # every running request advances by one token
-        print(llm.outputs[rid])
+        print(llm.outputs[rid])         # llm.logprobs[rid] too, if its params asked for them
 
 Requests may join and leave between steps. With a world of N > 1 ranks, LLM spawns N - 1 local
 workers itself (or, under torchrun, ranks > 0 serve inside the constructor and exit after
@@ -38,6 +38,7 @@ from helix.parallel.mesh import Mesh
 from helix.runtime.engine import Engine, StepOutput
 from helix.runtime.launch import (free_port, init_distributed, process_state, rank_device,
                                   rendezvous, torchrun_world, worker_context, worker_main)
+from helix.runtime.logprobs import TokenLogprob
 from helix.runtime.sampling import SamplingParams
 from helix.runtime.worker import make_engine, serve
 
@@ -81,6 +82,8 @@ class LLM:
         self._pending: list[tuple] = []
         self._step_lock = threading.Lock()
         self.outputs: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list[TokenLogprob]] = {}   # requests with params.logprobs set:
+                                                            # one per output token
         self.finish_reasons: dict[int, str] = {}
         self.errors: dict[int, str] = {}
         self._multi = world > 1
@@ -272,6 +275,8 @@ class LLM:
         rid = next(self._ids)
         self._pending.append(("add", rid, prompt, params, max_len, prefix))
         self.outputs[rid] = []
+        if params.logprobs is not None:
+            self.logprobs[rid] = []
         return rid
 
     def _check_prompt(self, prompt_ids, prefix: int = 0) -> list[int]:
@@ -306,11 +311,12 @@ class LLM:
         self._pending.append(("abort", request_id))
 
     def release(self, request_id: int) -> None:
-        """Forget a finished request (its outputs, finish reason, error): a long-running server
-        calls this for every request it has answered, or these dicts would only grow."""
+        """Forget a finished request (its outputs, log-probabilities, finish reason, error): a
+        long-running server calls this for every request it has answered, or these dicts would
+        only grow."""
         if request_id in self.outputs and request_id not in self.finish_reasons:
             raise RequestError(f"request {request_id} has not finished: abort() it first")
-        for d in (self.outputs, self.finish_reasons, self.errors):
+        for d in (self.outputs, self.logprobs, self.finish_reasons, self.errors):
             d.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
@@ -334,6 +340,8 @@ class LLM:
             self._step_lock.release()
         for rid, tok in out.tokens.items():
             self.outputs[rid].append(tok)
+        for rid, lp in (out.logprobs or {}).items():
+            self.logprobs[rid].append(lp)
         self.finish_reasons.update(out.finished)
         self.errors.update(out.errors or {})
         return out

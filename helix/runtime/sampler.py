@@ -6,7 +6,10 @@ graph path and the eager path alike, and the host buffers they are read back thr
     sample_rows(logits, p)   temperature / top-k / top-p rows overwrite their greedy token
     select(src, ids)         a step's input ids: ids, or tokens[src] where src >= 0 (a token
                              still on the device from the step before: no host round trip)
-    readback(n)              queue tokens[:n] into a host buffer; wait on the returned event
+    logprobs(logits, k, forced)  the rows' tokens' log-probabilities and top k (logprobs.py),
+                             into device buffers made on first use
+    readback(n, k)           queue tokens[:n] (and, k not None, their log-probabilities) into
+                             host buffers; wait on the returned event
 
 Randomness is counter based (helix/runtime/sampling_ops.py): a row's draw depends only on its
 request's seed and the position sampled, not on the batch, the bucket, overlap or the rank.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from helix.layers.fused_ops import select_tokens
+from helix.runtime.logprobs import MAX_LOGPROBS, token_logprobs
 from helix.runtime.sampling import SamplingParams, row_params
 from helix.runtime.sampling_ops import greedy_argmax, sample_rows
 
@@ -30,6 +34,7 @@ class Sampler:
         # buffer step N's tokens are still being read from
         self._host = [torch.zeros(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._flip = 0
+        self._lp = self._lp_host = None     # log-probability buffers (_buffers), made on first use
 
     def greedy(self, logits: torch.Tensor) -> None:
         """logits [S, V] -> tokens[:S] = argmax per row (no host sync)."""
@@ -56,14 +61,55 @@ class Sampler:
     def select(self, src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return select_tokens(src, ids, self.tokens)
 
-    def readback(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Queue a copy of tokens[:n] to the host: (host buffer, event to wait on, or None when
-        the copy is already done)."""
+    def _buffers(self, device_side: bool) -> tuple:
+        """(lp [rows], top_lp [rows * MAX], top_ids [rows * MAX]) on the device, or the two host
+        copies. A step's top k entries are the first n * k of the flat buffers (contiguous, so
+        its device-to-host copies are single asynchronous copies)."""
+        if self._lp is None:
+            rows, pin = len(self.tokens), self.device.type == "cuda"
+
+            def bufs(device, pin=False):
+                return (torch.zeros(rows, dtype=torch.float32, device=device, pin_memory=pin),
+                        torch.zeros(rows * MAX_LOGPROBS, dtype=torch.float32, device=device,
+                                    pin_memory=pin),
+                        torch.zeros(rows * MAX_LOGPROBS, dtype=torch.long, device=device,
+                                    pin_memory=pin))
+            self._lp = bufs(self.device)
+            self._lp_host = [bufs("cpu", pin) for _ in range(2)]
+        return self._lp if device_side else self._lp_host
+
+    @staticmethod
+    def _views(bufs: tuple, n: int, k: int) -> tuple:
+        lp, top_lp, top_ids = bufs
+        return lp[:n], top_lp[:n * k].view(n, k), top_ids[:n * k].view(n, k)
+
+    def logprobs(self, logits: torch.Tensor, k: int, forced: torch.Tensor | None = None) -> None:
+        """After the step's tokens are in: rows [:n] of logits [n, V] -> the log-probability of
+        each row's token (forced[i] >= 0: that id instead of the sampled one) and its k most
+        likely entries, into the device buffers readback(n, k) copies. No host sync."""
+        n = logits.shape[0]
+        tokens = self.tokens[:n] if forced is None else torch.where(forced >= 0, forced,
+                                                                     self.tokens[:n])
+        for dst, src in zip(self._views(self._buffers(device_side=True), n, k),
+                            token_logprobs(logits, tokens, k)):
+            dst.copy_(src)
+
+    def readback(self, n: int, k: int | None = None
+                 ) -> tuple[torch.Tensor, torch.cuda.Event | None, tuple | None]:
+        """Queue a copy of tokens[:n] to the host, and with k not None of their log-probabilities
+        and top k (logprobs() ran for the step): (host tokens, event to wait on or None when the
+        copies are done, None or host (lp [n], top_lp [n, k], top_ids [n, k]))."""
+        cuda = self.device.type == "cuda"
         host = self._host[self._flip]
+        host[:n].copy_(self.tokens[:n], non_blocking=cuda)
+        lps = None
+        if k is not None:
+            lps = self._views(self._buffers(device_side=False)[self._flip], n, k)
+            for h, d in zip(lps, self._views(self._buffers(device_side=True), n, k)):
+                h.copy_(d, non_blocking=cuda)
         self._flip ^= 1
-        host[:n].copy_(self.tokens[:n], non_blocking=self.device.type == "cuda")
-        if self.device.type != "cuda":
-            return host, None
+        if not cuda:
+            return host, None, lps
         event = torch.cuda.Event()
         event.record()
-        return host, event
+        return host, event, lps

@@ -1,5 +1,5 @@
 """Sampling parameters of a request, validated when they are made: greedy, temperature, top-k,
-top-p, seeded per request, stop ids, teacher forcing."""
+top-p, seeded per request, stop ids, teacher forcing, log-probabilities."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from helix.errors import RequestError
+from helix.runtime.logprobs import MAX_LOGPROBS
 
 SEED_LIMIT = 2**63            # seeds are hashed as signed 64-bit integers
 TOP_K_LIMIT = 2**31
@@ -46,6 +47,9 @@ class SamplingParams:
     ignore_eos: bool = False                 # do not stop at the model's eos ids
     forced_tokens: tuple[int, ...] = ()      # emit these instead of sampling (teacher forcing:
                                              # logits of a given continuation, parity runs)
+    logprobs: int | None = None              # k: each token's log-probability under the model
+                                             # and its k most likely alternatives (0-20;
+                                             # None: none). helix/runtime/logprobs.py
 
     def __post_init__(self):
         _int("max_new_tokens", self.max_new_tokens, 1)
@@ -58,6 +62,8 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {p}")
         if self.seed is not None:
             _int("seed", self.seed, 0, SEED_LIMIT)
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1)
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         object.__setattr__(self, "temperature", t)

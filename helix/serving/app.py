@@ -2,6 +2,12 @@
 /v1/chat/completions (JSON, or server-sent events with "stream": true), /v1/models, /health,
 /metrics (Prometheus text).
 
+A request that asks for log-probabilities gets them in each choice's (or chunk's) "logprobs", in
+the endpoint's OpenAI shape: {tokens, token_logprobs, top_logprobs, text_offset} for
+completions, {content: [{token, logprob, bytes, top_logprobs}]} for chat. Token strings are the
+tokenizer's text of each id alone, "token_id:<id>" for a model without a tokenizer; -inf (and
+NaN) are sent as -9999.0, as JSON has no infinity.
+
 Errors are OpenAI-shaped, {"error": {"message", "type", "param", "code"}}: 400 for a bad field
 (named in "param"), 404 for an unknown model, 429 when the server holds as many requests as it
 accepts, 503 when the engine is dead (the message names the rank) or shutting down. A client
@@ -166,7 +172,7 @@ class OpenAIServer:
                                               parsed.stop)
         except (RequestError, CapacityError, OverloadedError, EngineDeadError) as e:
             return _refusal(e)
-        fmt = _Format(chat, self.name, len(parsed.prompt_ids))
+        fmt = _Format(chat, self.name, len(parsed.prompt_ids), self.engine.tokenizer)
         if parsed.stream:
             return EventStream(fmt.events(stream, parsed.include_usage), stream)
         return await self._complete(request, stream, fmt)
@@ -189,11 +195,20 @@ class OpenAIServer:
         return JSONResponse(fmt.whole(out))
 
 
+LOGPROB_FLOOR = -9999.0        # what -inf (or NaN) is sent as
+
+
+def _finite(x: float) -> float:
+    return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR        # NaN > floor is False
+
+
 class _Format:
     """OpenAI response bodies for one request."""
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int):
+    def __init__(self, chat: bool, model: str, prompt_tokens: int, tokenizer=None):
         self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
+        self.tokenizer = tokenizer
+        self.text_offset = 0                  # completions' text_offset of the next token
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -207,8 +222,34 @@ class _Format:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    def _token(self, t: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{t}"
+        return self.tokenizer.token_text(t)
+
+    def logprobs(self, ids: list[int], lps) -> dict | None:
+        """The "logprobs" of a choice or chunk for these tokens (None when not asked)."""
+        if lps is None:
+            return None
+        if self.chat:
+            def entry(t, lp):
+                s = self._token(t)
+                return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode())}
+            return {"content": [{**entry(t, lp.logprob),
+                                 "top_logprobs": [entry(a, v) for a, v in lp.top]}
+                                for t, lp in zip(ids, lps)]}
+        tokens = [self._token(t) for t in ids]
+        offsets = []
+        for s in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(s)
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps],
+                "top_logprobs": [{self._token(a): _finite(v) for a, v in lp.top} for lp in lps],
+                "text_offset": offsets}
+
     def whole(self, out) -> dict:
-        choice = {"index": 0, "finish_reason": out.finish_reason, "logprobs": None,
+        choice = {"index": 0, "finish_reason": out.finish_reason,
+                  "logprobs": self.logprobs(out.token_ids, out.logprobs),
                   "token_ids": out.token_ids}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": out.text}
@@ -217,8 +258,10 @@ class _Format:
         return {**self._head(self.object), "choices": [choice],
                 "usage": self.usage(len(out.token_ids))}
 
-    def chunk(self, text: str, ids: list[int], finish: str | None, first: bool = False) -> bytes:
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None, "token_ids": ids}
+    def chunk(self, text: str, ids: list[int], finish: str | None, first: bool = False,
+              logprobs=None) -> bytes:
+        choice = {"index": 0, "finish_reason": finish,
+                  "logprobs": self.logprobs(ids, logprobs), "token_ids": ids}
         if self.chat:
             choice["delta"] = ({"role": "assistant", "content": text} if first
                                else {"content": text} if text or finish is None else {})
@@ -237,11 +280,11 @@ class _Format:
             n += len(out.token_ids)
             if out.finish_reason == "error":
                 if out.token_ids or out.text:
-                    yield self.chunk(out.text, out.token_ids, None)
+                    yield self.chunk(out.text, out.token_ids, None, logprobs=out.logprobs)
                 yield _sse({"error": {"message": out.error or "the request failed",
                                       "type": "server_error", "param": None, "code": None}})
                 break
-            yield self.chunk(out.text, out.token_ids, out.finish_reason)
+            yield self.chunk(out.text, out.token_ids, out.finish_reason, logprobs=out.logprobs)
         if include_usage:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
             yield _sse({**self._head(obj), "choices": [], "usage": self.usage(n)})

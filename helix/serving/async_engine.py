@@ -5,6 +5,7 @@ its step loop.
     engine = AsyncLLM("path/to/checkpoint", Layout(kvp=2), RuntimeConfig(...))
     stream = await engine.submit(prompt_ids, SamplingParams(max_new_tokens=32))
     async for out in stream:            # out.token_ids, out.text: what came since the last one
+                                        # (out.logprobs too when params.logprobs is set)
         ...                             # out.finish_reason on the last; stream.metrics then
     engine.close()
 
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from helix.config import Layout, RuntimeConfig
 from helix.errors import CapacityError, EngineDeadError, HelixError, RequestError
 from helix.loader import read_model_config
+from helix.runtime.logprobs import TokenLogprob
 from helix.serving.engine_loop import engine_main, quiet_gc
 from helix.serving.metrics import Metrics, RequestMetrics
 from helix.serving.stop import StopStrings
@@ -47,11 +49,13 @@ class StreamOutput:
     text: str = ""                   # "" without a tokenizer
     finish_reason: str | None = None   # length | stop | abort | error, on the last output
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None   # one per token id, when the request asked
 
 
 @dataclass
 class _State:
     tokens: list[int] = field(default_factory=list)   # arrived, not yet consumed
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # theirs, when asked
     finish: str | None = None
     error: str | None = None
 
@@ -59,8 +63,10 @@ class _State:
 class RequestStream:
     """One request's outputs as an async iterator; `abort()` ends it (its pages are freed)."""
 
-    def __init__(self, engine: "AsyncLLM", key: int, prompt_len: int, detok, stop=None):
+    def __init__(self, engine: "AsyncLLM", key: int, prompt_len: int, detok, stop=None,
+                 logprobs: bool = False):
         self.engine, self.key = engine, key
+        self.logprobs: list[TokenLogprob] | None = [] if logprobs else None   # consumed so far
         self.stop = StopStrings(stop) if stop else None
         self.cut = False                      # ended by a stop string, not by the engine
         self.state = _State()
@@ -73,10 +79,12 @@ class RequestStream:
         self.done = False
 
     # engine side (called on the event loop by the dispatcher)
-    def _push_token(self, token: int) -> None:
+    def _push_token(self, token: int, logprob: TokenLogprob | None = None) -> None:
         if self.metrics.first_token is None:
             self.metrics.first_token = time.perf_counter()
         self.state.tokens.append(token)
+        if logprob is not None:
+            self.state.logprobs.append(logprob)
         self.event.set()
 
     def _finish(self, finish: str, error: str | None) -> None:
@@ -95,6 +103,10 @@ class RequestStream:
             self.event.clear()
             await self.event.wait()
         tokens, self.state.tokens = self.state.tokens, []
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs, self.state.logprobs = self.state.logprobs, []
+            self.logprobs += logprobs
         finish = self.state.finish
         text = self.detok.add(tokens) if self.detok is not None and tokens else ""
         self.token_ids += tokens
@@ -109,13 +121,15 @@ class RequestStream:
             self.done = True
             self.metrics.generated_tokens = len(self.token_ids)
             self.engine._finished(self, finish)
-        return StreamOutput(tokens, text, finish, self.state.error if finish else None)
+        return StreamOutput(tokens, text, finish, self.state.error if finish else None,
+                            logprobs)
 
     async def result(self) -> StreamOutput:
         """Run to the end: every token and the whole text in one output."""
         async for _ in self:
             pass
-        return StreamOutput(self.token_ids, self.text, self.state.finish, self.state.error)
+        return StreamOutput(self.token_ids, self.text, self.state.finish, self.state.error,
+                            self.logprobs)
 
     def abort(self) -> None:
         """End the request now (a client that went away); no-op once finished."""
@@ -226,12 +240,12 @@ class AsyncLLM:
     def _dispatch(self, msg) -> None:
         kind = msg[0]
         if kind == "out":
-            _, keys, tokens, finished, step = msg
+            _, keys, tokens, finished, step, logprobs = msg
             streams = self._streams
-            for key, tok in zip(keys, tokens):
+            for i, (key, tok) in enumerate(zip(keys, tokens)):
                 s = streams.get(key)
                 if s is not None:
-                    s._push_token(tok)
+                    s._push_token(tok, None if logprobs is None else logprobs[i])
             for key, finish, error in finished:
                 s = streams.get(key)
                 if s is not None:
@@ -336,7 +350,8 @@ class AsyncLLM:
                                   f"(max_in_flight): retry later")
         key = next(self._keys)
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
-        s = RequestStream(self, key, len(prompt_ids), detok, tuple(stop))
+        s = RequestStream(self, key, len(prompt_ids), detok, tuple(stop),
+                          params is not None and params.logprobs is not None)
         self._streams[key] = s
         try:
             self._send(("add", key, list(prompt_ids), params, kv))

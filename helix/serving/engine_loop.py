@@ -14,10 +14,14 @@ Messages (tuples, pickled by multiprocessing's Connection):
   engine -> server   ("ready", info) | ("failed", message)          once, at start
                      ("added", key) | ("rejected", key, kind, message)   kind: request | capacity
                      ("out", keys, tokens, [(key, finish_reason, error)],
-                      (seconds, fed tokens, idle))  once per step with news: tokens[i] is
+                      (seconds, fed tokens, idle), logprobs)
+                                                    once per step with news: tokens[i] is
                                                     the new token of request keys[i]; idle:
                                                     the loop's own seconds since the last
-                                                    step ended (0 after a wait for work)
+                                                    step ended (0 after a wait for work);
+                                                    logprobs: None when no request of the
+                                                    step asked, else logprobs[i] is keys[i]'s
+                                                    TokenLogprob (None where not asked)
                      ("stats", LLM.stats() + steps)                  every STATS_INTERVAL_S, and
                                                                      on ("stats",)
                      ("direct", key, result)   ("dead", message)   ("closed",)
@@ -139,12 +143,14 @@ class EngineLoop:
         idle = 0.0 if self.last_end is None else start - self.last_end
         out = llm.step()
         self.steps += 1
-        keys, tokens, finished = [], [], []
+        keys, tokens, finished, logprobs = [], [], [], []
+        asked = out.logprobs or {}
         for rid, tok in out.tokens.items():       # at most one token per request and step
             key = self.key.get(rid)
             if key is not None:
                 keys.append(key)
                 tokens.append(tok)
+                logprobs.append(asked.get(rid))
         for rid, why in out.finished.items():
             key = self.key.pop(rid, None)
             if key is None:
@@ -153,7 +159,8 @@ class EngineLoop:
             finished.append((key, why, (out.errors or {}).get(rid)))
             llm.release(rid)
         if keys or finished:
-            self._send(("out", keys, tokens, finished, (out.seconds, out.num_tokens, idle)))
+            self._send(("out", keys, tokens, finished, (out.seconds, out.num_tokens, idle),
+                        logprobs if asked else None))
         self.last_end = time.perf_counter()
 
     def _send_stats(self) -> None:

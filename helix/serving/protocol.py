@@ -1,6 +1,8 @@
 """The OpenAI request bodies of /v1/completions and /v1/chat/completions -> (prompt ids,
 SamplingParams, stream options), every field checked: a bad one raises FieldError naming it
-(HTTP 400). `stop` strings end the text before them. Extensions (as vLLM's): top_k,
+(HTTP 400). `stop` strings end the text before them. Log-probabilities: `logprobs` (an
+integer, alternatives per token) on /v1/completions, `logprobs: true` and `top_logprobs` on
+/v1/chat/completions (helix/runtime/logprobs.py). Extensions (as vLLM's): top_k,
 stop_token_ids, ignore_eos, kv_file (a KV import, helix/kv/transfer.py, under the server's
 --kv-dir). Every choice also carries its "token_ids".
 """
@@ -12,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from helix.errors import RequestError
+from helix.runtime.logprobs import MAX_LOGPROBS
 from helix.runtime.sampling import SamplingParams
 
 
@@ -34,9 +37,9 @@ class Parsed:
 
 
 # fields a client may send that Helix does not implement: refused unless left at the default
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-               "suffix": (None, ""), "best_of": (None, 1), "presence_penalty": (None, 0),
-               "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+UNSUPPORTED = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+               "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+               "repetition_penalty": (None, 1),
                "logit_bias": (None,), "tools": (None,), "functions": (None,),
                "min_tokens": (None, 0)}
 MAX_STOPS = 4
@@ -92,7 +95,21 @@ def _check_unsupported(body: dict) -> None:
         raise FieldError("n", f"n must be 1 (one choice per request), got {n!r}")
 
 
-def sampling(body: dict, vocab: int, max_tokens_field: str = "max_tokens") -> SamplingParams:
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives per token the request asks for, None for no log-probabilities: completions'
+    integer `logprobs`; chat's `logprobs: true` with `top_logprobs` alternatives."""
+    if not chat:
+        return _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if not _bool(body, "logprobs"):
+        if top is not None:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+        return None
+    return top or 0
+
+
+def sampling(body: dict, vocab: int, max_tokens_field: str = "max_tokens",
+             chat: bool = False) -> SamplingParams:
     """The sampling fields -> SamplingParams (OpenAI defaults: temperature 1, max_tokens 16)."""
     max_tokens = _int(body, max_tokens_field, None, 1)
     if max_tokens is None and max_tokens_field != "max_tokens":
@@ -107,7 +124,7 @@ def sampling(body: dict, vocab: int, max_tokens_field: str = "max_tokens") -> Sa
             top_k=0 if top_k == -1 else top_k,
             seed=_int(body, "seed", None, 0, 2**63 - 1),
             stop_token_ids=tuple(_ids(stop_ids, "stop_token_ids", vocab)) if stop_ids else (),
-            ignore_eos=_bool(body, "ignore_eos"))
+            ignore_eos=_bool(body, "ignore_eos"), logprobs=_logprobs(body, chat))
     except FieldError:
         raise
     except RequestError as e:               # SamplingParams' own checks name their field
@@ -221,7 +238,7 @@ def parse_chat(body, tokenizer, vocab: int, kv_dir: str | None = None) -> Parsed
     except RequestError as e:
         raise FieldError("messages", str(e)) from None
     stream, usage = _stream(body)
-    return Parsed(ids, sampling(body, vocab, "max_completion_tokens"), stream, usage,
+    return Parsed(ids, sampling(body, vocab, "max_completion_tokens", chat=True), stream, usage,
                   _kv_file(body, kv_dir), _stop(body, tokenizer))
 
 

@@ -24,6 +24,7 @@ class Delta:
                                   # split across tokens is incomplete)
     finish_reason: str | None = None   # set in the request's last delta
     error: str | None = None      # message of a request that failed (finish reason "error")
+    logprobs: list | None = None  # the tokens' TokenLogprob, when the request asked for them
 
 
 def stream(llm, request_ids: list[int], tokenizer=None,
@@ -36,7 +37,7 @@ def stream(llm, request_ids: list[int], tokenizer=None,
     for r in request_ids:                      # finished before we started: one final delta
         if r not in left:
             yield Delta(r, list(llm.outputs[r]), detok[r].add(llm.outputs[r]) if detok else "",
-                        llm.finish_reasons[r], llm.errors.get(r))
+                        llm.finish_reasons[r], llm.errors.get(r), llm.logprobs.get(r))
     while left:
         out = llm.step()
         if on_step is not None:
@@ -50,4 +51,6 @@ def stream(llm, request_ids: list[int], tokenizer=None,
             text = detok[r].add(ids) if detok and ids else ""
             if why is not None:
                 left.discard(r)
-            yield Delta(r, ids, text, why, (out.errors or {}).get(r) if why else None)
+            lp = (out.logprobs or {}).get(r)
+            yield Delta(r, ids, text, why, (out.errors or {}).get(r) if why else None,
+                        None if r not in llm.logprobs else [] if lp is None else [lp])

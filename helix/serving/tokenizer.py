@@ -48,6 +48,11 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str:
+        """One id's text alone, special tokens included (log-probabilities name tokens by it;
+        a piece of a character split across tokens decodes to U+FFFD)."""
+        return self.hf.decode([token], skip_special_tokens=False)
+
     def detokenizer(self) -> "Detokenizer":
         return Detokenizer(self)
 
