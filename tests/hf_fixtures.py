@@ -181,3 +181,24 @@ def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[torch.T
                          output_logits=True, return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt):].tolist()
     return tokens, [x[0].float() for x in out.logits]
+
+
+@torch.no_grad()
+def hf_processed_argmax(hf, prompt: list[int], out: list[int], sp) -> list[int]:
+    """At each step of `out`: the argmax of HF's logits after sp's logit_bias, repetition
+    penalty (HF's RepetitionPenaltyLogitsProcessor), frequency and presence penalties."""
+    from collections import Counter
+
+    from transformers import RepetitionPenaltyLogitsProcessor
+    logits = hf(torch.tensor([prompt + out]), use_cache=False).logits[0].float()
+    rep = RepetitionPenaltyLogitsProcessor(sp.repetition_penalty)
+    want = []
+    for s in range(len(out)):
+        x = logits[len(prompt) - 1 + s].clone()
+        for t, b in sp.logit_bias:
+            x[t] += b
+        x = rep(torch.tensor([prompt + out[:s]]), x[None])[0]
+        for t, c in Counter(out[:s]).items():
+            x[t] -= sp.frequency_penalty * c + sp.presence_penalty
+        want.append(int(x.argmax()))
+    return want

@@ -150,6 +150,8 @@ USER_ERRORS = {  # id -> (args builder(ckpt, tmp), text the one stderr line must
                     "needs a mixture-of-experts model"),
     "nan-temperature": (lambda c, t: generate_args(c, PROMPTS, 2, "--temperature", "nan"),
                         "temperature must be a finite number"),
+    "bad-penalty": (lambda c, t: generate_args(c, PROMPTS, 2, "--presence-penalty", "5"),
+                    "presence_penalty must be in [-2, 2]"),
     "num-pages-too-large": (lambda c, t: generate_args(c, PROMPTS, 2, "--num-pages",
                                                        str(10**12)), "lower --num-pages"),
     "zero-new-tokens": (lambda c, t: generate_args(c, PROMPTS, 0), "max_new_tokens"),

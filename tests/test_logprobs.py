@@ -126,7 +126,8 @@ def _gpu_run(model: str, graph_eager: bool):
               SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=1.0, seed=5,
                              logprobs=1),
               SamplingParams(max_new_tokens=6, ignore_eos=True, forced_tokens=(3, 4), logprobs=0),
-              SamplingParams(max_new_tokens=3, ignore_eos=True)]
+              SamplingParams(max_new_tokens=3, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.5, logit_bias={7: 2.0})]
     with LLM(model, Layout(), rt) as llm:        # overlapped steps (the default on CUDA)
         ids = [llm.add_request(p, sp) for p, sp in zip(PROMPTS + [[9, 9]], params)]
         graphed = 0
@@ -141,8 +142,9 @@ def _gpu_run(model: str, graph_eager: bool):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-deepseek-v3"])
 def test_captured_steps_give_the_eager_steps_logprobs(model):
-    """Under CUDA graphs the log-probabilities are computed on the graph's static logits after
-    its replay: bitwise those of the same bucketed steps run eagerly."""
+    """Under CUDA graphs the log-probabilities (and penalised rows' tokens) are computed on the
+    graph's static logits after its replay: bitwise those of the same bucketed steps run
+    eagerly."""
     captured, eager = _gpu_run(model, False), _gpu_run(model, True)
     assert captured == eager
     (_, lps), (_, sampled), (teacher, _), (_, none) = captured

@@ -1,6 +1,6 @@
 """Seeded sampling on several ranks: every rank holds the same full logits and the same
-per-request generator, so each draws the same token; the run equals the single-rank run, and so
-do the tokens' log-probabilities."""
+per-request generator, so each draws the same token (penalties included); the run equals the
+single-rank run, and so do the tokens' log-probabilities."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from helix import LLM, Layout, RuntimeConfig, SamplingParams
 PROMPTS = [[5, 17, 42, 3], [7, 8, 9], [11, 12]]
 PARAMS = [SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, seed=7, ignore_eos=True,
                          logprobs=3),
-          SamplingParams(max_new_tokens=12, temperature=1.2, top_p=0.9, seed=11, ignore_eos=True),
+          SamplingParams(max_new_tokens=12, temperature=1.2, top_p=0.9, seed=11, ignore_eos=True,
+                         frequency_penalty=0.5, repetition_penalty=1.2),
           SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=1)]
 
 

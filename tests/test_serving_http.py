@@ -16,14 +16,14 @@ import socket
 import time
 
 import pytest
-from hf_fixtures import hf_greedy
+from hf_fixtures import hf_greedy, hf_processed_argmax
 from proc_helpers import children
 from serving_fixtures import checkpoint_with_tokenizer
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from helix import Layout, RuntimeConfig  # noqa: E402
+from helix import Layout, RuntimeConfig, SamplingParams  # noqa: E402
 from helix.kv.transfer import kv_from_hf, save_kv  # noqa: E402
 from helix.serving.async_engine import AsyncLLM  # noqa: E402
 from helix.serving.server import HTTPServer, listen  # noqa: E402
@@ -176,6 +176,21 @@ def test_logprobs_in_completions_and_chat(served):
     assert e.value.body["param"] == "top_logprobs"
 
 
+def test_penalties_and_logit_bias(served):
+    c = served.client()
+    r = c.completions.create(model=NAME, prompt=TEXTS[7], max_tokens=4, temperature=0,
+                             logit_bias={"42": 100})
+    assert r.choices[0].model_extra["token_ids"] == [42] * 4
+    body = dict(logit_bias={"42": 4}, frequency_penalty=1.5, presence_penalty=1)
+    r = c.completions.create(model=NAME, prompt=TEXTS[7], max_tokens=8, temperature=0,
+                             extra_body={"repetition_penalty": 1.5}, **body)
+    ids = r.choices[0].model_extra["token_ids"]
+    sp = SamplingParams(repetition_penalty=1.5, **body)
+    assert ids == hf_processed_argmax(served.hf, served.tok.encode(TEXTS[7]), ids, sp)
+    plain = c.completions.create(model=NAME, prompt=TEXTS[7], max_tokens=8, temperature=0)
+    assert plain.choices[0].model_extra["token_ids"] != ids
+
+
 def test_stop_strings_end_the_text_before_them(served):
     c = served.client()
     ids = served.tok.encode(TEXTS[0])
@@ -246,6 +261,10 @@ BAD = [
     (dict(n=2), 400, "n"),
     (dict(logprobs=21), 400, "logprobs"),
     (dict(echo=True), 400, "echo"),
+    (dict(presence_penalty=3), 400, "presence_penalty"),
+    (dict(extra_body={"repetition_penalty": 0}), 400, "repetition_penalty"),
+    (dict(logit_bias={"x": 1}), 400, "logit_bias"),
+    (dict(logit_bias={"500": 1}), 400, "logit_bias"),                  # outside the vocabulary
     (dict(prompt=[1, 128]), 400, "prompt"),
     (dict(prompt=""), 400, "prompt"),
     (dict(prompt="the cat", max_tokens=120), 400, "max_tokens"),       # never fits the pool

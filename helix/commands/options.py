@@ -115,6 +115,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop-ids", type=token_ids, default=(),
                    help="comma-separated ids that end a request")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos ids")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages tokens of the prompt and output (1: off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="[-2, 2]: subtracted once per occurrence in the output")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="[-2, 2]: subtracted from tokens the output holds")
     g.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="each token's log-probability and its K most likely alternatives "
                         "(0-20; in --json's \"logprobs\")")
@@ -145,4 +151,6 @@ def sampling(args) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.sample_seed,
                           stop_token_ids=tuple(args.stop_ids), ignore_eos=args.ignore_eos,
-                          logprobs=args.logprobs)
+                          logprobs=args.logprobs, repetition_penalty=args.repetition_penalty,
+                          frequency_penalty=args.frequency_penalty,
+                          presence_penalty=args.presence_penalty)

@@ -32,7 +32,7 @@ from helix.layers.attention_gqa import kv_head_range
 from helix.layers.hopb import micro_batches
 from helix.loader import build_and_load
 from helix.parallel.comm import Comm
-from helix.runtime import faults
+from helix.runtime import faults, penalties
 from helix.runtime.decode_graphs import DecodeGraphs
 from helix.runtime.logprobs import TokenLogprob
 from helix.runtime.memory import plan_kv_pool
@@ -90,6 +90,8 @@ class Engine:
         self.backend = get_backend(runtime.resolved_backend, runtime.device)
         self.backend.prepare(device, cfg.is_mla)
         self.seeds: dict[int, int] = {}       # request id -> sampling seed
+        self.prompt_seen: dict[int, torch.Tensor] = {}   # request id -> its prompt's tokens as
+                                                         # a vocabulary mask (repetition penalty)
         self.kv_tokens_released = 0
         ladder = (BucketLadder(buckets=runtime.graph_buckets) if runtime.graph_buckets
                   else BucketLadder(max_size=runtime.max_batch))
@@ -256,6 +258,8 @@ class Engine:
         params = [r.params for r in sampled]
         seeds = [self.seeds[r.id] for r in sampled]
         D = len(plan.decode)
+        processed = [i for i, p in enumerate(params) if p.processed]
+        pending = self._pending_tokens(sampled, processed, ids, src, D) if processed else None
         pass_kv = self._pass_kv(batch[D:])
         key = None                            # the prefill graph of a step with chunks
         if plan.prefill and self.prefill_graphs is not None:
@@ -291,6 +295,13 @@ class Engine:
             with nvtx_range("helix.sample"):
                 if sampled:
                     self.sampler.sample(logits, params, seeds, counters)
+        if processed:
+            with nvtx_range("helix.process_rows"):
+                self.sampler.process_rows(
+                    logits, processed, [params[i] for i in processed],
+                    [sampled[i].output for i in processed], pending,
+                    self._prompt_seen([sampled[i] for i in processed], logits.shape[1]),
+                    [seeds[i] for i in processed], [counters[i] for i in processed])
         k = self._logprobs(sampled, logits)
         with nvtx_range("helix.readback"):
             host, event, lps = self.sampler.readback(len(sampled), k)
@@ -303,6 +314,29 @@ class Engine:
             r.pending_row = i
         self.last_logits = logits
         return _Launched(sampled, host, event, len(ids), lps)
+
+    def _pending_tokens(self, sampled: list[Request], rows: list[int], ids: list[int],
+                        src: list[int], D: int) -> torch.Tensor:
+        """For the sampled rows `rows`: the output token the host has not read back yet (a
+        decode row's input under overlap: on the device, or forced), -1 where none; queued
+        before the step's model runs (which overwrites the sampler's token buffer)."""
+        pend = [i < D and sampled[i].pending > 0 for i in rows]
+        s = torch.tensor([src[i] if p else -1 for i, p in zip(rows, pend)], dtype=torch.long)
+        t = torch.tensor([ids[i] if p else -1 for i, p in zip(rows, pend)], dtype=torch.long)
+        return self.sampler.select(upload(s, self.device), upload(t, self.device))
+
+    def _prompt_seen(self, reqs: list[Request], vocab: int) -> torch.Tensor:
+        """[m, V] bool: the tokens of each request's prompt, for a repetition penalty (made once
+        per request, dropped when it retires); no token for the others."""
+        rows = []
+        for r in reqs:
+            if r.params.repetition_penalty == 1:
+                rows.append(torch.zeros(vocab, dtype=torch.bool, device=self.device))
+                continue
+            if r.id not in self.prompt_seen:
+                self.prompt_seen[r.id] = penalties.prompt_mask(r.prompt, vocab, self.device)
+            rows.append(self.prompt_seen[r.id])
+        return torch.stack(rows)
 
     def _logprobs(self, sampled: list[Request], logits: torch.Tensor) -> int | None:
         """When a sampled row asks for log-probabilities: queue them for every row (the most
@@ -407,6 +441,7 @@ class Engine:
             self.kv_tokens_released += self.kv.local_tokens(r.id)
             self.kv.free(r.id)
             self.seeds.pop(r.id, None)
+            self.prompt_seen.pop(r.id, None)
         return done
 
     def _die(self, message: str) -> EngineDeadError:

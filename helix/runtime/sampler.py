@@ -6,6 +6,8 @@ graph path and the eager path alike, and the host buffers they are read back thr
     sample_rows(logits, p)   temperature / top-k / top-p rows overwrite their greedy token
     select(src, ids)         a step's input ids: ids, or tokens[src] where src >= 0 (a token
                              still on the device from the step before: no host round trip)
+    process_rows(logits, rows, ...)  rows with penalties / logit_bias: their token again, from
+                             their processed logits (penalties.py)
     logprobs(logits, k, forced)  the rows' tokens' log-probabilities and top k (logprobs.py),
                              into device buffers made on first use
     readback(n, k)           queue tokens[:n] (and, k not None, their log-probabilities) into
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from helix.kv.manager import upload
 from helix.layers.fused_ops import select_tokens
+from helix.runtime import penalties
 from helix.runtime.logprobs import MAX_LOGPROBS, token_logprobs
 from helix.runtime.sampling import SamplingParams, row_params
 from helix.runtime.sampling_ops import greedy_argmax, sample_rows
@@ -60,6 +64,30 @@ class Sampler:
 
     def select(self, src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return select_tokens(src, ids, self.tokens)
+
+    def process_rows(self, logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+                     outputs: list[list[int]], pending: torch.Tensor,
+                     prompt_seen: torch.Tensor, seeds: list[int], counters: list[int]) -> None:
+        """After the step's tokens are in: rows `rows` of logits [n, V] (their params, output
+        tokens the host knows, pending [m] the device token not read back yet or -1, and
+        prompt_seen [m, V]) get their token again from their processed logits: the argmax, or
+        the same seeded draw as an unprocessed row. No host sync."""
+        dev = logits.device
+
+        def col(name):
+            return upload(torch.tensor([getattr(p, name) for p in params], dtype=torch.float32),
+                          dev)
+        rows_t = upload(torch.tensor(rows, dtype=torch.long), dev)
+        counts = penalties.output_counts(outputs, pending, logits.shape[1])
+        x = penalties.apply(logits.index_select(0, rows_t), counts, prompt_seen,
+                            col("repetition_penalty"), col("frequency_penalty"),
+                            col("presence_penalty"), [p.logit_bias for p in params])
+        out = x.argmax(-1)
+        if not all(p.greedy for p in params):
+            r = {k: upload(v, dev) for k, v in row_params(params, seeds, counters).items()}
+            sample_rows(x, r["temperature"], r["top_k"], r["top_p"], r["seed"], r["counter"],
+                        out)
+        self.tokens.index_copy_(0, rows_t, out)
 
     def _buffers(self, device_side: bool) -> tuple:
         """(lp [rows], top_lp [rows * MAX], top_ids [rows * MAX]) on the device, or the two host

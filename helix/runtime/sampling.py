@@ -1,5 +1,6 @@
 """Sampling parameters of a request, validated when they are made: greedy, temperature, top-k,
-top-p, seeded per request, stop ids, teacher forcing, log-probabilities."""
+top-p, seeded per request, stop ids, teacher forcing, log-probabilities, penalties and logit
+bias (helix/runtime/penalties.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,27 @@ def _float(name: str, v) -> float:
     return float(v)
 
 
+def _bias(v) -> tuple[tuple[int, float], ...]:
+    """logit_bias {token id: value} (ids as ints or decimal strings, as JSON sends them), or
+    (id, value) pairs -> sorted pairs."""
+    items = v.items() if isinstance(v, dict) else v
+    try:
+        pairs = [(k, b) for k, b in items]
+    except (TypeError, ValueError):
+        raise RequestError(f"logit_bias must map token ids to values, got {v!r}: e.g. "
+                           f"logit_bias={{50256: -100}}") from None
+    out = {}
+    for k, b in pairs:
+        if isinstance(k, str) and k.strip().isdigit():
+            k = int(k)
+        k = _int("logit_bias key", k, 0)
+        b = _float("logit_bias value", b)
+        if not -100 <= b <= 100:
+            raise RequestError(f"logit_bias values must be in [-100, 100], got {b}")
+        out[k] = b
+    return tuple(sorted(out.items()))
+
+
 def _ids(name: str, v) -> tuple[int, ...]:
     if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
         raise RequestError(f"{name} must be a list of token ids, got {v!r}: e.g. {name}=[2]")
@@ -50,6 +72,11 @@ class SamplingParams:
     logprobs: int | None = None              # k: each token's log-probability under the model
                                              # and its k most likely alternatives (0-20;
                                              # None: none). helix/runtime/logprobs.py
+    repetition_penalty: float = 1.0          # > 0; 1: off. Tokens of the prompt or output
+    frequency_penalty: float = 0.0           # [-2, 2]: minus f x the token's output count
+    presence_penalty: float = 0.0            # [-2, 2]: minus p if it occurs in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, -100..100) added to its logit
+                                             # (a dict is taken too). helix/runtime/penalties.py
 
     def __post_init__(self):
         _int("max_new_tokens", self.max_new_tokens, 1)
@@ -64,6 +91,16 @@ class SamplingParams:
             _int("seed", self.seed, 0, SEED_LIMIT)
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1)
+        r = _float("repetition_penalty", self.repetition_penalty)
+        if r <= 0:
+            raise RequestError(f"repetition_penalty must be > 0 (1: none), got {r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = _float(name, getattr(self, name))
+            if not -2 <= v <= 2:
+                raise RequestError(f"{name} must be in [-2, 2], got {v}")
+            object.__setattr__(self, name, v)
+        object.__setattr__(self, "repetition_penalty", r)
+        object.__setattr__(self, "logit_bias", _bias(self.logit_bias))
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         object.__setattr__(self, "temperature", t)
@@ -75,10 +112,18 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def processed(self) -> bool:
+        """Its logits are processed before the token is chosen (penalties.py)."""
+        return bool(self.repetition_penalty != 1 or self.frequency_penalty or
+                    self.presence_penalty or self.logit_bias)
+
     def check_vocab(self, vocab: int) -> None:
         """Token ids the request names must exist in the model's vocabulary."""
-        for name in ("stop_token_ids", "forced_tokens"):
-            bad = [t for t in getattr(self, name) if t >= vocab]
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("forced_tokens", self.forced_tokens),
+                          ("logit_bias", [t for t, _ in self.logit_bias])):
+            bad = [t for t in ids if t >= vocab]
             if bad:
                 raise RequestError(f"{name} holds {bad[0]}, outside the vocabulary [0, {vocab})")
 

@@ -37,7 +37,7 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
 
 # first word of an LLM.add_request error -> the request field it is about
 ENGINE_FIELDS = {"prompt": "prompt", "kv": "kv_file", "stop_token_ids": "stop_token_ids",
-                 "token": "prompt"}
+                 "token": "prompt", "logit_bias": "logit_bias"}
 
 
 def error(status: int, message: str, kind: str, param: str | None = None,

@@ -2,9 +2,10 @@
 SamplingParams, stream options), every field checked: a bad one raises FieldError naming it
 (HTTP 400). `stop` strings end the text before them. Log-probabilities: `logprobs` (an
 integer, alternatives per token) on /v1/completions, `logprobs: true` and `top_logprobs` on
-/v1/chat/completions (helix/runtime/logprobs.py). Extensions (as vLLM's): top_k,
-stop_token_ids, ignore_eos, kv_file (a KV import, helix/kv/transfer.py, under the server's
---kv-dir). Every choice also carries its "token_ids".
+/v1/chat/completions (helix/runtime/logprobs.py). Penalties: presence_penalty,
+frequency_penalty, logit_bias (helix/runtime/penalties.py). Extensions (as vLLM's): top_k,
+repetition_penalty, stop_token_ids, ignore_eos, kv_file (a KV import, helix/kv/transfer.py,
+under the server's --kv-dir). Every choice also carries its "token_ids".
 """
 
 from __future__ import annotations
@@ -38,9 +39,7 @@ class Parsed:
 
 # fields a client may send that Helix does not implement: refused unless left at the default
 UNSUPPORTED = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
-               "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-               "repetition_penalty": (None, 1),
-               "logit_bias": (None,), "tools": (None,), "functions": (None,),
+               "tools": (None,), "functions": (None,),
                "min_tokens": (None, 0)}
 MAX_STOPS = 4
 
@@ -95,6 +94,16 @@ def _check_unsupported(body: dict) -> None:
         raise FieldError("n", f"n must be 1 (one choice per request), got {n!r}")
 
 
+def _logit_bias(body: dict) -> dict:
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise FieldError("logit_bias", "logit_bias must be an object of token id -> bias, e.g. "
+                                       "{\"50256\": -100}")
+    return v
+
+
 def _logprobs(body: dict, chat: bool) -> int | None:
     """Alternatives per token the request asks for, None for no log-probabilities: completions'
     integer `logprobs`; chat's `logprobs: true` with `top_logprobs` alternatives."""
@@ -124,7 +133,11 @@ def sampling(body: dict, vocab: int, max_tokens_field: str = "max_tokens",
             top_k=0 if top_k == -1 else top_k,
             seed=_int(body, "seed", None, 0, 2**63 - 1),
             stop_token_ids=tuple(_ids(stop_ids, "stop_token_ids", vocab)) if stop_ids else (),
-            ignore_eos=_bool(body, "ignore_eos"), logprobs=_logprobs(body, chat))
+            ignore_eos=_bool(body, "ignore_eos"), logprobs=_logprobs(body, chat),
+            presence_penalty=_num(body, "presence_penalty", 0.0),
+            frequency_penalty=_num(body, "frequency_penalty", 0.0),
+            repetition_penalty=_num(body, "repetition_penalty", 1.0),
+            logit_bias=_logit_bias(body))
     except FieldError:
         raise
     except RequestError as e:               # SamplingParams' own checks name their field

@@ -1,0 +1,65 @@
+"""Logits processing of rows that ask for it: logit_bias, then the repetition, frequency and
+presence penalties (vLLM's rules, in vLLM's order), before temperature, top-k and top-p.
+
+    x = logits + bias                                  (logit_bias: per token id, -100..100)
+    seen = the token is in the prompt or the output so far
+    x = x / r where x > 0, x * r where x <= 0, for seen tokens   (repetition_penalty r, 1: off)
+    x = x - f * count - p * (count > 0)   count: the token's occurrences in the output so far
+                                        (frequency_penalty f, presence_penalty p, in [-2, 2])
+
+The row's token is then the argmax of x (greedy) or a draw from x's filtered softmax (the same
+Gumbel noise as an unprocessed row: the draw depends on the seed and the position only).
+Rows that set none of these are not touched, and a step without such rows does nothing more.
+
+The history a row needs: its output tokens the host knows, plus the one the device sampled in
+the step before and the host has not read back yet (overlapped steps: that row's input token);
+the prompt's tokens as a vocabulary mask made once per request (a long prompt is not uploaded
+every step). Host tensors go up asynchronously (`upload`): a step with such rows does not wait
+for the one before it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helix.kv.manager import upload
+
+
+def output_counts(known: list[list[int]], pending: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Occurrences of each token in each row's output [m, V] fp32: known[i] (host) and
+    pending[i] (device int64, -1: none)."""
+    m, width = len(known), max((len(k) for k in known), default=0) + 1
+    hist = torch.full((m, width), vocab, dtype=torch.long)
+    for i, k in enumerate(known):
+        hist[i, :len(k)] = torch.tensor(k, dtype=torch.long)
+    hist = upload(hist, pending.device)
+    hist[:, -1] = torch.where(pending >= 0, pending, vocab)
+    counts = torch.zeros(m, vocab + 1, dtype=torch.float32, device=pending.device)
+    counts.scatter_add_(1, hist, torch.ones_like(hist, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def prompt_mask(prompt: list[int], vocab: int, device) -> torch.Tensor:
+    """Which tokens occur in the prompt [V] bool (the repetition penalty's prompt part)."""
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[torch.tensor(prompt, dtype=torch.long)] = True
+    return upload(mask, device)
+
+
+def apply(logits: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor,
+          repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+          bias: list[tuple[tuple[int, float], ...]]) -> torch.Tensor:
+    """logits [m, V] -> processed fp32 logits [m, V]. counts: output_counts; prompt_seen [m, V]
+    bool; repetition / frequency / presence [m] fp32 on logits' device; bias: per row
+    ((token id, value), ...)."""
+    x = logits.float().clone()
+    rows = [i for i, b in enumerate(bias) for _ in b]
+    if rows:
+        ids = [t for b in bias for t, _ in b]
+        vals = torch.tensor([v for b in bias for _, v in b], dtype=torch.float32)
+        x.index_put_((upload(torch.tensor(rows), x.device), upload(torch.tensor(ids), x.device)),
+                     upload(vals, x.device), accumulate=True)
+    r = repetition[:, None]
+    seen = (prompt_seen | (counts > 0)) & (r != 1)
+    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    return x - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
