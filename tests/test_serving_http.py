@@ -1,7 +1,7 @@
 """`helix serve`'s HTTP API against the official `openai` client: one server for the module (two
 CPU ranks, gloo; a tight KV pool, so concurrent requests queue and get preempted), its text
 equal to transformers' greedy text, streaming equal to non-streaming, log-probabilities equal to
-transformers' log-softmax (completions and chat, streamed or not), 8 concurrent clients,
+transformers' log-softmax (completions and chat, streamed or not), n choices, 8 concurrent clients,
 disconnects that free their pages, bad requests (400 naming the field) and overload (429) that
 leave the others untouched, Prometheus metrics, KV import by file, and (last) a killed rank
 reported as 503 naming it."""
@@ -35,6 +35,7 @@ NAME = "tiny"
 RT = RuntimeConfig(page_size=4, max_context=128, max_batch=8, num_pages=12,
                    max_prefill_tokens=32)
 MAX_IN_FLIGHT = 12
+API_KEY = "sk-helix-test"
 TEXTS = ["the cat and the dog run fast .", "red fish swim under the old bridge",
          "a small bird can sing", "the sun and the moon", "cold wind and rain",
          "old house by the sea", "blue sky over the city", "happy dog"]
@@ -47,8 +48,8 @@ class Served:
         self.url = server.url
 
     def client(self, cls=None):
-        return (cls or openai.OpenAI)(base_url=self.url + "/v1", api_key="none", max_retries=0,
-                                      timeout=60)
+        return (cls or openai.OpenAI)(base_url=self.url + "/v1", api_key=API_KEY,
+                                      max_retries=0, timeout=60)
 
     def want(self, ids: list[int], n: int) -> str:
         """Transformers' greedy text for the prompt ids."""
@@ -67,7 +68,8 @@ def served(hf_checkpoint, tmp_path_factory):
     kv_dir.mkdir()
     tok = load_tokenizer(path)
     engine = AsyncLLM(path, Layout(kvp=2), RT, tok, max_in_flight=MAX_IN_FLIGHT)
-    server = HTTPServer(engine, NAME, listen("127.0.0.1", 0), str(kv_dir)).start()
+    server = HTTPServer(engine, NAME, listen("127.0.0.1", 0), str(kv_dir),
+                        api_key=API_KEY).start()
     yield Served(path, hf, tok, engine, server, str(kv_dir))
     server.stop()
     engine.close()
@@ -90,8 +92,24 @@ def test_models_and_health(served):
     assert [m.id for m in models.data] == [NAME]
     assert models.data[0].max_model_len == 128
     import urllib.request
-    with urllib.request.urlopen(served.url + "/health") as r:
+    with urllib.request.urlopen(served.url + "/health") as r:       # no key needed
         assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+
+
+@pytest.mark.parametrize("key", [None, "sk-wrong", API_KEY + "x"])
+def test_the_v1_routes_need_the_api_key(served, key):
+    import urllib.error
+    import urllib.request
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    body = json.dumps({"model": NAME, "prompt": "the cat", "max_tokens": 2}).encode()
+    for path, data in (("/v1/completions", body), ("/v1/models", None)):
+        req = urllib.request.Request(served.url + path, data=data, headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req)
+        assert e.value.code == 401
+        assert json.loads(e.value.read())["error"]["code"] == "invalid_api_key"
 
 
 def test_completion_text_equals_transformers(served):
@@ -176,6 +194,35 @@ def test_logprobs_in_completions_and_chat(served):
     assert e.value.body["param"] == "top_logprobs"
 
 
+def test_n_choices(served):
+    c = served.client()
+    kw = dict(model=NAME, prompt=TEXTS[4], max_tokens=6, temperature=0.9, seed=5)
+    r = c.completions.create(n=3, logprobs=1, **kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    ids = [ch.model_extra["token_ids"] for ch in r.choices]
+    assert r.usage.completion_tokens == sum(map(len, ids))
+    assert r.usage.prompt_tokens == len(served.tok.encode(TEXTS[4]))
+    for i, ch in enumerate(r.choices):              # choice i = the request seeded 5 + i
+        one = c.completions.create(**{**kw, "seed": 5 + i}).choices[0]
+        assert (ch.text, ch.model_extra["token_ids"]) == (one.text, one.model_extra["token_ids"])
+        assert ch.logprobs.text_offset[0] == 0
+    assert len({tuple(x) for x in ids}) > 1         # the choices differ
+    chunks = list(c.completions.create(n=3, stream=True, **kw))
+    for i in range(3):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert "".join(m.text for m in mine) == r.choices[i].text
+        assert mine[-1].finish_reason == "length"
+    msgs = [{"role": "user", "content": TEXTS[2]}]
+    parts = list(c.chat.completions.create(model=NAME, messages=msgs, max_tokens=5,
+                                           temperature=0, n=2, stream=True))
+    assert [(p.choices[0].index, p.choices[0].delta.role) for p in parts[:2]] == \
+        [(0, "assistant"), (1, "assistant")]
+    texts = ["".join(p.choices[0].delta.content or "" for p in parts
+                     if p.choices[0].index == i) for i in range(2)]
+    assert texts[0] == texts[1] == served.want(served.tok.chat(msgs), 5)   # greedy: equal
+    wait_idle(served)
+
+
 def test_penalties_and_logit_bias(served):
     c = served.client()
     r = c.completions.create(model=NAME, prompt=TEXTS[7], max_tokens=4, temperature=0,
@@ -231,25 +278,27 @@ def _raw_post(served, path: str, body: bytes) -> socket.socket:
     host, port = served.server.host, served.server.port
     s = socket.create_connection((host, port))
     s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/"
-              b"json\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+              b"json\r\nauthorization: Bearer " + API_KEY.encode() + b"\r\ncontent-length: "
+              + str(len(body)).encode() + b"\r\n\r\n" + body)
     return s
 
 
 def test_disconnect_mid_stream_aborts_and_frees_pages(served):
     c = served.client()
     before = served.engine.metrics.requests.get("abort", 0)
-    s = c.completions.create(model=NAME, prompt=TEXTS[3], max_tokens=90, temperature=0,
-                             stream=True)
-    for i, _ in enumerate(s):
-        if i == 2:
-            break
-    s.close()                                        # the client goes away mid-stream
-    body = json.dumps({"model": NAME, "prompt": TEXTS[4], "max_tokens": 90}).encode()
+    for n in (1, 2):
+        s = c.completions.create(model=NAME, prompt=TEXTS[3], max_tokens=90, temperature=0,
+                                 stream=True, n=n)
+        for i, _ in enumerate(s):
+            if i == 2:
+                break
+        s.close()                                    # the client goes away mid-stream
+    body = json.dumps({"model": NAME, "prompt": TEXTS[4], "max_tokens": 90, "n": 2}).encode()
     raw = _raw_post(served, "/v1/completions", body)  # non-streaming, then gone
     time.sleep(0.3)
     raw.close()
     wait_idle(served, timeout=10)
-    assert served.engine.metrics.requests.get("abort", 0) == before + 2
+    assert served.engine.metrics.requests.get("abort", 0) == before + 5   # every choice
     r = c.completions.create(model=NAME, prompt=TEXTS[3], max_tokens=6, temperature=0)
     assert r.choices[0].text == served.want(served.tok.encode(TEXTS[3]), 6)
 
@@ -258,7 +307,8 @@ BAD = [
     (dict(max_tokens=0), 400, "max_tokens"),
     (dict(temperature=-1), 400, "temperature"),
     (dict(top_p=2), 400, "top_p"),
-    (dict(n=2), 400, "n"),
+    (dict(n=17), 400, "n"),
+    (dict(n=MAX_IN_FLIGHT + 1), 400, "n"),                             # more than it holds
     (dict(logprobs=21), 400, "logprobs"),
     (dict(echo=True), 400, "echo"),
     (dict(presence_penalty=3), 400, "presence_penalty"),

@@ -1,7 +1,8 @@
 """`helix serve`: the OpenAI-compatible HTTP server.
 
     helix serve MODEL [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
-                      [--max-in-flight N] [--kv-dir DIR] [layout and runtime flags]
+                      [--max-in-flight N] [--kv-dir DIR] [--api-key KEY]
+                      [layout and runtime flags]
 
 Routes: /v1/completions, /v1/chat/completions (SSE with "stream": true), /v1/models, /health,
 /metrics. SIGINT / SIGTERM end every stream, stop the engine and its ranks, and exit with one
@@ -33,6 +34,9 @@ def add_parser(subparsers):
                    help="directory whose safetensors files requests may import as their "
                         "prompt's KV (field kv_file); default: no KV imports")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--api-key", default=os.environ.get("HELIX_API_KEY"),
+                   help="clients of the /v1 routes must send 'Authorization: Bearer KEY' "
+                        "(default: $HELIX_API_KEY; none: open)")
     add_layout_args(p)
     add_runtime_args(p)
     p.set_defaults(func=run)
@@ -68,7 +72,7 @@ def run(args) -> int:
                           max_in_flight=args.max_in_flight or None)
         try:
             server = HTTPServer(engine, args.served_model_name or args.model, sock, args.kv_dir,
-                                args.access_log)
+                                args.access_log, args.api_key)
             text = "text and token ids" if tokenizer else "token ids only (no tokenizer)"
             log.info(f"serving {args.model} on {server.url} ({layout.world_size} rank(s), "
                      f"{text})")

@@ -8,6 +8,14 @@ completions, {content: [{token, logprob, bytes, top_logprobs}]} for chat. Token 
 tokenizer's text of each id alone, "token_id:<id>" for a model without a tokenizer; -inf (and
 NaN) are sent as -9999.0, as JSON has no infinity.
 
+With n > 1 the n choices are n engine requests of the same prompt (each prefills it: there is no
+KV sharing between requests), run side by side; a seeded request's choice i draws with seed + i.
+Streamed chunks name their choice ("index"); a choice that fails ends the others.
+
+With an API key (`helix serve --api-key`, or HELIX_API_KEY), every /v1 route asks for
+"Authorization: Bearer <key>" (401 without it); /health and /metrics stay open (probes,
+scrapers).
+
 Errors are OpenAI-shaped, {"error": {"message", "type", "param", "code"}}: 400 for a bad field
 (named in "param"), 404 for an unknown model, 429 when the server holds as many requests as it
 accepts, 503 when the engine is dead (the message names the rank) or shutting down. A client
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 import uuid
@@ -109,8 +118,10 @@ def _sse(obj) -> bytes:
 class OpenAIServer:
     """The routes; one per served model name."""
 
-    def __init__(self, engine: AsyncLLM, name: str, kv_dir: str | None = None):
+    def __init__(self, engine: AsyncLLM, name: str, kv_dir: str | None = None,
+                 api_key: str | None = None):
         self.engine, self.name, self.kv_dir = engine, name, kv_dir
+        self.api_key = None if not api_key else ("Bearer " + api_key).encode()
         self.created = int(time.time())
         self.vocab = engine.info["vocab_size"]
 
@@ -121,12 +132,26 @@ class OpenAIServer:
             yield
 
         return Starlette(lifespan=lifespan, routes=[
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self._authorized(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", self._authorized(self.chat), methods=["POST"]),
+            Route("/v1/models", self._authorized(self.models), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ])
+
+    def _authorized(self, route):
+        """The route, behind the API key when the server has one."""
+        if self.api_key is None:
+            return route
+
+        async def checked(request: Request) -> Response:
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, self.api_key):
+                return error(401, "a valid API key is needed: send the header 'Authorization: "
+                                  "Bearer <key>' with the server's --api-key",
+                             "invalid_request_error", code="invalid_api_key")
+            return await route(request)
+        return checked
 
     # -- plain routes -------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -166,33 +191,73 @@ class OpenAIServer:
             return error(404, f"model {body.get('model')!r} not found: this server serves "
                               f"{self.name!r}", "invalid_request_error", "model",
                          "model_not_found")
+        choices = _Choices([])
         try:
             parsed = parse(body, self.engine.tokenizer, self.vocab, self.kv_dir)
-            stream = await self.engine.submit(parsed.prompt_ids, parsed.params, parsed.kv,
-                                              parsed.stop)
+            if parsed.n > self.engine.max_in_flight:
+                raise FieldError("n", f"n = {parsed.n} is more choices than this server holds "
+                                      f"at once ({self.engine.max_in_flight}): lower n")
+            for params in parsed.choice_params():       # choice i = the i-th request
+                choices.streams.append(await self.engine.submit(
+                    parsed.prompt_ids, params, parsed.kv, parsed.stop))
         except (RequestError, CapacityError, OverloadedError, EngineDeadError) as e:
+            choices.abort()
             return _refusal(e)
-        fmt = _Format(chat, self.name, len(parsed.prompt_ids), self.engine.tokenizer)
+        except BaseException:                          # cancelled: the client went away
+            choices.abort()
+            raise
+        fmt = _Format(chat, self.name, len(parsed.prompt_ids), self.engine.tokenizer, parsed.n)
         if parsed.stream:
-            return EventStream(fmt.events(stream, parsed.include_usage), stream)
-        return await self._complete(request, stream, fmt)
+            return EventStream(fmt.events(choices, parsed.include_usage), choices)
+        return await self._complete(request, choices, fmt)
 
-    async def _complete(self, request: Request, stream, fmt: "_Format") -> Response:
-        done = asyncio.ensure_future(stream.result())
+    async def _complete(self, request: Request, choices: "_Choices", fmt: "_Format") -> Response:
+        done = asyncio.ensure_future(asyncio.gather(*(s.result() for s in choices.streams)))
         gone = asyncio.ensure_future(_disconnected(request.receive))
         await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
         if not done.done():                           # the client went away: free its pages
             done.cancel()
-            stream.abort()
+            choices.abort()
             return Response(status_code=499)
-        out = done.result()
-        if out.finish_reason == "error":
+        outs = done.result()
+        failed = next((out for out in outs if out.finish_reason == "error"), None)
+        if failed is not None:
             dead = self.engine.health()
             if dead is not None:
-                return error(503, out.error or dead, "engine_dead", code="engine_dead")
-            return error(500, out.error or "the request failed", "server_error")
-        return JSONResponse(fmt.whole(out))
+                return error(503, failed.error or dead, "engine_dead", code="engine_dead")
+            return error(500, failed.error or "the request failed", "server_error")
+        return JSONResponse(fmt.whole(outs))
+
+
+class _Choices:
+    """The streams of one request's n choices (one engine request each); abort() ends them."""
+
+    def __init__(self, streams: list):
+        self.streams = streams
+
+    def abort(self) -> None:
+        for s in self.streams:
+            s.abort()
+
+    async def merged(self):
+        """(choice index, output) as they come, from every choice until each has finished."""
+        nexts = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(self.streams)}
+        try:
+            while nexts:
+                done, _ = await asyncio.wait(nexts, return_when=asyncio.FIRST_COMPLETED)
+                for t in sorted(done, key=nexts.get):
+                    i = nexts.pop(t)
+                    try:
+                        out = t.result()
+                    except StopAsyncIteration:
+                        continue
+                    if out.finish_reason is None:
+                        nexts[asyncio.ensure_future(anext(self.streams[i]))] = i
+                    yield i, out
+        finally:
+            for t in nexts:
+                t.cancel()
 
 
 LOGPROB_FLOOR = -9999.0        # what -inf (or NaN) is sent as
@@ -205,10 +270,11 @@ def _finite(x: float) -> float:
 class _Format:
     """OpenAI response bodies for one request."""
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int, tokenizer=None):
+    def __init__(self, chat: bool, model: str, prompt_tokens: int, tokenizer=None, n: int = 1):
         self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
-        self.tokenizer = tokenizer
-        self.text_offset = 0                  # completions' text_offset of the next token
+        self.tokenizer, self.n = tokenizer, n
+        self.text_offset = [0] * n            # completions' text_offset of each choice's next
+                                              # token
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -227,8 +293,9 @@ class _Format:
             return f"token_id:{t}"
         return self.tokenizer.token_text(t)
 
-    def logprobs(self, ids: list[int], lps) -> dict | None:
-        """The "logprobs" of a choice or chunk for these tokens (None when not asked)."""
+    def logprobs(self, ids: list[int], lps, index: int = 0) -> dict | None:
+        """The "logprobs" of choice `index` (or its chunk) for these tokens (None when not
+        asked)."""
         if lps is None:
             return None
         if self.chat:
@@ -241,27 +308,31 @@ class _Format:
         tokens = [self._token(t) for t in ids]
         offsets = []
         for s in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(s)
+            offsets.append(self.text_offset[index])
+            self.text_offset[index] += len(s)
         return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps],
                 "top_logprobs": [{self._token(a): _finite(v) for a, v in lp.top} for lp in lps],
                 "text_offset": offsets}
 
-    def whole(self, out) -> dict:
-        choice = {"index": 0, "finish_reason": out.finish_reason,
-                  "logprobs": self.logprobs(out.token_ids, out.logprobs),
-                  "token_ids": out.token_ids}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
-        else:
-            choice["text"] = out.text
-        return {**self._head(self.object), "choices": [choice],
-                "usage": self.usage(len(out.token_ids))}
+    def whole(self, outs: list) -> dict:
+        """The response body of the finished choices."""
+        choices = []
+        for i, out in enumerate(outs):
+            choice = {"index": i, "finish_reason": out.finish_reason,
+                      "logprobs": self.logprobs(out.token_ids, out.logprobs, i),
+                      "token_ids": out.token_ids}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": out.text}
+            else:
+                choice["text"] = out.text
+            choices.append(choice)
+        return {**self._head(self.object), "choices": choices,
+                "usage": self.usage(sum(len(out.token_ids) for out in outs))}
 
     def chunk(self, text: str, ids: list[int], finish: str | None, first: bool = False,
-              logprobs=None) -> bytes:
-        choice = {"index": 0, "finish_reason": finish,
-                  "logprobs": self.logprobs(ids, logprobs), "token_ids": ids}
+              logprobs=None, index: int = 0) -> bytes:
+        choice = {"index": index, "finish_reason": finish,
+                  "logprobs": self.logprobs(ids, logprobs, index), "token_ids": ids}
         if self.chat:
             choice["delta"] = ({"role": "assistant", "content": text} if first
                                else {"content": text} if text or finish is None else {})
@@ -270,21 +341,26 @@ class _Format:
         # = _sse({**head, "choices": [choice]}); the head's JSON is made once per request
         return self._chunk_head + json.dumps(choice, separators=(",", ":")).encode() + b"]}\n\n"
 
-    async def events(self, stream, include_usage: bool):
-        """The SSE body: chunks as tokens arrive, an error event if the request failed, the
-        usage chunk if asked for, then [DONE]."""
+    async def events(self, choices: _Choices, include_usage: bool):
+        """The SSE body: chunks as tokens arrive (each naming its choice), an error event if a
+        choice failed (the others end there), the usage chunk if asked for, then [DONE]."""
         if self.chat:
-            yield self.chunk("", [], None, first=True)
+            for i in range(self.n):
+                yield self.chunk("", [], None, first=True, index=i)
         n = 0
-        async for out in stream:
-            n += len(out.token_ids)
-            if out.finish_reason == "error":
-                if out.token_ids or out.text:
-                    yield self.chunk(out.text, out.token_ids, None, logprobs=out.logprobs)
-                yield _sse({"error": {"message": out.error or "the request failed",
-                                      "type": "server_error", "param": None, "code": None}})
-                break
-            yield self.chunk(out.text, out.token_ids, out.finish_reason, logprobs=out.logprobs)
+        async with contextlib.aclosing(choices.merged()) as merged:
+            async for i, out in merged:
+                n += len(out.token_ids)
+                if out.finish_reason == "error":
+                    if out.token_ids or out.text:
+                        yield self.chunk(out.text, out.token_ids, None, logprobs=out.logprobs,
+                                         index=i)
+                    yield _sse({"error": {"message": out.error or "the request failed",
+                                          "type": "server_error", "param": None, "code": None}})
+                    choices.abort()
+                    break
+                yield self.chunk(out.text, out.token_ids, out.finish_reason,
+                                 logprobs=out.logprobs, index=i)
         if include_usage:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
             yield _sse({**self._head(obj), "choices": [], "usage": self.usage(n)})

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from helix.errors import RequestError
 from helix.runtime.logprobs import MAX_LOGPROBS
-from helix.runtime.sampling import SamplingParams
+from helix.runtime.sampling import SEED_LIMIT, SamplingParams
 
 
 class FieldError(RequestError):
@@ -35,6 +35,14 @@ class Parsed:
     include_usage: bool
     kv: str | None = None            # a KV import file
     stop: tuple[str, ...] = ()       # stop strings
+    n: int = 1                       # choices: n requests of the same prompt (choice_params)
+
+    def choice_params(self) -> list[SamplingParams]:
+        """Each choice's params: choice i of a seeded request draws with seed + i."""
+        p = self.params
+        if p.seed is None:
+            return [p] * self.n
+        return [replace(p, seed=(p.seed + i) % SEED_LIMIT) for i in range(self.n)]
 
 
 # fields a client may send that Helix does not implement: refused unless left at the default
@@ -42,6 +50,7 @@ UNSUPPORTED = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)
                "tools": (None,), "functions": (None,),
                "min_tokens": (None, 0)}
 MAX_STOPS = 4
+MAX_N = 16                     # choices per request
 
 
 def _int(body: dict, name: str, default, lo: int, hi: int | None = None):
@@ -89,9 +98,6 @@ def _check_unsupported(body: dict) -> None:
     for name, defaults in UNSUPPORTED.items():
         if name in body and body[name] not in defaults:
             raise FieldError(name, f"{name} is not supported by this server: leave it out")
-    n = body.get("n", 1)
-    if n not in (None, 1):
-        raise FieldError("n", f"n must be 1 (one choice per request), got {n!r}")
 
 
 def _logit_bias(body: dict) -> dict:
@@ -212,7 +218,7 @@ def parse_completion(body, tokenizer, vocab: int, kv_dir: str | None = None) -> 
         ids = _ids(prompt, "prompt", vocab)
     stream, usage = _stream(body)
     return Parsed(ids, sampling(body, vocab), stream, usage, _kv_file(body, kv_dir),
-                  _stop(body, tokenizer))
+                  _stop(body, tokenizer), _int(body, "n", 1, 1, MAX_N))
 
 
 def _text(content, i: int) -> str:
@@ -252,7 +258,7 @@ def parse_chat(body, tokenizer, vocab: int, kv_dir: str | None = None) -> Parsed
         raise FieldError("messages", str(e)) from None
     stream, usage = _stream(body)
     return Parsed(ids, sampling(body, vocab, "max_completion_tokens", chat=True), stream, usage,
-                  _kv_file(body, kv_dir), _stop(body, tokenizer))
+                  _kv_file(body, kv_dir), _stop(body, tokenizer), _int(body, "n", 1, 1, MAX_N))
 
 
 def _object(body) -> dict:

@@ -54,10 +54,11 @@ class HTTPServer:
     start() runs it in a thread (tests, benchmarks) until stop()."""
 
     def __init__(self, engine: AsyncLLM, name: str, sock: socket.socket,
-                 kv_dir: str | None = None, access_log: bool = False):
+                 kv_dir: str | None = None, access_log: bool = False,
+                 api_key: str | None = None):
         self.engine, self.sock = engine, sock
         self.host, self.port = sock.getsockname()[:2]
-        app = OpenAIServer(engine, name, kv_dir).app()
+        app = OpenAIServer(engine, name, kv_dir, api_key).app()
         config = uvicorn.Config(app, log_level="warning", access_log=access_log,
                                 timeout_graceful_shutdown=GRACE_S, lifespan="on")
         self.server = _Uvicorn(config, engine)
