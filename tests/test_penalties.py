@@ -1,4 +1,5 @@
-"""Repetition / frequency / presence penalties and logit_bias (helix/runtime/penalties.py): every
+"""Repetition / frequency / presence penalties, logit_bias and min_tokens
+(helix/runtime/penalties.py): every
 greedy token equals the argmax of Hugging Face's logits at its position after the same
 processing (HF's own RepetitionPenaltyLogitsProcessor for the repetition part), HF `generate`
 with repetition_penalty gives the same tokens, sampled rows are processed too, and nothing
@@ -65,11 +66,27 @@ def test_processed_rows_do_not_depend_on_overlap_or_the_batch(hf_checkpoint):
     assert base[0] != unpenalized[0]                       # the sampled row was processed
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_min_tokens_holds_back_the_stop_ids(hf_checkpoint, overlap):
+    path, _ = hf_checkpoint("llama")
+    free = _run(path, [SamplingParams(max_new_tokens=NEW, ignore_eos=True)] * 3)[1]
+    stop = free[1]
+    params = [SamplingParams(max_new_tokens=NEW, stop_token_ids=(stop,), min_tokens=m)
+              for m in (0, 6, NEW)]
+    got = _run(path, params, overlap, prompts=[PROMPTS[1]] * 3)
+    assert got[0] == free[:2]                              # stops at its stop id
+    for out, m in zip(got[1:], (6, NEW)):
+        assert len(out) >= m and stop not in out[:m]
+        assert out[:1] == free[:1]                         # the same until the stop id
+        assert out[-1] == stop or len(out) == NEW
+
+
 @pytest.mark.parametrize("field,bad", [("repetition_penalty", 0), ("repetition_penalty", -1.0),
                                        ("frequency_penalty", 2.5), ("presence_penalty", -3),
                                        ("presence_penalty", float("nan")),
                                        ("logit_bias", {5: 101}), ("logit_bias", {"x": 1}),
-                                       ("logit_bias", {-1: 1}), ("logit_bias", [5])])
+                                       ("logit_bias", {-1: 1}), ("logit_bias", [5]),
+                                       ("min_tokens", 17), ("min_tokens", -1)])
 def test_bad_penalty_fields_are_one_line_errors(field, bad):
     with pytest.raises(RequestError, match="logit_bias" if field == "logit_bias" else field):
         SamplingParams(**{field: bad})

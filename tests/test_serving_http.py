@@ -1,7 +1,8 @@
 """`helix serve`'s HTTP API against the official `openai` client: one server for the module (two
 CPU ranks, gloo; a tight KV pool, so concurrent requests queue and get preempted), its text
 equal to transformers' greedy text, streaming equal to non-streaming, log-probabilities equal to
-transformers' log-softmax (completions and chat, streamed or not), n choices, 8 concurrent clients,
+transformers' log-softmax (completions and chat, streamed or not), n choices, batches of prompts,
+8 concurrent clients,
 disconnects that free their pages, bad requests (400 naming the field) and overload (429) that
 leave the others untouched, Prometheus metrics, KV import by file, and (last) a killed rank
 reported as 503 naming it."""
@@ -223,6 +224,34 @@ def test_n_choices(served):
     wait_idle(served)
 
 
+def test_a_batch_of_prompts(served):
+    c = served.client()
+    ids = served.tok.encode(TEXTS[3])
+    prompts = [TEXTS[0], ids, TEXTS[1]]                # text and token ids mixed
+    r = c.completions.create(model=NAME, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    want = [served.want(served.tok.encode(TEXTS[0]), 5), served.want(ids, 5),
+            served.want(served.tok.encode(TEXTS[1]), 5)]
+    assert [ch.index for ch in r.choices] == list(range(6))
+    assert [ch.text for ch in r.choices] == [w for w in want for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(len(served.tok.encode(t)) for t in TEXTS[:2]) + len(ids)
+    assert r.usage.completion_tokens == 30
+    chunks = list(c.completions.create(model=NAME, prompt=prompts, max_tokens=5,
+                                       temperature=0, stream=True))
+    assert ["".join(ch.choices[0].text for ch in chunks if ch.choices[0].index == i)
+            for i in range(3)] == want
+    for bad, param in (([TEXTS[0], ""], "prompt[1]"), ([[1, 2], [1, 999]], "prompt[1]"),
+                       ([TEXTS[0]] * 65, "prompt"), ([TEXTS[0]] * 7, "prompt")):
+        n = 2 if len(bad) == 7 else 1                  # 14 choices: more than it holds
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=NAME, prompt=bad, max_tokens=2, n=n)
+        assert e.value.body["param"] == param, e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=NAME, prompt=[ids, ids], max_tokens=2,
+                             extra_body={"kv_file": "p.safetensors"})
+    assert e.value.body["param"] == "kv_file"
+    wait_idle(served)
+
+
 def test_penalties_and_logit_bias(served):
     c = served.client()
     r = c.completions.create(model=NAME, prompt=TEXTS[7], max_tokens=4, temperature=0,
@@ -312,6 +341,7 @@ BAD = [
     (dict(logprobs=21), 400, "logprobs"),
     (dict(echo=True), 400, "echo"),
     (dict(presence_penalty=3), 400, "presence_penalty"),
+    (dict(extra_body={"min_tokens": 5}), 400, "min_tokens"),           # above max_tokens 4
     (dict(extra_body={"repetition_penalty": 0}), 400, "repetition_penalty"),
     (dict(logit_bias={"x": 1}), 400, "logit_bias"),
     (dict(logit_bias={"500": 1}), 400, "logit_bias"),                  # outside the vocabulary

@@ -121,6 +121,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="[-2, 2]: subtracted once per occurrence in the output")
     g.add_argument("--presence-penalty", type=float, default=0.0,
                    help="[-2, 2]: subtracted from tokens the output holds")
+    g.add_argument("--min-tokens", type=int, default=0,
+                   help="no eos / stop id before this many new tokens")
     g.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="each token's log-probability and its K most likely alternatives "
                         "(0-20; in --json's \"logprobs\")")
@@ -153,4 +155,4 @@ def sampling(args) -> SamplingParams:
                           stop_token_ids=tuple(args.stop_ids), ignore_eos=args.ignore_eos,
                           logprobs=args.logprobs, repetition_penalty=args.repetition_penalty,
                           frequency_penalty=args.frequency_penalty,
-                          presence_penalty=args.presence_penalty)
+                          presence_penalty=args.presence_penalty, min_tokens=args.min_tokens)

@@ -258,7 +258,8 @@ class Engine:
         params = [r.params for r in sampled]
         seeds = [self.seeds[r.id] for r in sampled]
         D = len(plan.decode)
-        processed = [i for i, p in enumerate(params) if p.processed]
+        produced = [len(r.output) + r.pending for r in sampled]     # index of the token sampled
+        processed = [i for i, p in enumerate(params) if p.processed(produced[i])]
         pending = self._pending_tokens(sampled, processed, ids, src, D) if processed else None
         pass_kv = self._pass_kv(batch[D:])
         key = None                            # the prefill graph of a step with chunks
@@ -301,7 +302,9 @@ class Engine:
                     logits, processed, [params[i] for i in processed],
                     [sampled[i].output for i in processed], pending,
                     self._prompt_seen([sampled[i] for i in processed], logits.shape[1]),
-                    [seeds[i] for i in processed], [counters[i] for i in processed])
+                    [seeds[i] for i in processed], [counters[i] for i in processed],
+                    [tuple(self._stop_ids(params[i])) if produced[i] < params[i].min_tokens
+                     else () for i in processed])
         k = self._logprobs(sampled, logits)
         with nvtx_range("helix.readback"):
             host, event, lps = self.sampler.readback(len(sampled), k)

@@ -1,5 +1,6 @@
 """Logits processing of rows that ask for it: logit_bias, then the repetition, frequency and
-presence penalties (vLLM's rules, in vLLM's order), before temperature, top-k and top-p.
+presence penalties (vLLM's rules, in vLLM's order), and min_tokens (a row's stop ids at -inf
+until it has produced that many tokens), before temperature, top-k and top-p.
 
     x = logits + bias                                  (logit_bias: per token id, -100..100)
     seen = the token is in the prompt or the output so far
@@ -48,10 +49,12 @@ def prompt_mask(prompt: list[int], vocab: int, device) -> torch.Tensor:
 
 def apply(logits: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor,
           repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
-          bias: list[tuple[tuple[int, float], ...]]) -> torch.Tensor:
+          bias: list[tuple[tuple[int, float], ...]],
+          suppress: list[tuple[int, ...]]) -> torch.Tensor:
     """logits [m, V] -> processed fp32 logits [m, V]. counts: output_counts; prompt_seen [m, V]
     bool; repetition / frequency / presence [m] fp32 on logits' device; bias: per row
-    ((token id, value), ...)."""
+    ((token id, value), ...); suppress: per row the ids it must not produce (min_tokens: its
+    stop ids), set to -inf last."""
     x = logits.float().clone()
     rows = [i for i, b in enumerate(bias) for _ in b]
     if rows:
@@ -62,4 +65,9 @@ def apply(logits: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor,
     r = repetition[:, None]
     seen = (prompt_seen | (counts > 0)) & (r != 1)
     x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-    return x - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
+    x = x - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
+    rows = [i for i, ids in enumerate(suppress) for _ in ids]
+    if rows:
+        ids = [t for s in suppress for t in s]
+        x[upload(torch.tensor(rows), x.device), upload(torch.tensor(ids), x.device)] = -torch.inf
+    return x

@@ -67,11 +67,13 @@ class Sampler:
 
     def process_rows(self, logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
                      outputs: list[list[int]], pending: torch.Tensor,
-                     prompt_seen: torch.Tensor, seeds: list[int], counters: list[int]) -> None:
+                     prompt_seen: torch.Tensor, seeds: list[int], counters: list[int],
+                     suppress: list[tuple[int, ...]]) -> None:
         """After the step's tokens are in: rows `rows` of logits [n, V] (their params, output
-        tokens the host knows, pending [m] the device token not read back yet or -1, and
-        prompt_seen [m, V]) get their token again from their processed logits: the argmax, or
-        the same seeded draw as an unprocessed row. No host sync."""
+        tokens the host knows, pending [m] the device token not read back yet or -1,
+        prompt_seen [m, V], and ids each must not produce now) get their token again from
+        their processed logits: the argmax, or the same seeded draw as an unprocessed row. No
+        host sync."""
         dev = logits.device
 
         def col(name):
@@ -81,7 +83,7 @@ class Sampler:
         counts = penalties.output_counts(outputs, pending, logits.shape[1])
         x = penalties.apply(logits.index_select(0, rows_t), counts, prompt_seen,
                             col("repetition_penalty"), col("frequency_penalty"),
-                            col("presence_penalty"), [p.logit_bias for p in params])
+                            col("presence_penalty"), [p.logit_bias for p in params], suppress)
         out = x.argmax(-1)
         if not all(p.greedy for p in params):
             r = {k: upload(v, dev) for k, v in row_params(params, seeds, counters).items()}

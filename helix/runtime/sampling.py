@@ -77,6 +77,7 @@ class SamplingParams:
     presence_penalty: float = 0.0            # [-2, 2]: minus p if it occurs in the output
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, -100..100) added to its logit
                                              # (a dict is taken too). helix/runtime/penalties.py
+    min_tokens: int = 0                      # no eos / stop id before this many tokens
 
     def __post_init__(self):
         _int("max_new_tokens", self.max_new_tokens, 1)
@@ -99,6 +100,9 @@ class SamplingParams:
             if not -2 <= v <= 2:
                 raise RequestError(f"{name} must be in [-2, 2], got {v}")
             object.__setattr__(self, name, v)
+        if _int("min_tokens", self.min_tokens, 0) > self.max_new_tokens:
+            raise RequestError(f"min_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
+                               f"got {self.min_tokens}")
         object.__setattr__(self, "repetition_penalty", r)
         object.__setattr__(self, "logit_bias", _bias(self.logit_bias))
         if not isinstance(self.ignore_eos, bool):
@@ -112,11 +116,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    @property
-    def processed(self) -> bool:
-        """Its logits are processed before the token is chosen (penalties.py)."""
+    def processed(self, produced: int) -> bool:
+        """Whether its logits are processed before its next token is chosen (penalties.py),
+        `produced` tokens into its output."""
         return bool(self.repetition_penalty != 1 or self.frequency_penalty or
-                    self.presence_penalty or self.logit_bias)
+                    self.presence_penalty or self.logit_bias or produced < self.min_tokens)
 
     def check_vocab(self, vocab: int) -> None:
         """Token ids the request names must exist in the model's vocabulary."""

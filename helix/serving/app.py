@@ -10,6 +10,7 @@ NaN) are sent as -9999.0, as JSON has no infinity.
 
 With n > 1 the n choices are n engine requests of the same prompt (each prefills it: there is no
 KV sharing between requests), run side by side; a seeded request's choice i draws with seed + i.
+A completions batch (prompt: a list of prompts) has n choices per prompt, prompt by prompt.
 Streamed chunks name their choice ("index"); a choice that fails ends the others.
 
 With an API key (`helix serve --api-key`, or HELIX_API_KEY), every /v1 route asks for
@@ -194,19 +195,23 @@ class OpenAIServer:
         choices = _Choices([])
         try:
             parsed = parse(body, self.engine.tokenizer, self.vocab, self.kv_dir)
-            if parsed.n > self.engine.max_in_flight:
-                raise FieldError("n", f"n = {parsed.n} is more choices than this server holds "
-                                      f"at once ({self.engine.max_in_flight}): lower n")
-            for params in parsed.choice_params():       # choice i = the i-th request
-                choices.streams.append(await self.engine.submit(
-                    parsed.prompt_ids, params, parsed.kv, parsed.stop))
+            asked = parsed.choices()
+            if len(asked) > self.engine.max_in_flight:
+                raise FieldError("n" if len(parsed.prompts) == 1 else "prompt",
+                                 f"{len(asked)} choices are more than this server holds at "
+                                 f"once ({self.engine.max_in_flight}): lower n or send fewer "
+                                 f"prompts")
+            for ids, params in asked:                  # choice i = the i-th request
+                choices.streams.append(await self.engine.submit(ids, params, parsed.kv,
+                                                                parsed.stop))
         except (RequestError, CapacityError, OverloadedError, EngineDeadError) as e:
             choices.abort()
             return _refusal(e)
         except BaseException:                          # cancelled: the client went away
             choices.abort()
             raise
-        fmt = _Format(chat, self.name, len(parsed.prompt_ids), self.engine.tokenizer, parsed.n)
+        fmt = _Format(chat, self.name, sum(map(len, parsed.prompts)), self.engine.tokenizer,
+                      len(asked))
         if parsed.stream:
             return EventStream(fmt.events(choices, parsed.include_usage), choices)
         return await self._complete(request, choices, fmt)

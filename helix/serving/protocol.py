@@ -4,8 +4,8 @@ SamplingParams, stream options), every field checked: a bad one raises FieldErro
 integer, alternatives per token) on /v1/completions, `logprobs: true` and `top_logprobs` on
 /v1/chat/completions (helix/runtime/logprobs.py). Penalties: presence_penalty,
 frequency_penalty, logit_bias (helix/runtime/penalties.py). Extensions (as vLLM's): top_k,
-repetition_penalty, stop_token_ids, ignore_eos, kv_file (a KV import, helix/kv/transfer.py,
-under the server's --kv-dir). Every choice also carries its "token_ids".
+repetition_penalty, min_tokens, stop_token_ids, ignore_eos, kv_file (a KV import,
+helix/kv/transfer.py, under the server's --kv-dir). Every choice also carries its "token_ids".
 """
 
 from __future__ import annotations
@@ -29,28 +29,28 @@ class FieldError(RequestError):
 
 @dataclass
 class Parsed:
-    prompt_ids: list[int]
+    prompts: list[list[int]]         # one, or a completions batch
     params: SamplingParams
     stream: bool
     include_usage: bool
     kv: str | None = None            # a KV import file
     stop: tuple[str, ...] = ()       # stop strings
-    n: int = 1                       # choices: n requests of the same prompt (choice_params)
+    n: int = 1                       # choices per prompt
 
-    def choice_params(self) -> list[SamplingParams]:
-        """Each choice's params: choice i of a seeded request draws with seed + i."""
+    def choices(self) -> list[tuple[list[int], SamplingParams]]:
+        """(prompt ids, params) of each choice, prompt by prompt, n each (one engine request
+        a choice); a seeded request's i-th choice draws with seed + i."""
         p = self.params
-        if p.seed is None:
-            return [p] * self.n
-        return [replace(p, seed=(p.seed + i) % SEED_LIMIT) for i in range(self.n)]
+        return [(ids, p if p.seed is None else replace(p, seed=(p.seed + i) % SEED_LIMIT))
+                for ids in self.prompts for i in range(self.n)]
 
 
 # fields a client may send that Helix does not implement: refused unless left at the default
 UNSUPPORTED = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
-               "tools": (None,), "functions": (None,),
-               "min_tokens": (None, 0)}
+               "tools": (None,), "functions": (None,)}
 MAX_STOPS = 4
-MAX_N = 16                     # choices per request
+MAX_N = 16                     # choices per prompt
+MAX_PROMPTS = 64               # prompts in a completions batch
 
 
 def _int(body: dict, name: str, default, lo: int, hi: int | None = None):
@@ -143,7 +143,7 @@ def sampling(body: dict, vocab: int, max_tokens_field: str = "max_tokens",
             presence_penalty=_num(body, "presence_penalty", 0.0),
             frequency_penalty=_num(body, "frequency_penalty", 0.0),
             repetition_penalty=_num(body, "repetition_penalty", 1.0),
-            logit_bias=_logit_bias(body))
+            logit_bias=_logit_bias(body), min_tokens=_int(body, "min_tokens", 0, 0))
     except FieldError:
         raise
     except RequestError as e:               # SamplingParams' own checks name their field
@@ -193,32 +193,42 @@ def _kv_file(body: dict, kv_dir: str | None) -> str | None:
     return full
 
 
+def _prompt(prompt, tokenizer, vocab: int, name: str) -> list[int]:
+    """One prompt (text, or a list of token ids) -> ids."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise FieldError(name, f"{name} is empty: give some text or token ids")
+        if tokenizer is None:
+            raise FieldError(name, f"{name}: this model has no tokenizer (a preset): send the "
+                                   f"prompt as a list of token ids")
+        ids = tokenizer.encode(prompt)
+        if not ids:
+            raise FieldError(name, f"{name} encodes to no tokens: give some text")
+        return ids
+    return _ids(prompt, name, vocab)
+
+
 def parse_completion(body, tokenizer, vocab: int, kv_dir: str | None = None) -> Parsed:
-    """A /v1/completions body (prompt: text, or a list of token ids)."""
+    """A /v1/completions body (prompt: text, a list of token ids, or a list of either: a batch,
+    whose choices come prompt by prompt)."""
     body = _object(body)
     _check_unsupported(body)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                     # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise FieldError("prompt", "prompt is empty: give some text or token ids")
-        if tokenizer is None:
-            raise FieldError("prompt", "prompt: this model has no tokenizer (a preset): send "
-                                       "the prompt as a list of token ids")
-        ids = tokenizer.encode(prompt)
-        if not ids:
-            raise FieldError("prompt", "prompt encodes to no tokens: give some text")
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise FieldError("prompt", "prompt: give one prompt per request (a string or a list "
-                                   "of token ids)")
-    elif prompt is None:
+    if prompt is None:
         raise FieldError("prompt", "prompt is required: a string or a list of token ids")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise FieldError("prompt", f"prompt: a batch of {len(prompt)} prompts is more than "
+                                       f"{MAX_PROMPTS}: send fewer per request")
+        prompts = [_prompt(p, tokenizer, vocab, f"prompt[{i}]") for i, p in enumerate(prompt)]
     else:
-        ids = _ids(prompt, "prompt", vocab)
+        prompts = [_prompt(prompt, tokenizer, vocab, "prompt")]
+    kv = _kv_file(body, kv_dir)
+    if kv is not None and len(prompts) > 1:
+        raise FieldError("kv_file", "kv_file: a KV import is one prompt's: send one prompt")
     stream, usage = _stream(body)
-    return Parsed(ids, sampling(body, vocab), stream, usage, _kv_file(body, kv_dir),
-                  _stop(body, tokenizer), _int(body, "n", 1, 1, MAX_N))
+    return Parsed(prompts, sampling(body, vocab), stream, usage, kv, _stop(body, tokenizer),
+                  _int(body, "n", 1, 1, MAX_N))
 
 
 def _text(content, i: int) -> str:
@@ -257,7 +267,7 @@ def parse_chat(body, tokenizer, vocab: int, kv_dir: str | None = None) -> Parsed
     except RequestError as e:
         raise FieldError("messages", str(e)) from None
     stream, usage = _stream(body)
-    return Parsed(ids, sampling(body, vocab, "max_completion_tokens", chat=True), stream, usage,
+    return Parsed([ids], sampling(body, vocab, "max_completion_tokens", chat=True), stream, usage,
                   _kv_file(body, kv_dir), _stop(body, tokenizer), _int(body, "n", 1, 1, MAX_N))
 
 
