@@ -63,16 +63,19 @@ def test_generate_json_matches_transformers(hf_checkpoint):
 
 def test_generate_logprobs_flag(llama_ckpt, capsys):
     r = helix_here(capsys, *generate_args(llama_ckpt, PROMPTS[:2], 4, "--json", "--logprobs",
-                                          "2"))
+                                          "2", "--prompt-logprobs", "1"))
     result = json.loads(r.stdout.strip().splitlines()[-1])
     with LLM(llama_ckpt, Layout(), RuntimeConfig(max_context=256, page_size=4)) as llm:
-        ids = [llm.add_request(p, SamplingParams(max_new_tokens=4, logprobs=2))
-               for p in PROMPTS[:2]]
+        ids = [llm.add_request(p, SamplingParams(max_new_tokens=4, logprobs=2,
+                                                 prompt_logprobs=1)) for p in PROMPTS[:2]]
         while llm.has_unfinished():
             llm.step()
         want = [[{"logprob": lp.logprob, "top": [list(t) for t in lp.top]}
                  for lp in llm.logprobs[i]] for i in ids]
+        prompt = [[None] + [{"logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                            for lp in llm.prompt_logprobs[i][1:]] for i in ids]
     assert result["logprobs"] == want and len(want[0]) == len(result["tokens"][0])
+    assert result["prompt_logprobs"] == prompt and len(prompt[1]) == len(PROMPTS[1])
     r = helix_here(capsys, *generate_args(llama_ckpt, PROMPTS[:1], 2, "--logprobs", "21"))
     assert r.returncode == 2 and "logprobs must be in" in r.stderr
 

@@ -83,6 +83,75 @@ def test_logprobs_match_transformers(hf_checkpoint, family):
     assert teacher[0] == list(forced)
 
 
+def _hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
+    """log_softmax of HF's logits at prompt rows 0 .. P-2 (scoring prompt[1:])."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt]), use_cache=False).logits[0].float()
+    return torch.log_softmax(logits[:-1], -1)
+
+
+def _check_prompt_logprobs(hf, prompt, got, k):
+    assert len(got) == len(prompt) and got[0] is None
+    want = _hf_prompt_logprobs(hf, prompt)
+    for p in range(1, len(prompt)):
+        assert abs(got[p].logprob - want[p - 1, prompt[p]].item()) <= TOL, p
+        top = want[p - 1].topk(k)
+        assert [t for t, _ in got[p].top] == top.indices.tolist()
+        assert max((abs(a - b) for (_, a), b in zip(got[p].top, top.values.tolist())),
+                   default=0) <= TOL
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_prompt_logprobs_match_transformers(hf_checkpoint, family, chunk):
+    """Prompts prefilled in chunks of 4 (a chunk's last row scores the next chunk's first
+    token) or whole, next to a decoding request; the generated tokens' logprobs too."""
+    path, hf = hf_checkpoint(family)
+    prompts = [list(range(3, 40, 3)), [5, 17, 42], [77, 78]]
+    params = [SamplingParams(max_new_tokens=3, prompt_logprobs=2, logprobs=1),
+              SamplingParams(max_new_tokens=6),
+              SamplingParams(max_new_tokens=2, prompt_logprobs=0)]
+    with LLM(path, Layout(), RuntimeConfig(**{**SMALL, "max_prefill_tokens": chunk})) as llm:
+        ids = [llm.add_request(prompts[1], params[1])]
+        llm.step()                                  # it decodes while the others prefill
+        ids = [llm.add_request(prompts[0], params[0]), ids[0],
+               llm.add_request(prompts[2], params[2])]
+        while llm.has_unfinished():
+            llm.step()
+        assert ids[1] not in llm.prompt_logprobs
+        for i, prompt, sp in ((0, prompts[0], params[0]), (2, prompts[2], params[2])):
+            _check_prompt_logprobs(hf, prompt, llm.prompt_logprobs[ids[i]], sp.prompt_logprobs)
+        out = llm.outputs[ids[0]]
+        want = _hf_logprobs(hf, prompts[0], out)
+        assert [abs(lp.logprob - want[s, t].item()) <= TOL
+                for s, (t, lp) in enumerate(zip(out, llm.logprobs[ids[0]]))] == [True] * 3
+
+
+def test_prompt_logprobs_are_scored_once_through_preemption(hf_checkpoint):
+    """A pool for about one request: the newest is preempted and its prompt recomputed; its
+    prompt positions are still scored once each."""
+    path, hf = hf_checkpoint("llama")
+    a, b = [5, 17, 42, 9, 88, 3, 61], list(range(10, 50))
+    with LLM(path, Layout(), RuntimeConfig(**{**SMALL, "num_pages": 12})) as llm:
+        ra = llm.add_request(a, SamplingParams(max_new_tokens=9, ignore_eos=True))
+        rb = llm.add_request(b, SamplingParams(max_new_tokens=8, ignore_eos=True,
+                                               prompt_logprobs=1))
+        preempted = 0
+        while llm.has_unfinished():
+            llm.step()
+            preempted = max([preempted] + [r.preemptions for r in llm.engine.scheduler.running
+                                           if r.id == rb])
+        assert preempted >= 1 and len(llm.outputs[ra]) == 9
+        _check_prompt_logprobs(hf, b, llm.prompt_logprobs[rb], 1)
+
+
+def test_prompt_logprobs_need_the_prompt_prefilled(hf_checkpoint):
+    path, _ = hf_checkpoint("llama")
+    with LLM(path, Layout(), RuntimeConfig(**SMALL)) as llm:
+        with pytest.raises(RequestError, match="prompt_logprobs needs the whole prompt"):
+            llm.add_request([1, 2], SamplingParams(prompt_logprobs=1), synthetic_prefix=8)
+
+
 def test_logprobs_do_not_depend_on_overlap_or_on_other_requests(hf_checkpoint):
     path, _ = hf_checkpoint("llama")
     params = [SamplingParams(max_new_tokens=5, logprobs=3),
@@ -122,7 +191,7 @@ def _gpu_run(model: str, graph_eager: bool):
     rt = RuntimeConfig(device="cuda", dtype="bfloat16", page_size=16, max_batch=4,
                        graph_buckets=(1, 2, 4), attention_backend="triton",
                        graph_eager=graph_eager)
-    params = [SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=3),
+    params = [SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2),
               SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=1.0, seed=5,
                              logprobs=1),
               SamplingParams(max_new_tokens=6, ignore_eos=True, forced_tokens=(3, 4), logprobs=0),
@@ -135,7 +204,7 @@ def _gpu_run(model: str, graph_eager: bool):
             llm.step()
             graphed += llm.engine.last_graphed
         assert graphed >= 4
-        return [(llm.outputs[i], llm.logprobs.get(i)) for i in ids]
+        return [(llm.outputs[i], llm.logprobs.get(i), llm.prompt_logprobs.get(i)) for i in ids]
 
 
 @pytest.mark.gpu
@@ -143,11 +212,12 @@ def _gpu_run(model: str, graph_eager: bool):
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-deepseek-v3"])
 def test_captured_steps_give_the_eager_steps_logprobs(model):
     """Under CUDA graphs the log-probabilities (and penalised rows' tokens) are computed on the
-    graph's static logits after its replay: bitwise those of the same bucketed steps run
-    eagerly."""
+    graph's static logits after its replay, prompt scores on a prefill graph's hidden states:
+    bitwise those of the same bucketed steps run eagerly."""
     captured, eager = _gpu_run(model, False), _gpu_run(model, True)
     assert captured == eager
-    (_, lps), (_, sampled), (teacher, _), (_, none) = captured
+    (_, lps, prompt), (_, sampled, _), (teacher, _, _), (_, none, _) = captured
     assert none is None and teacher[:2] == [3, 4]
+    assert len(prompt) == len(PROMPTS[0]) and all(len(lp.top) == 2 for lp in prompt[1:])
     assert all(lp.top[0][1] == lp.logprob for lp in lps)       # argmax (ties: either index)
     assert all(lp.logprob <= 0 and len(lp.top) == 1 for lp in sampled)

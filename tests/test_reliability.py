@@ -117,14 +117,15 @@ def test_bad_config_json_is_one_line_from_the_cli(tmp_path, capsys):
 # -- failures inside a step stay with their request ------------------------------------------
 
 def _fail_when(llm, predicate, exc):
-    """Make the model's forward raise `exc` on steps whose token count satisfies predicate."""
-    real = llm.engine.model.forward
+    """Make the model's layers raise `exc` on eager steps whose token count satisfies
+    predicate."""
+    real = llm.engine.model.hidden
 
-    def forward(ids, *args, **kw):
+    def hidden(ids, *args, **kw):
         if predicate(ids.shape[0]):
             raise exc
         return real(ids, *args, **kw)
-    llm.engine.model.forward = forward
+    llm.engine.model.hidden = hidden
 
 
 def test_oom_in_a_prefill_fails_that_request_only():

@@ -36,3 +36,24 @@ def test_sampled_tokens_match_single_rank_on_kvp2_tpa2():
     with LLM("tiny-llama", Layout(), RuntimeConfig(page_size=4, max_batch=4)) as llm:
         greedy = llm.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert single[0] != greedy[0] and single[1] != greedy[1]
+
+
+def _prompt_logprobs(layout: Layout) -> list:
+    rt = RuntimeConfig(page_size=4, max_batch=4, max_prefill_tokens=8, prefill_cp="pass-kv")
+    with LLM("tiny-llama", layout, rt) as llm:
+        ids = [llm.add_request(list(range(5, 5 + 3 * n, 3)),
+                               SamplingParams(max_new_tokens=2, prompt_logprobs=2))
+               for n in (21, 6)]
+        while llm.has_unfinished():
+            llm.step()
+        return [llm.prompt_logprobs[i] for i in ids]
+
+
+def test_prompt_logprobs_under_context_parallel_prefill_match_single_rank():
+    """KVP 2 passing KV: each rank projects the positions it owns, yet every rank holds every
+    row's hidden state after the attention's exchange, so the prompt scores equal one rank's."""
+    single, multi = _prompt_logprobs(Layout()), _prompt_logprobs(Layout(kvp=2))
+    for a, b in zip(single, multi):
+        assert len(a) == len(b) and a[0] is None and b[0] is None
+        assert [[t for t, _ in x.top] for x in a[1:]] == [[t for t, _ in x.top] for x in b[1:]]
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a[1:], b[1:])) <= 1e-5

@@ -1,8 +1,8 @@
 """`helix serve`'s HTTP API against the official `openai` client: one server for the module (two
 CPU ranks, gloo; a tight KV pool, so concurrent requests queue and get preempted), its text
 equal to transformers' greedy text, streaming equal to non-streaming, log-probabilities equal to
-transformers' log-softmax (completions and chat, streamed or not), n choices, batches of prompts,
-8 concurrent clients,
+transformers' log-softmax (completions and chat, streamed or not; echoed prompts' too), n choices,
+batches of prompts, 8 concurrent clients,
 disconnects that free their pages, bad requests (400 naming the field) and overload (429) that
 leave the others untouched, Prometheus metrics, KV import by file, and (last) a killed rank
 reported as 503 naming it."""
@@ -195,6 +195,46 @@ def test_logprobs_in_completions_and_chat(served):
     assert e.value.body["param"] == "top_logprobs"
 
 
+def test_echo_scores_the_prompt(served):
+    """lm-eval's loglikelihood requests: echo with logprobs, max_tokens 0 or 1, a batch of
+    token-id prompts; the prompt's scores equal transformers' log-softmax."""
+    import torch
+    c = served.client()
+    ids = [served.tok.encode(t) for t in TEXTS[:2]]
+    r = c.completions.create(model=NAME, prompt=ids, max_tokens=0, temperature=0, echo=True,
+                             logprobs=1)
+    assert r.usage.completion_tokens == 0
+    for ch, p in zip(r.choices, ids):
+        lp = ch.logprobs
+        assert ch.text == served.tok.decode(p) and ch.model_extra["token_ids"] == []
+        assert lp.tokens == [served.tok.token_text(t) for t in p]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        with torch.no_grad():
+            want = torch.log_softmax(served.hf(torch.tensor([p])).logits[0, :-1].float(), -1)
+        assert max(abs(a - want[i, t].item())
+                   for i, (a, t) in enumerate(zip(lp.token_logprobs[1:], p[1:]))) <= 1e-3
+        assert all(len(d) == 1 for d in lp.top_logprobs[1:])
+    r = c.completions.create(model=NAME, prompt=TEXTS[2], max_tokens=3, temperature=0,
+                             echo=True, logprobs=2)
+    p, gen = served.tok.encode(TEXTS[2]), r.choices[0].model_extra["token_ids"]
+    assert r.choices[0].text.startswith(TEXTS[2]) and len(gen) == 3
+    assert r.choices[0].text == TEXTS[2] + served.want(p, 3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(p) + 3 and lp.token_logprobs[0] is None
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(p) + 3)]
+    chunks = list(c.completions.create(model=NAME, prompt=TEXTS[2], max_tokens=3,
+                                       temperature=0, echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == r.choices[0].text
+    plain = c.completions.create(model=NAME, prompt=TEXTS[2], max_tokens=3, temperature=0,
+                                 echo=True)
+    assert plain.choices[0].text == r.choices[0].text and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
+                                  extra_body={"echo": True})
+    assert e.value.body["param"] == "echo"
+    wait_idle(served)
+
+
 def test_n_choices(served):
     c = served.client()
     kw = dict(model=NAME, prompt=TEXTS[4], max_tokens=6, temperature=0.9, seed=5)
@@ -339,7 +379,8 @@ BAD = [
     (dict(n=17), 400, "n"),
     (dict(n=MAX_IN_FLIGHT + 1), 400, "n"),                             # more than it holds
     (dict(logprobs=21), 400, "logprobs"),
-    (dict(echo=True), 400, "echo"),
+    (dict(echo=True, max_tokens=-1), 400, "max_tokens"),
+    (dict(max_tokens=0), 400, "max_tokens"),                           # 0 needs echo
     (dict(presence_penalty=3), 400, "presence_penalty"),
     (dict(extra_body={"min_tokens": 5}), 400, "min_tokens"),           # above max_tokens 4
     (dict(extra_body={"repetition_penalty": 0}), 400, "repetition_penalty"),

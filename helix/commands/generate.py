@@ -6,7 +6,8 @@
 Text prompts (--prompt, through the chat template with --chat) need a checkpoint that ships its
 tokenizer; their text streams to the terminal as it is generated, in request order. The last
 stdout line with --json is one JSON object (tokens, "text" per request: null without a tokenizer;
-with --logprobs K, "logprobs" per request: per token {"logprob", "top": [[id, logprob], ...]}).
+with --logprobs K, "logprobs" per request: per token {"logprob", "top": [[id, logprob], ...]};
+with --prompt-logprobs K, "prompt_logprobs" the same per prompt token, null for the first).
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def run_batch(model: str, prompts: list[list[int]], args, tokenizer=None, on_del
             "finish_reasons": [llm.finish_reasons[i] for i in ids],
             "errors": [llm.errors.get(i) for i in ids],
             "logprobs": None if params.logprobs is None else [
-                [{"logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-                 for lp in llm.logprobs[i]] for i in ids],
+                [_logprob(lp) for lp in llm.logprobs[i]] for i in ids],
+            "prompt_logprobs": None if params.prompt_logprobs is None else [
+                [_logprob(lp) for lp in llm.prompt_logprobs[i]] for i in ids],
             "layout": layout.as_dict(),
             "world_size": layout.world_size,
             "device": runtime.device,
@@ -87,6 +89,10 @@ def run_batch(model: str, prompts: list[list[int]], args, tokenizer=None, on_del
             "ttft_ms": [round(t, 3) for t in ttft],
             "decode_ms_median": round(1e3 * statistics.median(decode), 3) if decode else None,
         }
+
+
+def _logprob(lp) -> dict | None:
+    return None if lp is None else {"logprob": lp.logprob, "top": [list(t) for t in lp.top]}
 
 
 def describe(result: dict) -> str:

@@ -121,6 +121,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="[-2, 2]: subtracted once per occurrence in the output")
     g.add_argument("--presence-penalty", type=float, default=0.0,
                    help="[-2, 2]: subtracted from tokens the output holds")
+    g.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                   help="each prompt token's log-probability given the ones before it, and K "
+                        "alternatives (0-20; in --json's \"prompt_logprobs\")")
     g.add_argument("--min-tokens", type=int, default=0,
                    help="no eos / stop id before this many new tokens")
     g.add_argument("--logprobs", type=int, default=None, metavar="K",
@@ -153,6 +156,7 @@ def sampling(args) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.sample_seed,
                           stop_token_ids=tuple(args.stop_ids), ignore_eos=args.ignore_eos,
-                          logprobs=args.logprobs, repetition_penalty=args.repetition_penalty,
+                          logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
+                          repetition_penalty=args.repetition_penalty,
                           frequency_penalty=args.frequency_penalty,
                           presence_penalty=args.presence_penalty, min_tokens=args.min_tokens)

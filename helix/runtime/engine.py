@@ -34,7 +34,7 @@ from helix.loader import build_and_load
 from helix.parallel.comm import Comm
 from helix.runtime import faults, penalties
 from helix.runtime.decode_graphs import DecodeGraphs
-from helix.runtime.logprobs import TokenLogprob
+from helix.runtime.logprobs import TokenLogprob, token_logprobs
 from helix.runtime.memory import plan_kv_pool
 from helix.runtime.prefill_graphs import DEFAULT_MAX_TOKENS, LOCAL, PASS_KV, PrefillGraphs
 from helix.tracing import nvtx_range
@@ -45,6 +45,9 @@ from helix.runtime.sampling import SamplingParams, row_params
 from helix.runtime.scheduler import Scheduler, StepPlan
 
 
+PROMPT_ROWS = 1024        # prompt rows scored through the LM head at once (their fp32 logits)
+
+
 @dataclass
 class _Launched:
     """A step queued on the device whose tokens are not read back yet."""
@@ -53,6 +56,8 @@ class _Launched:
     event: torch.cuda.Event | None  # recorded after that copy (None: already done)
     num_tokens: int               # tokens fed to the model
     logprobs: tuple | None = None   # host (lp, top_lp, top_ids) of its rows, when one asked
+    prompt_logprobs: list | None = None   # (request, host (lp, top_lp, top_ids)) of prompt
+                                          # rows scored, when one asked
 
 
 @dataclass
@@ -64,6 +69,8 @@ class StepOutput:
     errors: dict[int, str] | None = None   # request id -> message, for requests that failed
     logprobs: dict[int, TokenLogprob] | None = None   # request id -> its token's, for requests
                                                       # that asked (SamplingParams.logprobs)
+    prompt_logprobs: dict[int, list[TokenLogprob]] | None = None   # request id -> its prompt
+                                     # positions scored this step, in order (prompt_logprobs)
 
 
 class Engine:
@@ -182,13 +189,13 @@ class Engine:
             if c.req.imported_kv is not None:         # admitted with KV from a prefill server
                 self._write_imported(c.req, c.start)
         launched = self._launch_confined(plan) if plan else None
-        tokens, logprobs = {}, {}
+        tokens, logprobs, prompt_logprobs = {}, {}, {}
         try:
             if self.inflight is not None:
-                self._resolve(self.inflight, tokens, logprobs)
+                self._resolve(self.inflight, tokens, logprobs, prompt_logprobs)
             self.inflight = launched
             if launched is not None and not self.overlap:
-                self._resolve(launched, tokens, logprobs)
+                self._resolve(launched, tokens, logprobs, prompt_logprobs)
                 self.inflight = None
         except Exception as e:                        # an asynchronous device fault
             raise self._die(f"reading back a step failed: {type(e).__name__}: {e}") from None
@@ -196,7 +203,8 @@ class Engine:
         finished = {r.id: r.finish_reason for r in retired}
         errors = {r.id: r.error for r in retired if r.finish_reason == "error"}
         return StepOutput(tokens, finished, launched.num_tokens if launched else 0,
-                          time.perf_counter() - t0, errors or None, logprobs or None)
+                          time.perf_counter() - t0, errors or None, logprobs or None,
+                          prompt_logprobs or None)
 
     # -- launching ----------------------------------------------------------------------------
     def _launch_confined(self, plan: StepPlan) -> _Launched | None:
@@ -276,6 +284,7 @@ class Engine:
             with nvtx_range(f"helix.decode_graph[{len(ids)}]"):
                 logits = self.graphs.run(torch.tensor(ids, dtype=torch.long),
                                          torch.tensor(src, dtype=torch.long), meta, rows)
+            h = residual = None
         else:
             with nvtx_range("helix.prepare"):
                 meta = self.kv.prepare(batch, "cpu" if key else self.device)
@@ -290,9 +299,9 @@ class Engine:
                     h, residual = self.prefill_graphs.run(
                         key, torch.tensor(ids, dtype=torch.long),
                         torch.tensor(src, dtype=torch.long), meta)
-                    logits = self.model.head(h, residual, last_t)
             else:
-                logits = self._forward_eager(ids, src, meta, last_t, len(batch))
+                h, residual = self._forward_eager(ids, src, meta, len(batch))
+            logits = self.model.head(h, residual, last_t)
             with nvtx_range("helix.sample"):
                 if sampled:
                     self.sampler.sample(logits, params, seeds, counters)
@@ -306,6 +315,7 @@ class Engine:
                     [tuple(self._stop_ids(params[i])) if produced[i] < params[i].min_tokens
                      else () for i in processed])
         k = self._logprobs(sampled, logits)
+        scored = self._prompt_logprobs(plan, h, residual)
         with nvtx_range("helix.readback"):
             host, event, lps = self.sampler.readback(len(sampled), k)
         for r in plan.decode:
@@ -316,7 +326,7 @@ class Engine:
             r.pending += 1
             r.pending_row = i
         self.last_logits = logits
-        return _Launched(sampled, host, event, len(ids), lps)
+        return _Launched(sampled, host, event, len(ids), lps, scored)
 
     def _pending_tokens(self, sampled: list[Request], rows: list[int], ids: list[int],
                         src: list[int], D: int) -> torch.Tensor:
@@ -357,8 +367,9 @@ class Engine:
             self.sampler.logprobs(logits, max(asked), forced_t)
         return max(asked)
 
-    def _forward_eager(self, ids: list[int], src: list[int], meta, last_t, num_seqs: int):
-        """The model on this step's rows, no graph -> logits of rows last_t (None: all)."""
+    def _forward_eager(self, ids: list[int], src: list[int], meta, num_seqs: int):
+        """The model on this step's rows, no graph -> (h, residual) of every row (the head
+        comes after)."""
         with nvtx_range("helix.prepare"):
             if meta.is_decode:
                 meta.micro_batches = self._micro_batches(num_seqs)
@@ -367,7 +378,40 @@ class Engine:
                 src_t = upload(torch.tensor(src, dtype=torch.long), self.device)
                 ids_t = self.sampler.select(src_t, ids_t)
         with nvtx_range(f"helix.forward_eager[{len(ids)} tokens]"):
-            return self.model(ids_t, meta.q_pos, meta, self.caches, self.backend, last_t)
+            return self.model.hidden(ids_t, meta.q_pos, meta, self.caches, self.backend)
+
+    def _prompt_logprobs(self, plan: StepPlan, h, residual) -> list | None:
+        """The step's prompt rows of requests with prompt_logprobs: the row of position p scores
+        prompt[p + 1] (log_softmax of its logits, PROMPT_ROWS rows at a time through the LM
+        head), positions not scored before (a preempted request's recompute is not). Queued
+        with host copies that the step's readback event covers -> [(request, host (lp, top_lp,
+        top_ids))], or None."""
+        out, row = [], len(plan.decode)
+        for c in plan.prefill:
+            r, n, k = c.req, len(c.ids), c.req.params.prompt_logprobs
+            first, end = max(c.start, r.prompt_scored - 1), min(c.start + n, len(r.prompt) - 1)
+            if k is not None and first < end:
+                out.append((r, self._score_rows(h, residual, row + first - c.start,
+                                                r.prompt[first + 1:end + 1], k)))
+                r.prompt_scored = end + 1
+            row += n
+        return out or None
+
+    def _score_rows(self, h, residual, row: int, targets: list[int], k: int) -> list:
+        """Rows row, row + 1, ... of the step scored against `targets` -> host (lp, top_lp,
+        top_ids), their copies queued."""
+        parts = []
+        for i in range(0, len(targets), PROMPT_ROWS):
+            rows = torch.arange(row + i, row + min(i + PROMPT_ROWS, len(targets)))
+            logits = self.model.head(h, residual, upload(rows, self.device))
+            want = upload(torch.tensor(targets[i:i + PROMPT_ROWS], dtype=torch.long),
+                          self.device)
+            parts.append(token_logprobs(logits, want, k))
+        cuda, host = self.device.type == "cuda", []
+        for t in (torch.cat(x) for x in zip(*parts)):
+            host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda))
+            host[-1].copy_(t, non_blocking=cuda)
+        return host
 
     def _pass_kv(self, chunks: list[tuple[int, int, int]]) -> bool:
         """Whether this step's prefill chunks pass KV or Q (helix/kv/context_parallel.py): the
@@ -408,16 +452,21 @@ class Engine:
                   for cache in self.caches]
         return {"positions": pos, "heads": self._kv_heads(), "layers": layers}
 
-    def _resolve(self, step: _Launched, out: dict[int, int],
-                 logprobs: dict[int, TokenLogprob]) -> None:
+    def _resolve(self, step: _Launched, out: dict[int, int], logprobs: dict[int, TokenLogprob],
+                 prompt_logprobs: dict[int, list[TokenLogprob]]) -> None:
         """Wait for a queued step's tokens; append them to `out` (request id -> token, and
-        their log-probabilities to `logprobs` for requests that asked) and apply stop and
-        length rules. Rows of requests that ended meanwhile (a stop id one step earlier, an
-        abort, an error) are dropped."""
+        their log-probabilities to `logprobs`, its prompt positions' to `prompt_logprobs`, for
+        requests that asked) and apply stop and length rules. Rows of requests that ended
+        meanwhile (a stop id one step earlier, an abort, an error) are dropped."""
         if step.event is not None:
             t = time.perf_counter()
             step.event.synchronize()
             self.wait_seconds += time.perf_counter() - t
+        for r, (lp, top_lp, top_ids) in step.prompt_logprobs or ():
+            if not r.finished:
+                prompt_logprobs.setdefault(r.id, []).extend(
+                    TokenLogprob(a, tuple(zip(i, b)))
+                    for a, b, i in zip(lp.tolist(), top_lp.tolist(), top_ids.tolist()))
         n = len(step.batch)
         lps = None if step.logprobs is None else [h.tolist() for h in step.logprobs]
         for i, (r, tok) in enumerate(zip(step.batch, step.host[:n].tolist())):

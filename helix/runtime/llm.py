@@ -84,6 +84,8 @@ class LLM:
         self.outputs: dict[int, list[int]] = {}
         self.logprobs: dict[int, list[TokenLogprob]] = {}   # requests with params.logprobs set:
                                                             # one per output token
+        self.prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}   # params.prompt_logprobs
+                                                    # set: one per prompt token (None first)
         self.finish_reasons: dict[int, str] = {}
         self.errors: dict[int, str] = {}
         self._multi = world > 1
@@ -218,6 +220,9 @@ class LLM:
         each rank keeps the ones it owns."""
         self._check_open()
         checked = self._check_request(prompt_ids, params, synthetic_prefix)
+        if checked[1].prompt_logprobs is not None and (synthetic_prefix or kv is not None):
+            raise RequestError("prompt_logprobs needs the whole prompt prefilled here: drop "
+                               "synthetic_prefix / kv, or prompt_logprobs")
         imported = None if kv is None else self._check_kv(kv, checked[0], synthetic_prefix)
         rid = self._queue(*checked)
         if imported is not None:
@@ -277,6 +282,8 @@ class LLM:
         self.outputs[rid] = []
         if params.logprobs is not None:
             self.logprobs[rid] = []
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs[rid] = [None]
         return rid
 
     def _check_prompt(self, prompt_ids, prefix: int = 0) -> list[int]:
@@ -316,7 +323,8 @@ class LLM:
         only grow."""
         if request_id in self.outputs and request_id not in self.finish_reasons:
             raise RequestError(f"request {request_id} has not finished: abort() it first")
-        for d in (self.outputs, self.logprobs, self.finish_reasons, self.errors):
+        for d in (self.outputs, self.logprobs, self.prompt_logprobs, self.finish_reasons,
+                  self.errors):
             d.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
@@ -342,6 +350,8 @@ class LLM:
             self.outputs[rid].append(tok)
         for rid, lp in (out.logprobs or {}).items():
             self.logprobs[rid].append(lp)
+        for rid, lps in (out.prompt_logprobs or {}).items():
+            self.prompt_logprobs[rid] += lps
         self.finish_reasons.update(out.finished)
         self.errors.update(out.errors or {})
         return out

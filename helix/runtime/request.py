@@ -28,6 +28,8 @@ class Request:
     preemptions: int = 0                      # times its KV was dropped to make room
     skipped: int = 0                          # times a later request was admitted before it
     imported_kv: object = None                # KV of the prompt from a prefill server, if any
+    prompt_scored: int = 1                    # prompt positions whose log-probability is
+                                              # computed (or queued), when it asks for them
 
     def __post_init__(self):
         self.computed = self.prefix            # a synthetic prefix counts as written

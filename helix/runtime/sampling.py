@@ -72,6 +72,9 @@ class SamplingParams:
     logprobs: int | None = None              # k: each token's log-probability under the model
                                              # and its k most likely alternatives (0-20;
                                              # None: none). helix/runtime/logprobs.py
+    prompt_logprobs: int | None = None       # k: each prompt token's log-probability given
+                                             # the tokens before it, and k alternatives
+                                             # (0-20; None: none; position 0 has none)
     repetition_penalty: float = 1.0          # > 0; 1: off. Tokens of the prompt or output
     frequency_penalty: float = 0.0           # [-2, 2]: minus f x the token's output count
     presence_penalty: float = 0.0            # [-2, 2]: minus p if it occurs in the output
@@ -90,8 +93,9 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {p}")
         if self.seed is not None:
             _int("seed", self.seed, 0, SEED_LIMIT)
-        if self.logprobs is not None:
-            _int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _int(name, getattr(self, name), 0, MAX_LOGPROBS + 1)
         r = _float("repetition_penalty", self.repetition_penalty)
         if r <= 0:
             raise RequestError(f"repetition_penalty must be > 0 (1: none), got {r}")

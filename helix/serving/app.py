@@ -210,8 +210,10 @@ class OpenAIServer:
         except BaseException:                          # cancelled: the client went away
             choices.abort()
             raise
+        echo = None if parsed.echo is None else [
+            (ids, text) for ids, text in zip(parsed.prompts, parsed.echo) for _ in range(parsed.n)]
         fmt = _Format(chat, self.name, sum(map(len, parsed.prompts)), self.engine.tokenizer,
-                      len(asked))
+                      len(asked), echo, parsed.score_only)
         if parsed.stream:
             return EventStream(fmt.events(choices, parsed.include_usage), choices)
         return await self._complete(request, choices, fmt)
@@ -275,9 +277,14 @@ def _finite(x: float) -> float:
 class _Format:
     """OpenAI response bodies for one request."""
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int, tokenizer=None, n: int = 1):
+    def __init__(self, chat: bool, model: str, prompt_tokens: int, tokenizer=None, n: int = 1,
+                 echo: list[tuple[list[int], str]] | None = None, score_only: bool = False):
+        """n: choices; echo: each choice's prompt (ids, text) to put first; score_only: echo
+        with max_tokens 0 (the generated token is dropped)."""
         self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
         self.tokenizer, self.n = tokenizer, n
+        self.echo, self.score_only = echo, score_only
+        self._echoed: set[int] = set()        # choices whose prompt went out
         self.text_offset = [0] * n            # completions' text_offset of each choice's next
                                               # token
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -298,9 +305,25 @@ class _Format:
             return f"token_id:{t}"
         return self.tokenizer.token_text(t)
 
+    def _parts(self, i: int, out) -> tuple[str, list[int], list[int], list | None]:
+        """(text, generated ids, ids its logprobs name, logprobs) of an output of choice i:
+        with echo the prompt comes before its first output, with score_only no generated
+        token."""
+        text, ids, lps = out.text, out.token_ids, out.logprobs
+        if self.score_only:
+            text, ids, lps = "", [], None if lps is None else []
+        lp_ids = ids
+        if self.echo is not None and i not in self._echoed:
+            self._echoed.add(i)
+            prompt_ids, prompt_text = self.echo[i]
+            text, lp_ids = prompt_text + text, prompt_ids + ids
+            if lps is not None:
+                lps = (out.prompt_logprobs or [None] * len(prompt_ids)) + lps
+        return text, ids, lp_ids, lps
+
     def logprobs(self, ids: list[int], lps, index: int = 0) -> dict | None:
         """The "logprobs" of choice `index` (or its chunk) for these tokens (None when not
-        asked)."""
+        asked; an entry None, an echoed prompt's first token, has none)."""
         if lps is None:
             return None
         if self.chat:
@@ -315,29 +338,31 @@ class _Format:
         for s in tokens:
             offsets.append(self.text_offset[index])
             self.text_offset[index] += len(s)
-        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps],
-                "top_logprobs": [{self._token(a): _finite(v) for a, v in lp.top} for lp in lps],
+        return {"tokens": tokens,
+                "token_logprobs": [None if lp is None else _finite(lp.logprob) for lp in lps],
+                "top_logprobs": [None if lp is None else
+                                 {self._token(a): _finite(v) for a, v in lp.top} for lp in lps],
                 "text_offset": offsets}
 
     def whole(self, outs: list) -> dict:
         """The response body of the finished choices."""
-        choices = []
+        choices, generated = [], 0
         for i, out in enumerate(outs):
+            text, ids, lp_ids, lps = self._parts(i, out)
+            generated += len(ids)
             choice = {"index": i, "finish_reason": out.finish_reason,
-                      "logprobs": self.logprobs(out.token_ids, out.logprobs, i),
-                      "token_ids": out.token_ids}
+                      "logprobs": self.logprobs(lp_ids, lps, i), "token_ids": ids}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": out.text}
+                choice["message"] = {"role": "assistant", "content": text}
             else:
-                choice["text"] = out.text
+                choice["text"] = text
             choices.append(choice)
-        return {**self._head(self.object), "choices": choices,
-                "usage": self.usage(sum(len(out.token_ids) for out in outs))}
+        return {**self._head(self.object), "choices": choices, "usage": self.usage(generated)}
 
     def chunk(self, text: str, ids: list[int], finish: str | None, first: bool = False,
-              logprobs=None, index: int = 0) -> bytes:
+              lp_ids: list[int] = (), logprobs=None, index: int = 0) -> bytes:
         choice = {"index": index, "finish_reason": finish,
-                  "logprobs": self.logprobs(ids, logprobs, index), "token_ids": ids}
+                  "logprobs": self.logprobs(list(lp_ids), logprobs, index), "token_ids": ids}
         if self.chat:
             choice["delta"] = ({"role": "assistant", "content": text} if first
                                else {"content": text} if text or finish is None else {})
@@ -355,17 +380,16 @@ class _Format:
         n = 0
         async with contextlib.aclosing(choices.merged()) as merged:
             async for i, out in merged:
-                n += len(out.token_ids)
+                text, ids, lp_ids, lps = self._parts(i, out)
+                n += len(ids)
                 if out.finish_reason == "error":
-                    if out.token_ids or out.text:
-                        yield self.chunk(out.text, out.token_ids, None, logprobs=out.logprobs,
-                                         index=i)
+                    if ids or text:
+                        yield self.chunk(text, ids, None, False, lp_ids, lps, i)
                     yield _sse({"error": {"message": out.error or "the request failed",
                                           "type": "server_error", "param": None, "code": None}})
                     choices.abort()
                     break
-                yield self.chunk(out.text, out.token_ids, out.finish_reason,
-                                 logprobs=out.logprobs, index=i)
+                yield self.chunk(text, ids, out.finish_reason, False, lp_ids, lps, i)
         if include_usage:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
             yield _sse({**self._head(obj), "choices": [], "usage": self.usage(n)})

@@ -50,6 +50,8 @@ class StreamOutput:
     finish_reason: str | None = None   # length | stop | abort | error, on the last output
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None   # one per token id, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # the prompt's, on the first
+                                     # output of a request that asked (None for position 0)
 
 
 @dataclass
@@ -64,9 +66,11 @@ class RequestStream:
     """One request's outputs as an async iterator; `abort()` ends it (its pages are freed)."""
 
     def __init__(self, engine: "AsyncLLM", key: int, prompt_len: int, detok, stop=None,
-                 logprobs: bool = False):
+                 logprobs: bool = False, prompt_logprobs: bool = False):
         self.engine, self.key = engine, key
         self.logprobs: list[TokenLogprob] | None = [] if logprobs else None   # consumed so far
+        self.prompt_logprobs = [None] if prompt_logprobs else None   # arrived so far
+        self._prompt_given = False
         self.stop = StopStrings(stop) if stop else None
         self.cut = False                      # ended by a stop string, not by the engine
         self.state = _State()
@@ -86,6 +90,9 @@ class RequestStream:
         if logprob is not None:
             self.state.logprobs.append(logprob)
         self.event.set()
+
+    def _push_prompt_logprobs(self, logprobs: list[TokenLogprob]) -> None:
+        self.prompt_logprobs += logprobs
 
     def _finish(self, finish: str, error: str | None) -> None:
         self.state.finish, self.state.error = finish, error
@@ -121,15 +128,18 @@ class RequestStream:
             self.done = True
             self.metrics.generated_tokens = len(self.token_ids)
             self.engine._finished(self, finish)
+        prompt = None
+        if self.prompt_logprobs is not None and not self._prompt_given:
+            prompt, self._prompt_given = self.prompt_logprobs, True
         return StreamOutput(tokens, text, finish, self.state.error if finish else None,
-                            logprobs)
+                            logprobs, prompt)
 
     async def result(self) -> StreamOutput:
         """Run to the end: every token and the whole text in one output."""
         async for _ in self:
             pass
         return StreamOutput(self.token_ids, self.text, self.state.finish, self.state.error,
-                            self.logprobs)
+                            self.logprobs, self.prompt_logprobs)
 
     def abort(self) -> None:
         """End the request now (a client that went away); no-op once finished."""
@@ -240,8 +250,12 @@ class AsyncLLM:
     def _dispatch(self, msg) -> None:
         kind = msg[0]
         if kind == "out":
-            _, keys, tokens, finished, step, logprobs = msg
+            _, keys, tokens, finished, step, logprobs, scored = msg
             streams = self._streams
+            for key, lps in (scored or {}).items():
+                s = streams.get(key)
+                if s is not None and s.prompt_logprobs is not None:
+                    s._push_prompt_logprobs(lps)
             for i, (key, tok) in enumerate(zip(keys, tokens)):
                 s = streams.get(key)
                 if s is not None:
@@ -351,7 +365,8 @@ class AsyncLLM:
         key = next(self._keys)
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         s = RequestStream(self, key, len(prompt_ids), detok, tuple(stop),
-                          params is not None and params.logprobs is not None)
+                          params is not None and params.logprobs is not None,
+                          params is not None and params.prompt_logprobs is not None)
         self._streams[key] = s
         try:
             self._send(("add", key, list(prompt_ids), params, kv))

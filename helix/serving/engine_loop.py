@@ -14,14 +14,16 @@ Messages (tuples, pickled by multiprocessing's Connection):
   engine -> server   ("ready", info) | ("failed", message)          once, at start
                      ("added", key) | ("rejected", key, kind, message)   kind: request | capacity
                      ("out", keys, tokens, [(key, finish_reason, error)],
-                      (seconds, fed tokens, idle), logprobs)
+                      (seconds, fed tokens, idle), logprobs, prompt_logprobs)
                                                     once per step with news: tokens[i] is
                                                     the new token of request keys[i]; idle:
                                                     the loop's own seconds since the last
                                                     step ended (0 after a wait for work);
                                                     logprobs: None when no request of the
                                                     step asked, else logprobs[i] is keys[i]'s
-                                                    TokenLogprob (None where not asked)
+                                                    TokenLogprob (None where not asked);
+                                                    prompt_logprobs: None, or key -> the
+                                                    prompt positions scored this step
                      ("stats", LLM.stats() + steps)                  every STATS_INTERVAL_S, and
                                                                      on ("stats",)
                      ("direct", key, result)   ("dead", message)   ("closed",)
@@ -151,6 +153,8 @@ class EngineLoop:
                 keys.append(key)
                 tokens.append(tok)
                 logprobs.append(asked.get(rid))
+        scored = {self.key[rid]: lps for rid, lps in (out.prompt_logprobs or {}).items()
+                  if rid in self.key}
         for rid, why in out.finished.items():
             key = self.key.pop(rid, None)
             if key is None:
@@ -158,9 +162,9 @@ class EngineLoop:
             self.rid.pop(key, None)
             finished.append((key, why, (out.errors or {}).get(rid)))
             llm.release(rid)
-        if keys or finished:
+        if keys or finished or scored:
             self._send(("out", keys, tokens, finished, (out.seconds, out.num_tokens, idle),
-                        logprobs if asked else None))
+                        logprobs if asked else None, scored or None))
         self.last_end = time.perf_counter()
 
     def _send_stats(self) -> None:

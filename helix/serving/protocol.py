@@ -2,7 +2,9 @@
 SamplingParams, stream options), every field checked: a bad one raises FieldError naming it
 (HTTP 400). `stop` strings end the text before them. Log-probabilities: `logprobs` (an
 integer, alternatives per token) on /v1/completions, `logprobs: true` and `top_logprobs` on
-/v1/chat/completions (helix/runtime/logprobs.py). Penalties: presence_penalty,
+/v1/chat/completions (helix/runtime/logprobs.py); `echo` on /v1/completions puts the prompt
+(and with logprobs its tokens' scores, position 0 none) before each choice, and allows
+max_tokens 0 (the prompt scored, nothing generated). Penalties: presence_penalty,
 frequency_penalty, logit_bias (helix/runtime/penalties.py). Extensions (as vLLM's): top_k,
 repetition_penalty, min_tokens, stop_token_ids, ignore_eos, kv_file (a KV import,
 helix/kv/transfer.py, under the server's --kv-dir). Every choice also carries its "token_ids".
@@ -36,6 +38,9 @@ class Parsed:
     kv: str | None = None            # a KV import file
     stop: tuple[str, ...] = ()       # stop strings
     n: int = 1                       # choices per prompt
+    echo: list[str] | None = None    # completions' echo: each prompt's text, put before its
+                                     # choices' text (and its scores before their logprobs)
+    score_only: bool = False         # echo with max_tokens 0: the prompt scored, no tokens
 
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt ids, params) of each choice, prompt by prompt, n each (one engine request
@@ -46,7 +51,7 @@ class Parsed:
 
 
 # fields a client may send that Helix does not implement: refused unless left at the default
-UNSUPPORTED = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1),
                "tools": (None,), "functions": (None,)}
 MAX_STOPS = 4
 MAX_N = 16                     # choices per prompt
@@ -124,22 +129,26 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 
 def sampling(body: dict, vocab: int, max_tokens_field: str = "max_tokens",
-             chat: bool = False) -> SamplingParams:
-    """The sampling fields -> SamplingParams (OpenAI defaults: temperature 1, max_tokens 16)."""
-    max_tokens = _int(body, max_tokens_field, None, 1)
+             chat: bool = False, echo: bool = False) -> SamplingParams:
+    """The sampling fields -> SamplingParams (OpenAI defaults: temperature 1, max_tokens 16).
+    echo: the prompt's scores come too (prompt_logprobs = logprobs), and max_tokens may be 0
+    (one token is generated and dropped)."""
+    max_tokens = _int(body, max_tokens_field, None, 0 if echo else 1)
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens = _int(body, "max_tokens", None, 1)
+    logprobs = _logprobs(body, chat)
     top_k = _int(body, "top_k", 0, -1)
     stop_ids = body.get("stop_token_ids") or []
     try:
         return SamplingParams(
-            max_new_tokens=16 if max_tokens is None else max_tokens,
+            max_new_tokens=16 if max_tokens is None else max(1, max_tokens),
             temperature=_num(body, "temperature", 1.0),
             top_p=_num(body, "top_p", 1.0),
             top_k=0 if top_k == -1 else top_k,
             seed=_int(body, "seed", None, 0, 2**63 - 1),
             stop_token_ids=tuple(_ids(stop_ids, "stop_token_ids", vocab)) if stop_ids else (),
-            ignore_eos=_bool(body, "ignore_eos"), logprobs=_logprobs(body, chat),
+            ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs,
+            prompt_logprobs=logprobs if echo else None,
             presence_penalty=_num(body, "presence_penalty", 0.0),
             frequency_penalty=_num(body, "frequency_penalty", 0.0),
             repetition_penalty=_num(body, "repetition_penalty", 1.0),
@@ -226,9 +235,19 @@ def parse_completion(body, tokenizer, vocab: int, kv_dir: str | None = None) -> 
     kv = _kv_file(body, kv_dir)
     if kv is not None and len(prompts) > 1:
         raise FieldError("kv_file", "kv_file: a KV import is one prompt's: send one prompt")
+    echo = _bool(body, "echo")
+    if echo and kv is not None:
+        raise FieldError("echo", "echo scores the prompt, which a KV import does not prefill: "
+                                 "leave out echo or kv_file")
     stream, usage = _stream(body)
-    return Parsed(prompts, sampling(body, vocab), stream, usage, kv, _stop(body, tokenizer),
-                  _int(body, "n", 1, 1, MAX_N))
+    texts = None
+    if echo:
+        given = prompt if len(prompts) > 1 else [prompt]
+        texts = [t if isinstance(t, str) else tokenizer.decode(ids) if tokenizer else ""
+                 for t, ids in zip(given, prompts)]
+    return Parsed(prompts, sampling(body, vocab, echo=echo), stream, usage, kv,
+                  _stop(body, tokenizer), _int(body, "n", 1, 1, MAX_N), texts,
+                  echo and body.get("max_tokens") == 0)
 
 
 def _text(content, i: int) -> str:
@@ -250,6 +269,8 @@ def parse_chat(body, tokenizer, vocab: int, kv_dir: str | None = None) -> Parsed
     """A /v1/chat/completions body, rendered through the checkpoint's chat template."""
     body = _object(body)
     _check_unsupported(body)
+    if body.get("echo") not in (None, False):
+        raise FieldError("echo", "echo is not supported by chat completions: leave it out")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise FieldError("messages", "messages must be a non-empty list of {role, content}")
