@@ -88,6 +88,21 @@ def wait_idle(served, timeout=20.0) -> dict:
         time.sleep(0.05)
 
 
+def _post(served, path: str, body: dict, key: str | None = API_KEY) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(served.url + path, data=json.dumps(body).encode(),
+                                 headers=headers)
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def test_models_and_health(served):
     models = served.client().models.list()
     assert [m.id for m in models.data] == [NAME]
@@ -99,18 +114,15 @@ def test_models_and_health(served):
 
 @pytest.mark.parametrize("key", [None, "sk-wrong", API_KEY + "x"])
 def test_the_v1_routes_need_the_api_key(served, key):
+    for path, body in (("/v1/completions", {"prompt": "the cat", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": []}), ("/detokenize", {})):
+        status, r = _post(served, path, body, key)
+        assert status == 401 and r["error"]["code"] == "invalid_api_key"
     import urllib.error
     import urllib.request
-    headers = {"content-type": "application/json"}
-    if key:
-        headers["authorization"] = f"Bearer {key}"
-    body = json.dumps({"model": NAME, "prompt": "the cat", "max_tokens": 2}).encode()
-    for path, data in (("/v1/completions", body), ("/v1/models", None)):
-        req = urllib.request.Request(served.url + path, data=data, headers=headers)
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(req)
-        assert e.value.code == 401
-        assert json.loads(e.value.read())["error"]["code"] == "invalid_api_key"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(served.url + "/v1/models")
+    assert e.value.code == 401
 
 
 def test_completion_text_equals_transformers(served):
@@ -193,6 +205,24 @@ def test_logprobs_in_completions_and_chat(served):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=NAME, messages=msgs, top_logprobs=2)
     assert e.value.body["param"] == "top_logprobs"
+
+
+def test_tokenize_and_detokenize(served):
+    status, r = _post(served, "/tokenize", {"model": NAME, "prompt": TEXTS[0]})
+    assert status == 200 and r["tokens"] == served.tok.encode(TEXTS[0])
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 128
+    msgs = [{"role": "user", "content": TEXTS[1]}]
+    status, r = _post(served, "/tokenize", {"messages": msgs})
+    assert status == 200 and r["tokens"] == served.tok.chat(msgs)
+    status, r = _post(served, "/detokenize", {"tokens": served.tok.encode(TEXTS[2])})
+    assert status == 200 and r["prompt"] == served.tok.decode(served.tok.encode(TEXTS[2]))
+    for path, body, param in (("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/detokenize", {"tokens": [1, 999]}, "tokens"),
+                              ("/detokenize", {"tokens": "ab"}, "tokens")):
+        status, r = _post(served, path, body)
+        assert status == 400 and r["error"]["param"] == param, r
+    assert _post(served, "/tokenize", {"prompt": "x"}, key=None)[0] == 401
+    assert _post(served, "/tokenize", {"model": "gpt-4", "prompt": "x"})[0] == 404
 
 
 def test_echo_scores_the_prompt(served):
@@ -382,6 +412,8 @@ BAD = [
     (dict(echo=True, max_tokens=-1), 400, "max_tokens"),
     (dict(max_tokens=0), 400, "max_tokens"),                           # 0 needs echo
     (dict(presence_penalty=3), 400, "presence_penalty"),
+    (dict(extra_body={"response_format": {"type": "json_object"}}), 400, "response_format"),
+    (dict(extra_body={"guided_json": {"type": "object"}}), 400, "guided_json"),
     (dict(extra_body={"min_tokens": 5}), 400, "min_tokens"),           # above max_tokens 4
     (dict(extra_body={"repetition_penalty": 0}), 400, "repetition_penalty"),
     (dict(logit_bias={"x": 1}), 400, "logit_bias"),
@@ -418,6 +450,10 @@ def test_bad_bodies_and_chat_fields(served):
     s.close()
     assert reply.startswith("HTTP/1.1 400") and "not valid JSON" in reply
     c = served.client()
+    with pytest.raises(openai.BadRequestError) as e:                    # no silent tools
+        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
+                                  tools=[{"type": "function", "function": {"name": "f"}}])
+    assert e.value.body["param"] == "tools"
     for msgs, param in (([], "messages"), ([{"content": "x"}], "messages[0]"),
                         ([{"role": "user", "content": 5}], "messages[0].content")):
         with pytest.raises(openai.BadRequestError) as e:

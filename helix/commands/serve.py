@@ -4,8 +4,8 @@
                       [--max-in-flight N] [--kv-dir DIR] [--api-key KEY]
                       [layout and runtime flags]
 
-Routes: /v1/completions, /v1/chat/completions (SSE with "stream": true), /v1/models, /health,
-/metrics. SIGINT / SIGTERM end every stream, stop the engine and its ranks, and exit with one
+Routes: /v1/completions, /v1/chat/completions (SSE with "stream": true), /v1/models, /tokenize,
+/detokenize, /health, /metrics. SIGINT / SIGTERM end every stream, stop the engine and its ranks, and exit with one
 line (130 / 143, as every helix command).
 """
 

@@ -301,7 +301,8 @@ class Engine:
                         torch.tensor(src, dtype=torch.long), meta)
             else:
                 h, residual = self._forward_eager(ids, src, meta, len(batch))
-            logits = self.model.head(h, residual, last_t)
+            with nvtx_range("helix.head"):
+                logits = self.model.head(h, residual, last_t)
             with nvtx_range("helix.sample"):
                 if sampled:
                     self.sampler.sample(logits, params, seeds, counters)

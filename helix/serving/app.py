@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API over an AsyncLLM (Starlette): /v1/completions and
-/v1/chat/completions (JSON, or server-sent events with "stream": true), /v1/models, /health,
-/metrics (Prometheus text).
+/v1/chat/completions (JSON, or server-sent events with "stream": true), /v1/models, vLLM's
+/tokenize and /detokenize, /health, /metrics (Prometheus text).
 
 A request that asks for log-probabilities gets them in each choice's (or chunk's) "logprobs", in
 the endpoint's OpenAI shape: {tokens, token_logprobs, top_logprobs, text_offset} for
@@ -39,7 +39,7 @@ from starlette.routing import Route
 
 from helix.errors import CapacityError, EngineDeadError, RequestError
 from helix.serving.async_engine import AsyncLLM, OverloadedError
-from helix.serving.protocol import FieldError, parse_chat, parse_completion
+from helix.serving.protocol import FieldError, parse_chat, parse_completion, token_ids_field
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -136,6 +136,8 @@ class OpenAIServer:
             Route("/v1/completions", self._authorized(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._authorized(self.chat), methods=["POST"]),
             Route("/v1/models", self._authorized(self.models), methods=["GET"]),
+            Route("/tokenize", self._authorized(self.tokenize), methods=["POST"]),
+            Route("/detokenize", self._authorized(self.detokenize), methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ])
@@ -176,6 +178,58 @@ class OpenAIServer:
         return PlainTextResponse(self.engine.metrics.render(self.engine.in_flight, up),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (through the chat
+        template) -> {"tokens", "count", "max_model_len"}."""
+        body, bad = await self._body(request)
+        if bad is not None:
+            return bad
+        tok = self.engine.tokenizer
+        try:
+            if "messages" in body:
+                ids = parse_chat({**body, "max_completion_tokens": 1}, tok, self.vocab).prompts[0]
+            else:
+                text = body.get("prompt")
+                if not isinstance(text, str):
+                    raise FieldError("prompt", "prompt must be a string (or send messages)")
+                if tok is None:
+                    raise FieldError("prompt", "this model has no tokenizer (a preset): it "
+                                               "takes token ids")
+                ids = tok.encode(text)
+        except RequestError as e:
+            return _refusal(e)
+        return JSONResponse({"tokens": ids, "count": len(ids),
+                             "max_model_len": self.engine.info["max_context"]})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+        body, bad = await self._body(request)
+        if bad is not None:
+            return bad
+        try:
+            if self.engine.tokenizer is None:
+                raise FieldError("tokens", "this model has no tokenizer (a preset)")
+            ids = token_ids_field(body.get("tokens"), "tokens", self.vocab)
+        except RequestError as e:
+            return _refusal(e)
+        return JSONResponse({"prompt": self.engine.tokenizer.decode(ids)})
+
+    async def _body(self, request: Request) -> tuple[dict | None, Response | None]:
+        """The request's JSON object, or the 400 / 404 response for a bad body or model."""
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError) as e:
+            return None, error(400, f"the request body is not valid JSON: {e}",
+                               "invalid_request_error")
+        if not isinstance(body, dict):
+            return None, error(400, "the request body must be a JSON object",
+                               "invalid_request_error")
+        if body.get("model") not in (None, self.name):
+            return None, error(404, f"model {body.get('model')!r} not found: this server "
+                                    f"serves {self.name!r}", "invalid_request_error", "model",
+                               "model_not_found")
+        return body, None
+
     # -- generation ---------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, parse_completion, chat=False)
@@ -184,14 +238,9 @@ class OpenAIServer:
         return await self._generate(request, parse_chat, chat=True)
 
     async def _generate(self, request: Request, parse, chat: bool) -> Response:
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError) as e:
-            return error(400, f"the request body is not valid JSON: {e}", "invalid_request_error")
-        if isinstance(body, dict) and body.get("model") not in (None, self.name):
-            return error(404, f"model {body.get('model')!r} not found: this server serves "
-                              f"{self.name!r}", "invalid_request_error", "model",
-                         "model_not_found")
+        body, bad = await self._body(request)
+        if bad is not None:
+            return bad
         choices = _Choices([])
         try:
             parsed = parse(body, self.engine.tokenizer, self.vocab, self.kv_dir)

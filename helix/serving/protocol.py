@@ -51,8 +51,13 @@ class Parsed:
 
 
 # fields a client may send that Helix does not implement: refused unless left at the default
-UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1),
-               "tools": (None,), "functions": (None,)}
+# (structured outputs and tools would change what is generated: never silently ignored)
+UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
+               "functions": (None, []), "tool_choice": (None, "none"),
+               "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+               "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+               "guided_grammar": (None,), "structured_outputs": (None,), "prediction": (None,),
+               "audio": (None,), "modalities": (None, ["text"])}
 MAX_STOPS = 4
 MAX_N = 16                     # choices per prompt
 MAX_PROMPTS = 64               # prompts in a completions batch
@@ -88,7 +93,8 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
-def _ids(value, name: str, vocab: int) -> list[int]:
+def token_ids_field(value, name: str, vocab: int) -> list[int]:
+    """A request field of token ids, each checked against the vocabulary."""
     if not isinstance(value, list) or not value:
         raise FieldError(name, f"{name} must be a non-empty list of token ids")
     for t in value:
@@ -146,7 +152,8 @@ def sampling(body: dict, vocab: int, max_tokens_field: str = "max_tokens",
             top_p=_num(body, "top_p", 1.0),
             top_k=0 if top_k == -1 else top_k,
             seed=_int(body, "seed", None, 0, 2**63 - 1),
-            stop_token_ids=tuple(_ids(stop_ids, "stop_token_ids", vocab)) if stop_ids else (),
+            stop_token_ids=(tuple(token_ids_field(stop_ids, "stop_token_ids", vocab))
+                            if stop_ids else ()),
             ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs,
             prompt_logprobs=logprobs if echo else None,
             presence_penalty=_num(body, "presence_penalty", 0.0),
@@ -214,7 +221,7 @@ def _prompt(prompt, tokenizer, vocab: int, name: str) -> list[int]:
         if not ids:
             raise FieldError(name, f"{name} encodes to no tokens: give some text")
         return ids
-    return _ids(prompt, name, vocab)
+    return token_ids_field(prompt, name, vocab)
 
 
 def parse_completion(body, tokenizer, vocab: int, kv_dir: str | None = None) -> Parsed:
