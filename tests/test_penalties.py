@@ -23,7 +23,7 @@ def _run(path, params, overlap=False, prompts=PROMPTS):
         ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
         while llm.has_unfinished():
             llm.step()
-        assert not llm.engine.prompt_seen                  # dropped when the requests retired
+        assert not llm.engine.vocab_rows                  # dropped when the requests retired
         return [llm.outputs[i] for i in ids]
 
 

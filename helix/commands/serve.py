@@ -5,8 +5,8 @@
                       [layout and runtime flags]
 
 Routes: /v1/completions, /v1/chat/completions (SSE with "stream": true), /v1/models, /tokenize,
-/detokenize, /health, /metrics. SIGINT / SIGTERM end every stream, stop the engine and its ranks, and exit with one
-line (130 / 143, as every helix command).
+/detokenize, /health, /metrics. SIGINT / SIGTERM end every stream, stop the engine and its ranks,
+and exit with one line (130 / 143, as every helix command).
 """
 
 from __future__ import annotations

@@ -97,8 +97,8 @@ class Engine:
         self.backend = get_backend(runtime.resolved_backend, runtime.device)
         self.backend.prepare(device, cfg.is_mla)
         self.seeds: dict[int, int] = {}       # request id -> sampling seed
-        self.prompt_seen: dict[int, torch.Tensor] = {}   # request id -> its prompt's tokens as
-                                                         # a vocabulary mask (repetition penalty)
+        self.vocab_rows: dict[int, tuple] = {}   # request id -> its prompt mask and logit
+                                                 # bias over the vocabulary (penalties.py)
         self.kv_tokens_released = 0
         ladder = (BucketLadder(buckets=runtime.graph_buckets) if runtime.graph_buckets
                   else BucketLadder(max_size=runtime.max_batch))
@@ -311,7 +311,7 @@ class Engine:
                 self.sampler.process_rows(
                     logits, processed, [params[i] for i in processed],
                     [sampled[i].output for i in processed], pending,
-                    self._prompt_seen([sampled[i] for i in processed], logits.shape[1]),
+                    self._vocab_rows([sampled[i] for i in processed], logits.shape[1]),
                     [seeds[i] for i in processed], [counters[i] for i in processed],
                     [tuple(self._stop_ids(params[i])) if produced[i] < params[i].min_tokens
                      else () for i in processed])
@@ -339,18 +339,15 @@ class Engine:
         t = torch.tensor([ids[i] if p else -1 for i, p in zip(rows, pend)], dtype=torch.long)
         return self.sampler.select(upload(s, self.device), upload(t, self.device))
 
-    def _prompt_seen(self, reqs: list[Request], vocab: int) -> torch.Tensor:
-        """[m, V] bool: the tokens of each request's prompt, for a repetition penalty (made once
-        per request, dropped when it retires); no token for the others."""
-        rows = []
+    def _vocab_rows(self, reqs: list[Request], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The requests' prompt masks and logit biases [m, V] (made once per request, dropped
+        when it retires)."""
         for r in reqs:
-            if r.params.repetition_penalty == 1:
-                rows.append(torch.zeros(vocab, dtype=torch.bool, device=self.device))
-                continue
-            if r.id not in self.prompt_seen:
-                self.prompt_seen[r.id] = penalties.prompt_mask(r.prompt, vocab, self.device)
-            rows.append(self.prompt_seen[r.id])
-        return torch.stack(rows)
+            if r.id not in self.vocab_rows:
+                self.vocab_rows[r.id] = penalties.request_rows(r.prompt, r.params, vocab,
+                                                               self.device)
+        seen, bias = zip(*(self.vocab_rows[r.id] for r in reqs))
+        return torch.stack(seen), torch.stack(bias)
 
     def _logprobs(self, sampled: list[Request], logits: torch.Tensor) -> int | None:
         """When a sampled row asks for log-probabilities: queue them for every row (the most
@@ -494,7 +491,7 @@ class Engine:
             self.kv_tokens_released += self.kv.local_tokens(r.id)
             self.kv.free(r.id)
             self.seeds.pop(r.id, None)
-            self.prompt_seen.pop(r.id, None)
+            self.vocab_rows.pop(r.id, None)
         return done
 
     def _die(self, message: str) -> EngineDeadError:

@@ -14,9 +14,9 @@ Rows that set none of these are not touched, and a step without such rows does n
 
 The history a row needs: its output tokens the host knows, plus the one the device sampled in
 the step before and the host has not read back yet (overlapped steps: that row's input token);
-the prompt's tokens as a vocabulary mask made once per request (a long prompt is not uploaded
-every step). Host tensors go up asynchronously (`upload`): a step with such rows does not wait
-for the one before it.
+the prompt's tokens as a vocabulary mask and the logit_bias as a dense row, made once per
+request (a long prompt or a large bias is not uploaded every step). Host tensors go up
+asynchronously (`upload`): a step with such rows does not wait for the one before it.
 """
 
 from __future__ import annotations
@@ -40,28 +40,28 @@ def output_counts(known: list[list[int]], pending: torch.Tensor, vocab: int) -> 
     return counts[:, :vocab]
 
 
-def prompt_mask(prompt: list[int], vocab: int, device) -> torch.Tensor:
-    """Which tokens occur in the prompt [V] bool (the repetition penalty's prompt part)."""
-    mask = torch.zeros(vocab, dtype=torch.bool)
-    mask[torch.tensor(prompt, dtype=torch.long)] = True
-    return upload(mask, device)
+def request_rows(prompt: list[int], params, vocab: int, device) -> tuple[torch.Tensor,
+                                                                         torch.Tensor]:
+    """A processed request's per-vocabulary rows, made once: its prompt's tokens [V] bool (for a
+    repetition penalty; none without one) and its logit_bias [V] fp32."""
+    seen = torch.zeros(vocab, dtype=torch.bool)
+    if params.repetition_penalty != 1:
+        seen[torch.tensor(prompt, dtype=torch.long)] = True
+    bias = torch.zeros(vocab, dtype=torch.float32)
+    if params.logit_bias:
+        ids, values = zip(*params.logit_bias)
+        bias[torch.tensor(ids, dtype=torch.long)] = torch.tensor(values, dtype=torch.float32)
+    return upload(seen, device), upload(bias, device)
 
 
 def apply(logits: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor,
-          repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
-          bias: list[tuple[tuple[int, float], ...]],
-          suppress: list[tuple[int, ...]]) -> torch.Tensor:
+          bias: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
+          presence: torch.Tensor, suppress: list[tuple[int, ...]]) -> torch.Tensor:
     """logits [m, V] -> processed fp32 logits [m, V]. counts: output_counts; prompt_seen [m, V]
-    bool; repetition / frequency / presence [m] fp32 on logits' device; bias: per row
-    ((token id, value), ...); suppress: per row the ids it must not produce (min_tokens: its
-    stop ids), set to -inf last."""
-    x = logits.float().clone()
-    rows = [i for i, b in enumerate(bias) for _ in b]
-    if rows:
-        ids = [t for b in bias for t, _ in b]
-        vals = torch.tensor([v for b in bias for _, v in b], dtype=torch.float32)
-        x.index_put_((upload(torch.tensor(rows), x.device), upload(torch.tensor(ids), x.device)),
-                     upload(vals, x.device), accumulate=True)
+    bool and bias [m, V] fp32 (request_rows); repetition / frequency / presence [m] fp32 on
+    logits' device; suppress: per row the ids it must not produce (min_tokens: its stop ids),
+    set to -inf last."""
+    x = logits.float() + bias
     r = repetition[:, None]
     seen = (prompt_seen | (counts > 0)) & (r != 1)
     x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)

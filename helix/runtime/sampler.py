@@ -67,13 +67,13 @@ class Sampler:
 
     def process_rows(self, logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
                      outputs: list[list[int]], pending: torch.Tensor,
-                     prompt_seen: torch.Tensor, seeds: list[int], counters: list[int],
-                     suppress: list[tuple[int, ...]]) -> None:
+                     vocab_rows: tuple[torch.Tensor, torch.Tensor], seeds: list[int],
+                     counters: list[int], suppress: list[tuple[int, ...]]) -> None:
         """After the step's tokens are in: rows `rows` of logits [n, V] (their params, output
         tokens the host knows, pending [m] the device token not read back yet or -1,
-        prompt_seen [m, V], and ids each must not produce now) get their token again from
-        their processed logits: the argmax, or the same seeded draw as an unprocessed row. No
-        host sync."""
+        vocab_rows their prompt masks and biases [m, V] (penalties.request_rows), and ids each
+        must not produce now) get their token again from their processed logits: the argmax,
+        or the same seeded draw as an unprocessed row. No host sync."""
         dev = logits.device
 
         def col(name):
@@ -81,9 +81,9 @@ class Sampler:
                           dev)
         rows_t = upload(torch.tensor(rows, dtype=torch.long), dev)
         counts = penalties.output_counts(outputs, pending, logits.shape[1])
-        x = penalties.apply(logits.index_select(0, rows_t), counts, prompt_seen,
+        x = penalties.apply(logits.index_select(0, rows_t), counts, *vocab_rows,
                             col("repetition_penalty"), col("frequency_penalty"),
-                            col("presence_penalty"), [p.logit_bias for p in params], suppress)
+                            col("presence_penalty"), suppress)
         out = x.argmax(-1)
         if not all(p.greedy for p in params):
             r = {k: upload(v, dev) for k, v in row_params(params, seeds, counters).items()}
