@@ -34,7 +34,7 @@ from helix.loader import build_and_load
 from helix.parallel.comm import Comm
 from helix.runtime import faults, penalties
 from helix.runtime.decode_graphs import DecodeGraphs
-from helix.runtime.logprobs import TokenLogprob, token_logprobs
+from helix.runtime.logprobs import TokenLogprob, from_host, score_prompts
 from helix.runtime.memory import plan_kv_pool
 from helix.runtime.prefill_graphs import DEFAULT_MAX_TOKENS, LOCAL, PASS_KV, PrefillGraphs
 from helix.tracing import nvtx_range
@@ -43,9 +43,6 @@ from helix.runtime.request import Request
 from helix.runtime.sampler import Sampler
 from helix.runtime.sampling import SamplingParams, row_params
 from helix.runtime.scheduler import Scheduler, StepPlan
-
-
-PROMPT_ROWS = 1024        # prompt rows scored through the LM head at once (their fp32 logits)
 
 
 @dataclass
@@ -316,7 +313,8 @@ class Engine:
                     [tuple(self._stop_ids(params[i])) if produced[i] < params[i].min_tokens
                      else () for i in processed])
         k = self._logprobs(sampled, logits)
-        scored = self._prompt_logprobs(plan, h, residual)
+        scored = None if h is None else score_prompts(plan, self.model.head, h, residual,
+                                                      self.device)
         with nvtx_range("helix.readback"):
             host, event, lps = self.sampler.readback(len(sampled), k)
         for r in plan.decode:
@@ -378,39 +376,6 @@ class Engine:
         with nvtx_range(f"helix.forward_eager[{len(ids)} tokens]"):
             return self.model.hidden(ids_t, meta.q_pos, meta, self.caches, self.backend)
 
-    def _prompt_logprobs(self, plan: StepPlan, h, residual) -> list | None:
-        """The step's prompt rows of requests with prompt_logprobs: the row of position p scores
-        prompt[p + 1] (log_softmax of its logits, PROMPT_ROWS rows at a time through the LM
-        head), positions not scored before (a preempted request's recompute is not). Queued
-        with host copies that the step's readback event covers -> [(request, host (lp, top_lp,
-        top_ids))], or None."""
-        out, row = [], len(plan.decode)
-        for c in plan.prefill:
-            r, n, k = c.req, len(c.ids), c.req.params.prompt_logprobs
-            first, end = max(c.start, r.prompt_scored - 1), min(c.start + n, len(r.prompt) - 1)
-            if k is not None and first < end:
-                out.append((r, self._score_rows(h, residual, row + first - c.start,
-                                                r.prompt[first + 1:end + 1], k)))
-                r.prompt_scored = end + 1
-            row += n
-        return out or None
-
-    def _score_rows(self, h, residual, row: int, targets: list[int], k: int) -> list:
-        """Rows row, row + 1, ... of the step scored against `targets` -> host (lp, top_lp,
-        top_ids), their copies queued."""
-        parts = []
-        for i in range(0, len(targets), PROMPT_ROWS):
-            rows = torch.arange(row + i, row + min(i + PROMPT_ROWS, len(targets)))
-            logits = self.model.head(h, residual, upload(rows, self.device))
-            want = upload(torch.tensor(targets[i:i + PROMPT_ROWS], dtype=torch.long),
-                          self.device)
-            parts.append(token_logprobs(logits, want, k))
-        cuda, host = self.device.type == "cuda", []
-        for t in (torch.cat(x) for x in zip(*parts)):
-            host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda))
-            host[-1].copy_(t, non_blocking=cuda)
-        return host
-
     def _pass_kv(self, chunks: list[tuple[int, int, int]]) -> bool:
         """Whether this step's prefill chunks pass KV or Q (helix/kv/context_parallel.py): the
         same answer on every rank (it depends on the schedule only)."""
@@ -460,13 +425,11 @@ class Engine:
             t = time.perf_counter()
             step.event.synchronize()
             self.wait_seconds += time.perf_counter() - t
-        for r, (lp, top_lp, top_ids) in step.prompt_logprobs or ():
+        for r, host in step.prompt_logprobs or ():
             if not r.finished:
-                prompt_logprobs.setdefault(r.id, []).extend(
-                    TokenLogprob(a, tuple(zip(i, b)))
-                    for a, b, i in zip(lp.tolist(), top_lp.tolist(), top_ids.tolist()))
+                prompt_logprobs.setdefault(r.id, []).extend(from_host(*host))
         n = len(step.batch)
-        lps = None if step.logprobs is None else [h.tolist() for h in step.logprobs]
+        rows = None if step.logprobs is None else from_host(*step.logprobs)
         for i, (r, tok) in enumerate(zip(step.batch, step.host[:n].tolist())):
             r.pending -= 1
             if r.finished:
@@ -478,7 +441,7 @@ class Engine:
             out[r.id] = tok
             k = r.params.logprobs
             if k is not None:
-                logprobs[r.id] = TokenLogprob(lps[0][i], tuple(zip(lps[2][i][:k], lps[1][i][:k])))
+                logprobs[r.id] = TokenLogprob(rows[i].logprob, rows[i].top[:k])
             if tok in self._stop_ids(r.params):
                 r.finish_reason = "stop"
             elif (len(r.output) >= r.params.max_new_tokens
