@@ -216,14 +216,15 @@ def floor_fields(llm, layout: Layout, batch: int, context: int, step_ms: float,
 
 
 def run_point(sweep: Sweep, llm, model: str, layout: Layout, batch: int, context: int,
-              rates: Rates | None = None) -> dict:
-    """Decode latency of `batch` requests holding `context` tokens each, on an open engine."""
+              rates: Rates | None = None, sampling: dict | None = None) -> dict:
+    """Decode latency of `batch` requests holding `context` tokens each, on an open engine.
+    sampling: SamplingParams fields for every request (default: greedy)."""
     from helix.runtime.sampling import SamplingParams
     steps = sweep.warmup_steps + sweep.decode_steps
     rt = llm.runtime
     g = torch.Generator().manual_seed(0)
     kv_before = llm.kv_tokens_per_rank()
-    params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True, **(sampling or {}))
     synthetic = sweep.prefill == "synthetic"
     for _ in range(batch):
         prompt = torch.randint(0, llm.cfg.vocab_size, (1 if synthetic else context,), generator=g)
