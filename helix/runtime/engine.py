@@ -263,8 +263,10 @@ class Engine:
         params = [r.params for r in sampled]
         seeds = [self.seeds[r.id] for r in sampled]
         D = len(plan.decode)
-        produced = [len(r.output) + r.pending for r in sampled]     # index of the token sampled
-        processed = [i for i, p in enumerate(params) if p.processed(produced[i])]
+        extras = any(p.extras for p in params)    # rows with logprobs, penalties, ...
+        produced = [len(r.output) + r.pending for r in sampled] if extras else []
+        processed = [i for i, p in enumerate(params) if p.processed(produced[i])] if extras \
+            else []
         pending = self._pending_tokens(sampled, processed, ids, src, D) if processed else None
         pass_kv = self._pass_kv(batch[D:])
         key = None                            # the prefill graph of a step with chunks
@@ -312,9 +314,10 @@ class Engine:
                     [seeds[i] for i in processed], [counters[i] for i in processed],
                     [tuple(self._stop_ids(params[i])) if produced[i] < params[i].min_tokens
                      else () for i in processed])
-        k = self._logprobs(sampled, logits)
-        scored = None if h is None else score_prompts(plan, self.model.head, h, residual,
-                                                      self.device)
+        k = self._logprobs(sampled, logits) if extras else None
+        scored = None
+        if h is not None and any(c.req.params.prompt_logprobs is not None for c in plan.prefill):
+            scored = score_prompts(plan, self.model.head, h, residual, self.device)
         with nvtx_range("helix.readback"):
             host, event, lps = self.sampler.readback(len(sampled), k)
         for r in plan.decode:

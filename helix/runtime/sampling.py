@@ -5,7 +5,7 @@ bias (helix/runtime/penalties.py)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -81,6 +81,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, -100..100) added to its logit
                                              # (a dict is taken too). helix/runtime/penalties.py
     min_tokens: int = 0                      # no eos / stop id before this many tokens
+    extras: bool = field(default=False, init=False, repr=False, compare=False)
+                                             # any of logprobs / prompt_logprobs / penalties /
+                                             # logit_bias / min_tokens set (set, not given)
 
     def __post_init__(self):
         _int("max_new_tokens", self.max_new_tokens, 1)
@@ -109,6 +112,8 @@ class SamplingParams:
                                f"got {self.min_tokens}")
         object.__setattr__(self, "repetition_penalty", r)
         object.__setattr__(self, "logit_bias", _bias(self.logit_bias))
+        object.__setattr__(self, "extras", self.logprobs is not None or
+                           self.prompt_logprobs is not None or self.processed(0))
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         object.__setattr__(self, "temperature", t)
