@@ -106,6 +106,15 @@ def test_tight_pool_preempts_and_recomputes_with_the_same_tokens(llama_ckpt):
     assert got == (alone(llama_ckpt, A, greedy(9)), alone(llama_ckpt, B, greedy(8)))
 
 
+def test_longest_request_is_what_the_pool_holds(llama_ckpt):
+    with make_llm(llama_ckpt, num_pages=6) as llm:
+        sched = llm.engine.scheduler
+        n = llm.longest_request
+        assert sched.pages_for(n) <= 6 < sched.pages_for(n + 1) and n == 24
+    with make_llm(llama_ckpt) as llm:                    # the pool holds a whole context
+        assert llm.longest_request == llm.max_context
+
+
 def test_request_that_never_fits_gives_capacity_error(llama_ckpt):
     with make_llm(llama_ckpt, num_pages=6) as llm:
         a = llm.add_request(A, greedy(10))             # 17 positions: 5 pages

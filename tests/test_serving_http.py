@@ -337,6 +337,22 @@ def test_penalties_and_logit_bias(served):
     assert plain.choices[0].model_extra["token_ids"] != ids
 
 
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(served):
+    """OpenAI's chat default: no max_tokens generates until the context (here the KV pool's
+    96 positions for one request, fewer than max_context 128) is full."""
+    msgs = [{"role": "user", "content": TEXTS[5]}]
+    longest = served.engine.info["longest_request"]
+    assert longest == 96
+    r = served.client().chat.completions.create(model=NAME, messages=msgs, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == longest - len(served.tok.chat(msgs))
+    with pytest.raises(openai.BadRequestError) as e:                  # more than it can hold
+        served.client().chat.completions.create(model=NAME, messages=msgs,
+                                                extra_body={"min_tokens": 100})
+    assert e.value.body["param"] == "min_tokens"
+    wait_idle(served)
+
+
 def test_stop_strings_end_the_text_before_them(served):
     c = served.client()
     ids = served.tok.encode(TEXTS[0])

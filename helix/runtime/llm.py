@@ -259,6 +259,16 @@ class LLM:
                              request_id, length)
         return assemble(parts, self.cfg, length)
 
+    @property
+    def longest_request(self) -> int:
+        """The most positions (prompt + generated) one request can hold: the maximum context,
+        or less where the KV pool holds less."""
+        sched, lo, hi = self.engine.scheduler, 1, self.max_context
+        while lo < hi:                                  # the largest length whose pages fit
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if sched.pages_for(mid) <= sched.num_pages else (lo, mid - 1)
+        return lo
+
     def _check_request(self, prompt_ids, params, prefix: int = 0
                        ) -> tuple[list[int], SamplingParams, int, int]:
         params = SamplingParams() if params is None else params

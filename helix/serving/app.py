@@ -187,7 +187,7 @@ class OpenAIServer:
         tok = self.engine.tokenizer
         try:
             if "messages" in body:
-                ids = parse_chat({**body, "max_completion_tokens": 1}, tok, self.vocab).prompts[0]
+                ids = parse_chat(body, tok, self.vocab).prompts[0]
             else:
                 text = body.get("prompt")
                 if not isinstance(text, str):
@@ -244,7 +244,7 @@ class OpenAIServer:
         choices = _Choices([])
         try:
             parsed = parse(body, self.engine.tokenizer, self.vocab, self.kv_dir)
-            asked = parsed.choices()
+            asked = parsed.choices(self.engine.info["longest_request"])
             if len(asked) > self.engine.max_in_flight:
                 raise FieldError("n" if len(parsed.prompts) == 1 else "prompt",
                                  f"{len(asked)} choices are more than this server holds at "

@@ -217,7 +217,8 @@ def engine_main(conn, model: str, layout, runtime, warmup: bool = True) -> None:
             log.info(f"warm-up: {steps} steps in {seconds:.1f} s")
         quiet_gc()
         info = {"vocab_size": llm.cfg.vocab_size, "max_context": llm.max_context,
-                "world_size": layout.world_size, "num_pages": llm.stats()["num_pages"]}
+                "world_size": layout.world_size, "num_pages": llm.stats()["num_pages"],
+                "longest_request": llm.longest_request}
         conn.send(("ready", info))
         EngineLoop(llm, conn).run()
     finally:

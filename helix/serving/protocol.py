@@ -41,13 +41,25 @@ class Parsed:
     echo: list[str] | None = None    # completions' echo: each prompt's text, put before its
                                      # choices' text (and its scores before their logprobs)
     score_only: bool = False         # echo with max_tokens 0: the prompt scored, no tokens
+    to_context: bool = False         # chat without a max_tokens: generate until the end of
+                                     # the context (choices' longest_request)
 
-    def choices(self) -> list[tuple[list[int], SamplingParams]]:
+    def choices(self, longest_request: int) -> list[tuple[list[int], SamplingParams]]:
         """(prompt ids, params) of each choice, prompt by prompt, n each (one engine request
-        a choice); a seeded request's i-th choice draws with seed + i."""
-        p = self.params
-        return [(ids, p if p.seed is None else replace(p, seed=(p.seed + i) % SEED_LIMIT))
-                for ids in self.prompts for i in range(self.n)]
+        a choice); a seeded request's i-th choice draws with seed + i. longest_request: the
+        positions one request can hold (to_context's limit). Raises RequestError when the
+        params cannot be (min_tokens over that limit)."""
+        out = []
+        for ids in self.prompts:
+            p = self.params
+            if self.to_context:
+                try:
+                    p = replace(p, max_new_tokens=max(1, longest_request - len(ids)))
+                except RequestError as e:               # min_tokens past the context left
+                    raise _named(e, "max_completion_tokens") from None
+            out += [(ids, p if p.seed is None else replace(p, seed=(p.seed + i) % SEED_LIMIT))
+                    for i in range(self.n)]
+        return out
 
 
 # fields a client may send that Helix does not implement: refused unless left at the default
@@ -61,6 +73,7 @@ UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
 MAX_STOPS = 4
 MAX_N = 16                     # choices per prompt
 MAX_PROMPTS = 64               # prompts in a completions batch
+TO_CONTEXT = 2**31 - 1         # a chat's max tokens until Parsed.choices knows the context left
 
 
 def _int(body: dict, name: str, default, lo: int, hi: int | None = None):
@@ -136,9 +149,10 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 def sampling(body: dict, vocab: int, max_tokens_field: str = "max_tokens",
              chat: bool = False, echo: bool = False) -> SamplingParams:
-    """The sampling fields -> SamplingParams (OpenAI defaults: temperature 1, max_tokens 16).
-    echo: the prompt's scores come too (prompt_logprobs = logprobs), and max_tokens may be 0
-    (one token is generated and dropped)."""
+    """The sampling fields -> SamplingParams (OpenAI defaults: temperature 1, max_tokens 16 on
+    completions; chat without one: TO_CONTEXT, which Parsed.choices replaces by the context
+    left). echo: the prompt's scores come too (prompt_logprobs = logprobs), and max_tokens may
+    be 0 (one token is generated and dropped)."""
     max_tokens = _int(body, max_tokens_field, None, 0 if echo else 1)
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens = _int(body, "max_tokens", None, 1)
@@ -147,7 +161,8 @@ def sampling(body: dict, vocab: int, max_tokens_field: str = "max_tokens",
     stop_ids = body.get("stop_token_ids") or []
     try:
         return SamplingParams(
-            max_new_tokens=16 if max_tokens is None else max(1, max_tokens),
+            max_new_tokens=(max(1, max_tokens) if max_tokens is not None else
+                            TO_CONTEXT if chat else 16),
             temperature=_num(body, "temperature", 1.0),
             top_p=_num(body, "top_p", 1.0),
             top_k=0 if top_k == -1 else top_k,
@@ -162,10 +177,15 @@ def sampling(body: dict, vocab: int, max_tokens_field: str = "max_tokens",
             logit_bias=_logit_bias(body), min_tokens=_int(body, "min_tokens", 0, 0))
     except FieldError:
         raise
-    except RequestError as e:               # SamplingParams' own checks name their field
-        field = str(e).split(" ", 1)[0]
-        name = {"max_new_tokens": max_tokens_field}.get(field, field)
-        raise FieldError(name, str(e).replace("max_new_tokens", name)) from None
+    except RequestError as e:
+        raise _named(e, max_tokens_field) from None
+
+
+def _named(e: RequestError, max_tokens_field: str) -> FieldError:
+    """SamplingParams' own check as a FieldError: its message names its field first."""
+    field = str(e).split(" ", 1)[0]
+    name = {"max_new_tokens": max_tokens_field}.get(field, field)
+    return FieldError(name, str(e).replace("max_new_tokens", max_tokens_field))
 
 
 def _stop(body: dict, tokenizer) -> tuple[str, ...]:
@@ -295,8 +315,9 @@ def parse_chat(body, tokenizer, vocab: int, kv_dir: str | None = None) -> Parsed
     except RequestError as e:
         raise FieldError("messages", str(e)) from None
     stream, usage = _stream(body)
-    return Parsed([ids], sampling(body, vocab, "max_completion_tokens", chat=True), stream, usage,
-                  _kv_file(body, kv_dir), _stop(body, tokenizer), _int(body, "n", 1, 1, MAX_N))
+    params = sampling(body, vocab, "max_completion_tokens", chat=True)
+    return Parsed([ids], params, stream, usage, _kv_file(body, kv_dir), _stop(body, tokenizer),
+                  _int(body, "n", 1, 1, MAX_N), to_context=params.max_new_tokens == TO_CONTEXT)
 
 
 def _object(body) -> dict:
