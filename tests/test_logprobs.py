@@ -103,9 +103,12 @@ def _check_prompt_logprobs(hf, prompt, got, k):
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 @pytest.mark.parametrize("chunk", [4, 64])
-def test_prompt_logprobs_match_transformers(hf_checkpoint, family, chunk):
+def test_prompt_logprobs_match_transformers(hf_checkpoint, family, chunk, monkeypatch):
     """Prompts prefilled in chunks of 4 (a chunk's last row scores the next chunk's first
-    token) or whole, next to a decoding request; the generated tokens' logprobs too."""
+    token) or whole (through the LM head 5 rows at a time), next to a decoding request; the
+    generated tokens' logprobs too."""
+    from helix.runtime import logprobs
+    monkeypatch.setattr(logprobs, "PROMPT_ROWS", 5)
     path, hf = hf_checkpoint(family)
     prompts = [list(range(3, 40, 3)), [5, 17, 42], [77, 78]]
     params = [SamplingParams(max_new_tokens=3, prompt_logprobs=2, logprobs=1),

@@ -29,7 +29,8 @@ import torch
 from helix.kv.manager import upload
 
 MAX_LOGPROBS = 20            # alternatives a request may ask for (OpenAI's top_logprobs bound)
-PROMPT_ROWS = 1024           # prompt rows scored through the LM head at once
+PROMPT_ROWS = 256            # prompt rows scored through the LM head at once (fp32 logits:
+                             # 128 MB at a 128K vocabulary, twice with the log-softmax)
 
 
 @dataclass(frozen=True)
