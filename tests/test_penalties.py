@@ -66,6 +66,19 @@ def test_processed_rows_do_not_depend_on_overlap_or_the_batch(hf_checkpoint):
     assert base[0] != unpenalized[0]                       # the sampled row was processed
 
 
+def test_forced_tokens_count_as_output_for_the_penalties(hf_checkpoint):
+    """Teacher-forced tokens are output: a penalty counts them (under overlap the one still
+    pending is the step's input id, not a device token). Token 9, biased up and forced three
+    times: with all three counted the next token is another (37); with two it would be 9."""
+    path, hf = hf_checkpoint("llama")
+    sp = SamplingParams(max_new_tokens=5, ignore_eos=True, forced_tokens=(9, 9, 9),
+                        frequency_penalty=2.0, logit_bias={9: 9.25})
+    outs = [_run(path, [sp] * 3, overlap)[2] for overlap in (False, True)]
+    assert outs[0] == outs[1] and outs[0][:3] == [9, 9, 9]
+    assert outs[0][3:] == hf_processed_argmax(hf, PROMPTS[2], outs[0], sp)[3:]
+    assert outs[0][3] != 9
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_min_tokens_holds_back_the_stop_ids(hf_checkpoint, overlap):
     path, _ = hf_checkpoint("llama")
