@@ -68,7 +68,8 @@ class RequestStream:
     def __init__(self, engine: "AsyncLLM", key: int, prompt_len: int, detok, stop=None,
                  logprobs: bool = False, prompt_logprobs: bool = False):
         self.engine, self.key = engine, key
-        self.logprobs: list[TokenLogprob] | None = [] if logprobs else None   # consumed so far
+        self.asks_logprobs = logprobs         # outputs carry their tokens' (not kept here:
+                                              # result() gathers them)
         self.prompt_logprobs = [None] if prompt_logprobs else None   # arrived so far
         self._prompt_given = False
         self.stop = StopStrings(stop) if stop else None
@@ -111,9 +112,8 @@ class RequestStream:
             await self.event.wait()
         tokens, self.state.tokens = self.state.tokens, []
         logprobs = None
-        if self.logprobs is not None:
+        if self.asks_logprobs:
             logprobs, self.state.logprobs = self.state.logprobs, []
-            self.logprobs += logprobs
         finish = self.state.finish
         text = self.detok.add(tokens) if self.detok is not None and tokens else ""
         self.token_ids += tokens
@@ -136,10 +136,12 @@ class RequestStream:
 
     async def result(self) -> StreamOutput:
         """Run to the end: every token and the whole text in one output."""
-        async for _ in self:
-            pass
+        logprobs = [] if self.asks_logprobs else None
+        async for out in self:
+            if logprobs is not None:
+                logprobs += out.logprobs
         return StreamOutput(self.token_ids, self.text, self.state.finish, self.state.error,
-                            self.logprobs, self.prompt_logprobs)
+                            logprobs, self.prompt_logprobs)
 
     def abort(self) -> None:
         """End the request now (a client that went away); no-op once finished."""
