@@ -298,6 +298,10 @@ class _Choices:
 
     async def merged(self):
         """(choice index, output) as they come, from every choice until each has finished."""
+        if len(self.streams) == 1:              # one choice: no task per output
+            async for out in self.streams[0]:
+                yield 0, out
+            return
         nexts = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(self.streams)}
         try:
             while nexts:
