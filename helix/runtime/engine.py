@@ -265,8 +265,7 @@ class Engine:
         D = len(plan.decode)
         extras = any(p.extras for p in params)    # rows with logprobs, penalties, ...
         produced = [len(r.output) + r.pending for r in sampled] if extras else []
-        processed = [i for i, p in enumerate(params) if p.processed(produced[i])] if extras \
-            else []
+        processed = [i for i, (p, n) in enumerate(zip(params, produced)) if p.processed(n)]
         pending = self._pending_tokens(sampled, processed, ids, src, D) if processed else None
         pass_kv = self._pass_kv(batch[D:])
         key = None                            # the prefill graph of a step with chunks
@@ -314,7 +313,7 @@ class Engine:
                     [seeds[i] for i in processed], [counters[i] for i in processed],
                     [tuple(self._stop_ids(params[i])) if produced[i] < params[i].min_tokens
                      else () for i in processed])
-        k = self._logprobs(sampled, logits) if extras else None
+        k = self._logprobs(params, produced, logits) if extras else None
         scored = None
         if h is not None and any(c.req.params.prompt_logprobs is not None for c in plan.prefill):
             scored = score_prompts(plan, self.model.head, h, residual, self.device)
@@ -350,16 +349,17 @@ class Engine:
         seen, bias = zip(*(self.vocab_rows[r.id] for r in reqs))
         return torch.stack(seen), torch.stack(bias)
 
-    def _logprobs(self, sampled: list[Request], logits: torch.Tensor) -> int | None:
+    def _logprobs(self, params: list[SamplingParams], produced: list[int],
+                  logits: torch.Tensor) -> int | None:
         """When a sampled row asks for log-probabilities: queue them for every row (the most
         alternatives any row asks for) -> that k, else None. Runs after the step's tokens are
         sampled (eagerly, after a graph's replay too); a row whose token is forced gets the
-        forced id's."""
-        asked = [r.params.logprobs for r in sampled if r.params.logprobs is not None]
+        forced id's. produced: each row's index of the token sampled."""
+        asked = [p.logprobs for p in params if p.logprobs is not None]
         if not asked:
             return None
-        forced = [r.params.forced_tokens[i] if i < len(r.params.forced_tokens) else -1
-                  for r, i in ((r, len(r.output) + r.pending) for r in sampled)]
+        forced = [p.forced_tokens[i] if i < len(p.forced_tokens) else -1
+                  for p, i in zip(params, produced)]
         forced_t = None if max(forced) < 0 else upload(torch.tensor(forced, dtype=torch.long),
                                                       self.device)
         with nvtx_range("helix.logprobs"):

@@ -55,12 +55,13 @@ class Sampler:
         """Eager path: greedy, then the sampled rows (their parameters uploaded asynchronously).
         counters: the position of the token each row samples."""
         self.greedy(logits)
-        if all(p.greedy for p in params):
-            return
-        pin = logits.is_cuda
-        rows = {k: (v.pin_memory() if pin else v).to(logits.device, non_blocking=pin)
-                for k, v in row_params(params, seeds, counters).items()}
-        self.sample_rows(logits, rows)
+        if not all(p.greedy for p in params):
+            self.sample_rows(logits, self._row_params(params, seeds, counters))
+
+    def _row_params(self, params: list[SamplingParams], seeds: list[int],
+                    counters: list[int]) -> dict[str, torch.Tensor]:
+        """row_params' tensors uploaded asynchronously."""
+        return {k: upload(v, self.device) for k, v in row_params(params, seeds, counters).items()}
 
     def select(self, src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return select_tokens(src, ids, self.tokens)
@@ -86,7 +87,7 @@ class Sampler:
                             col("presence_penalty"), suppress)
         out = x.argmax(-1)
         if not all(p.greedy for p in params):
-            r = {k: upload(v, dev) for k, v in row_params(params, seeds, counters).items()}
+            r = self._row_params(params, seeds, counters)
             sample_rows(x, r["temperature"], r["top_k"], r["top_p"], r["seed"], r["counter"],
                         out)
         self.tokens.index_copy_(0, rows_t, out)
