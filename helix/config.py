@@ -257,6 +257,9 @@ class RuntimeConfig:
                                    # the largest step, max_prefill_tokens + max_batch)
     overlap: bool | None = None    # prepare step N+1 on the host while step N runs on the device;
                                    # tokens are reported one step later (None: on for cuda)
+    prefix_caching: bool = True    # keep the KV of full blocks of written tokens after their
+                                   # request, and start a request whose tokens begin the same
+                                   # way from it (helix/kv/prefix_cache.py)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):

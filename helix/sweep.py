@@ -123,6 +123,7 @@ def load_sweep(path: str) -> Sweep:
                    layers=spec.get("layers", 0), cuda_graphs=spec.get("cuda_graphs", True),
                    attention_backend=spec.get("attention_backend", "auto"),
                    page_size=spec.get("page_size", 16), seed=spec.get("seed", 0),
+                   prefix_caching=False,   # every point prefills its own prompts
                    **{k: spec[k] for k in _OPTIONAL_RUNTIME if k in spec})
     RuntimeConfig(**runtime)                        # validates device, dtype, backend, sizes
     prefill = spec.get("prefill", "synthetic")

@@ -155,7 +155,7 @@ class Bench:
         kw.setdefault("idle_prefill_tokens", self.args.idle_chunk)
         return RuntimeConfig(device=self.s["device"], dtype=self.s["dtype"],
                              page_size=self.s["page"], max_context=context + self.s["page"],
-                             layers=self.s["layers"], **kw)
+                             layers=self.s["layers"], prefix_caching=False, **kw)
 
     def ttft(self, llm: LLM, n: int) -> float:
         """Seconds from adding an n-token prompt to reading back its first token (other

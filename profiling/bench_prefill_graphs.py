@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
                        max_batch=max(batches), max_context=max(lengths) + 16, overlap=False,
                        max_prefill_tokens=args.max_prefill_tokens, prefill_graphs=True,
                        prefill_graph_buckets=token_buckets(max_step),
-                       attention_backend=args.attention_backend, seed=args.seed)
+                       attention_backend=args.attention_backend, seed=args.seed,
+                       prefix_caching=False)     # eager and graphed runs prefill the same prompts
     t0 = time.perf_counter()
     records = []
     with LLM(args.model, Layout(), rt) as llm:

@@ -218,3 +218,14 @@ def test_demo():
     with LLM("tiny-llama", Layout(), RuntimeConfig(max_context=128)) as llm:
         want = llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
     assert [[int(t) for t in row[3].split()] for row in rows] == want
+
+
+def test_prefix_caching_flag():
+    import argparse
+
+    from helix.commands.options import add_layout_args, add_runtime_args, configs
+    p = argparse.ArgumentParser()
+    add_layout_args(p)
+    add_runtime_args(p)
+    assert configs(p.parse_args(["--device", "cpu"]))[1].prefix_caching
+    assert not configs(p.parse_args(["--device", "cpu", "--no-prefix-caching"]))[1].prefix_caching

@@ -149,7 +149,7 @@ def test_oom_in_a_prefill_fails_that_request_only():
         d = llm.add_request(C, greedy(3))      # the engine is still good
         run_to_end(llm)
         assert llm.outputs[d] == alone(C, 3)
-        assert llm.engine.kv.alloc.num_free == llm.engine.kv.alloc.num_pages
+        assert llm.engine.kv_pages_free() == llm.engine.num_pages   # cached blocks idle
 
 
 def test_a_failing_decode_step_fails_its_rows_and_a_second_in_a_row_ends_the_engine():
@@ -280,7 +280,7 @@ def test_step_from_two_threads_is_refused_not_corrupted():
         assert errors and "already running in another thread" in errors[0]
         run_to_end(llm)
         assert [llm.outputs[i] for i in ids] == [alone(p, 6) for p in (A, B, C)]
-        assert llm.engine.kv.alloc.num_free == llm.engine.kv.alloc.num_pages
+        assert llm.engine.kv_pages_free() == llm.engine.num_pages   # cached blocks idle
 
 
 def test_torchrun_world_must_match_the_layout(monkeypatch):

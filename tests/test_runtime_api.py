@@ -70,7 +70,7 @@ def test_requests_of_different_lengths_leave_the_batch(llama_ckpt):
         assert all(llm.finish_reasons[i] == "length" for i in ids)
         assert [len(s.tokens) for s in steps] == [3] * 3 + [2] * 3 + [1] * 6
         # every finished request released its pages and its reservation
-        assert llm.engine.kv.alloc.num_free == llm.engine.kv.alloc.num_pages
+        assert llm.engine.kv_pages_free() == llm.engine.num_pages   # cached blocks idle
         assert not llm.engine.scheduler.pages and not llm.engine.scheduler.running
         assert not llm.engine.seeds and not llm.engine.kv.pages
         # KV positions written: prompt + generated - 1 (the last token is never fed back)
@@ -102,7 +102,7 @@ def test_tight_pool_preempts_and_recomputes_with_the_same_tokens(llama_ckpt):
             reqs.update({r.id: r for r in llm.engine.scheduler.running})
         got = llm.outputs[a], llm.outputs[b]
         assert reqs[b].preemptions >= 1                  # B gave its pages back at least once
-        assert llm.engine.kv.alloc.num_free == llm.engine.kv.alloc.num_pages
+        assert llm.engine.kv_pages_free() == llm.engine.num_pages   # cached blocks idle
     assert got == (alone(llama_ckpt, A, greedy(9)), alone(llama_ckpt, B, greedy(8)))
 
 
@@ -209,7 +209,7 @@ def test_abort_running_request(llama_ckpt):
         run_to_end(llm)
         assert len(llm.outputs[a]) == 3
         assert llm.outputs[b] == alone(llama_ckpt, B, greedy(12))
-        assert llm.engine.kv.alloc.num_free == llm.engine.kv.alloc.num_pages
+        assert llm.engine.kv_pages_free() == llm.engine.num_pages   # cached blocks idle
         llm.abort(b)                                   # a finished request: no effect
         with pytest.raises(RequestError, match="no request"):
             llm.abort(12345)                           # one that never existed: an error

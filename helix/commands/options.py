@@ -88,6 +88,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-cp", choices=["auto", "pass-kv", "pass-q"], default=d.prefill_cp,
                    help="prompt chunks over KVP ranks: each rank projects its own positions "
                         "(pass-kv) or all of them (pass-q); auto: the smaller message")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not reuse the KV of earlier requests whose tokens begin a new one "
+                        "(each prompt is prefilled whole)")
     g = p.add_argument_group("CUDA graphs")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every step eagerly (decode and prefill)")
@@ -148,7 +151,8 @@ def configs(args) -> tuple[Layout, RuntimeConfig]:
                             graph_breaks=args.graph_breaks, overlap=args.overlap,
                             hopb=args.hopb, prefill_cp=args.prefill_cp,
                             prefill_graphs=args.prefill_graphs,
-                            prefill_graph_buckets=tuple(args.prefill_graph_buckets))
+                            prefill_graph_buckets=tuple(args.prefill_graph_buckets),
+                            prefix_caching=args.prefix_caching)
     return layout, runtime
 
 

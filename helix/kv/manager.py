@@ -85,6 +85,9 @@ class KVManager:
         self.pages: dict[int, list[int]] = {}   # seq id -> local pages
         self.lengths: dict[int, int] = {}       # seq id -> global length written
         self.table = PageTable()                # the same pages as one int32 table
+        self.shared: dict[int, int] = {}        # seq id -> its leading pages that are cached
+                                                # blocks' (not freed with the sequence)
+        self.block_pages: dict[int, list[int]] = {}   # cached block id -> its local pages
 
     def local_tokens(self, seq_id: int) -> int:
         return self.sharding.local_len(self.lengths.get(seq_id, 0), self.kvp_rank)
@@ -125,9 +128,38 @@ class KVManager:
         return pos[mine], slots[mine]
 
     def free(self, seq_id: int) -> None:
-        self.alloc.free(self.pages.pop(seq_id, []))
+        """Release a sequence's pages, but those of cached blocks (the prefix cache's)."""
+        self.alloc.free(self.pages.pop(seq_id, [])[self.shared.pop(seq_id, 0):])
         self.lengths.pop(seq_id, None)
         self.table.drop(seq_id)
+
+    # -- the scheduler's decisions (helix/runtime/scheduler.py, helix/kv/prefix_cache.py) -----
+    def apply_ops(self, ops: list[tuple]) -> None:
+        """Apply the scheduler's KV ops in their order: ("free", seq) - a sequence that ended or
+        was preempted; the prefix cache's attach / register / evict."""
+        n = self.sharding.block_pages
+        for op in ops:
+            if op[0] == "free":
+                self.free(op[1])
+            elif op[0] == "attach":                   # a new sequence starts with cached blocks
+                _, seq_id, blocks = op
+                if self.lengths.get(seq_id, 0):
+                    raise RuntimeError(f"sequence {seq_id} already holds KV: cached blocks "
+                                       f"start a new sequence")
+                self.pages[seq_id] = [p for b in blocks for p in self.block_pages[b]]
+                self.shared[seq_id] = len(blocks) * n
+                self.lengths[seq_id] = len(blocks) * self.sharding.block_tokens
+                self.table.set(seq_id, self.pages[seq_id])
+            elif op[0] == "register":               # a sequence's block b becomes cached
+                _, seq_id, b, block = op
+                if self.shared.get(seq_id, 0) != b * n:
+                    raise RuntimeError(f"sequence {seq_id}: block {b} registered out of order")
+                self.block_pages[block] = self.pages[seq_id][b * n:(b + 1) * n]
+                self.shared[seq_id] = (b + 1) * n
+            elif op[0] == "evict":
+                self.alloc.free(self.block_pages.pop(op[1]))
+            else:
+                raise ValueError(f"unknown KV op {op[0]!r}")
 
     def _slots(self, pages: list[int], p):
         """Flat slot of position(s) p (an int, or a tensor of a prompt's positions) on this rank;
@@ -148,6 +180,8 @@ class KVManager:
         if seq_id not in self.lengths:
             return
         keep = self.sharding.pages(length, self.kvp_rank)
+        if keep < self.shared.get(seq_id, 0):
+            raise RuntimeError(f"sequence {seq_id}: truncating into its cached blocks")
         pages = self.pages[seq_id]
         if len(pages) > keep:
             self.alloc.free(pages[keep:])

@@ -8,6 +8,7 @@ rank, the worst rank, all ranks).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -53,6 +54,18 @@ class KVSharding:
         """Pages of the rank that holds the most (KVP rank 0 owns at least as many positions as
         any other): what admission and block-table widths size for."""
         return self.pages(length, 0)
+
+    @property
+    def block_tokens(self) -> int:
+        """The fewest positions from 0 whose pages are whole on every rank (a prefix-cache
+        block): kvp x lcm(page_size, I). Block b fills pages [b*block_pages, (b+1)*block_pages)
+        of every rank."""
+        return self.kvp * math.lcm(self.page_size, self.interleave)
+
+    @property
+    def block_pages(self) -> int:
+        """Pages of one block on each rank."""
+        return math.lcm(self.page_size, self.interleave) // self.page_size
 
     def pages_per_rank(self, length: int) -> list[int]:
         return [self.pages(length, r) for r in range(self.kvp)]

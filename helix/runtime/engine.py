@@ -68,6 +68,8 @@ class StepOutput:
                                                       # that asked (SamplingParams.logprobs)
     prompt_logprobs: dict[int, list[TokenLogprob]] | None = None   # request id -> its prompt
                                      # positions scored this step, in order (prompt_logprobs)
+    cached: dict[int, int] | None = None   # request id -> prompt positions its admission this
+                                           # step found in the prefix cache (first admissions)
 
 
 class Engine:
@@ -90,7 +92,8 @@ class Engine:
                             layout.kv_interleave)
         self.scheduler = Scheduler(num_pages, self.sharding, runtime.max_batch,
                                    runtime.resolved_max_prefill_tokens,
-                                   runtime.resolved_idle_prefill_tokens)
+                                   runtime.resolved_idle_prefill_tokens,
+                                   prefix_caching=runtime.prefix_caching)
         self.backend = get_backend(runtime.resolved_backend, runtime.device)
         self.backend.prepare(device, cfg.is_mla)
         self.seeds: dict[int, int] = {}       # request id -> sampling seed
@@ -160,6 +163,8 @@ class Engine:
                 self.scheduler.add(req)
             elif cmd[0] == "abort":
                 self.scheduler.abort(cmd[1])
+            elif cmd[0] == "reset_cache":       # idle cached blocks evicted
+                self.scheduler.reset_cache()
             elif cmd[0] == "kv":                # the prompt's KV of the request just added
                 _, req_id, kv = cmd
                 req = next(r for r in self.scheduler.waiting if r.id == req_id)
@@ -180,8 +185,7 @@ class Engine:
         self.apply(commands)
         retired = self._retire()                      # aborted before running
         plan = self.scheduler.schedule()
-        for r in plan.preempted:
-            self.kv.free(r.id)
+        self.kv.apply_ops(self.scheduler.take_kv_ops())   # preempted requests' pages freed
         for c in plan.prefill:
             if c.req.imported_kv is not None:         # admitted with KV from a prefill server
                 self._write_imported(c.req, c.start)
@@ -199,9 +203,11 @@ class Engine:
         retired += self._retire()
         finished = {r.id: r.finish_reason for r in retired}
         errors = {r.id: r.error for r in retired if r.finish_reason == "error"}
+        cached = {c.req.id: c.req.cached for c in plan.prefill
+                  if c.req.cached and c.start == c.req.cached and not c.req.preemptions}
         return StepOutput(tokens, finished, launched.num_tokens if launched else 0,
                           time.perf_counter() - t0, errors or None, logprobs or None,
-                          prompt_logprobs or None)
+                          prompt_logprobs or None, cached or None)
 
     # -- launching ----------------------------------------------------------------------------
     def _launch_confined(self, plan: StepPlan) -> _Launched | None:
@@ -455,7 +461,8 @@ class Engine:
         done = self.scheduler.retire()
         for r in done:
             self.kv_tokens_released += self.kv.local_tokens(r.id)
-            self.kv.free(r.id)
+        self.kv.apply_ops(self.scheduler.take_kv_ops())   # their pages freed
+        for r in done:
             self.seeds.pop(r.id, None)
             self.vocab_rows.pop(r.id, None)
         return done
@@ -491,7 +498,12 @@ class Engine:
         return self.kv_tokens_released + sum(self.kv.local_tokens(s) for s in self.kv.lengths)
 
     def stats(self) -> dict:
-        """Scheduler counts and this rank's KV pool use."""
-        return dict(self.scheduler.stats(), kv_pages_used=self.num_pages - self.kv.alloc.num_free,
-                    kv_pages_free=self.kv.alloc.num_free, steps=self.steps,
-                    device_wait_s=self.wait_seconds)
+        """Scheduler counts and this rank's KV pool use: pages requests hold (cached blocks one
+        holds included), and free ones (idle cached blocks' included: taken when needed)."""
+        free = self.kv_pages_free()
+        return dict(self.scheduler.stats(), kv_pages_used=self.num_pages - free,
+                    kv_pages_free=free, steps=self.steps, device_wait_s=self.wait_seconds)
+
+    def kv_pages_free(self) -> int:
+        """Pages of this rank's pool no request holds (free, or idle cached blocks')."""
+        return self.kv.alloc.num_free + self.scheduler.cached_pages

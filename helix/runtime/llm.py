@@ -88,6 +88,8 @@ class LLM:
                                                     # set: one per prompt token (None first)
         self.finish_reasons: dict[int, str] = {}
         self.errors: dict[int, str] = {}
+        self.cached_tokens: dict[int, int] = {}   # request id -> prompt positions taken from
+                                                  # the prefix cache (only requests with a hit)
         self._multi = world > 1
         self._closed = False
         if world == 1:
@@ -334,7 +336,7 @@ class LLM:
         if request_id in self.outputs and request_id not in self.finish_reasons:
             raise RequestError(f"request {request_id} has not finished: abort() it first")
         for d in (self.outputs, self.logprobs, self.prompt_logprobs, self.finish_reasons,
-                  self.errors):
+                  self.errors, self.cached_tokens):
             d.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
@@ -364,7 +366,15 @@ class LLM:
             self.prompt_logprobs[rid] += lps
         self.finish_reasons.update(out.finished)
         self.errors.update(out.errors or {})
+        self.cached_tokens.update(out.cached or {})
         return out
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the prefix cache's idle blocks (their pages return to the pool) at the next
+        step; blocks a running request holds stay. For benchmarks that must prefill every prompt,
+        or after the weights' meaning changed."""
+        self._check_open()
+        self._pending.append(("reset_cache",))
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None
@@ -400,7 +410,9 @@ class LLM:
         return self._gather("prefill_tokens", lambda: self.engine.prefill_tokens)
 
     def stats(self) -> dict:
-        """Running and queued requests, KV pages per rank (used, free, total); rank 0's steps
+        """Running and queued requests, KV pages per rank (used, free, total), pages of idle
+        prefix-cache blocks (counted free) and the cache's prompt positions looked up and found
+        (first admissions); rank 0's steps
         launched and the host seconds it spent waiting for the device's tokens (the rest of a
         step's wall time is host work)."""
         self._check_open()
@@ -409,6 +421,9 @@ class LLM:
         return {"running": s["running"], "queued": s["queued"], "num_pages": s["num_pages"],
                 "kv_pages_used": [r["kv_pages_used"] for r in per_rank],
                 "kv_pages_free": [r["kv_pages_free"] for r in per_rank],
+                "kv_pages_cached": s["pages_cached"],
+                "prefix_cache_queries": s["prefix_cache_queries"],
+                "prefix_cache_hits": s["prefix_cache_hits"],
                 "engine_steps": s["steps"], "device_wait_s": s["device_wait_s"]}
 
     # -- shutdown ------------------------------------------------------------------------------

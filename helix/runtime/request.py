@@ -30,6 +30,9 @@ class Request:
     imported_kv: object = None                # KV of the prompt from a prefill server, if any
     prompt_scored: int = 1                    # prompt positions whose log-probability is
                                               # computed (or queued), when it asks for them
+    cached: int = 0                           # prompt positions its first admission found in
+                                              # the prefix cache (not prefilled)
+    imported: bool = False                    # its prompt's KV came from a prefill server
 
     def __post_init__(self):
         self.computed = self.prefix            # a synthetic prefix counts as written
@@ -67,17 +70,33 @@ class Request:
         return (len(self.output) + self.pending >= self.params.max_new_tokens
                 or self.num_tokens >= self.max_len)
 
-    def token_at(self, p: int) -> int:
-        """The token at position p (prompt or output; p >= prefix)."""
-        i = p - self.prefix
-        return self.prompt[i] if i < len(self.prompt) else self.output[i - len(self.prompt)]
+    @property
+    def shares_kv(self) -> bool:
+        """Its KV may come from, and go into, the prefix cache: KV computed here for its own
+        tokens (not a synthetic prefix, not an import)."""
+        return not self.prefix and not self.imported
+
+    @property
+    def cache_limit(self) -> int:
+        """The most leading positions a prefix-cache hit may cover: all it prefills, but for a
+        new request's last prompt token, whose row yields its first generated token."""
+        return self.prefill_end - (0 if self.output else 1)
+
+    def tokens(self, a: int, b: int) -> list[int]:
+        """The tokens at positions [a, b) (a >= prefix; prompt and output, not copied whole)."""
+        a, b, n = a - self.prefix, b - self.prefix, len(self.prompt)
+        if b <= n:
+            return self.prompt[a:b]
+        if a >= n:
+            return self.output[a - n:b - n]
+        return self.prompt[a:] + self.output[:b - n]
 
     def chunk(self, n: int) -> tuple[int, list[int], bool]:
         """(start, ids, samples) of the next prefill chunk of at most n tokens; samples: the chunk
         ends a new request's prompt, so its last row yields the first generated token."""
         start = self.computed
         end = min(start + n, self.prefill_end)
-        return start, [self.token_at(p) for p in range(start, end)], (
+        return start, self.tokens(start, end), (
             end == self.prefill_end and not self.output)
 
     def decode_input(self) -> tuple[int, int, int]:
@@ -95,7 +114,7 @@ class Request:
     def attach_kv(self, kv, length: int) -> None:
         """Positions [0, length) of its prompt arrive as KV from a prefill server (written into
         its pages when its first chunk is planned) instead of being prefilled."""
-        self.imported_kv, self.computed = kv, length
+        self.imported_kv, self.computed, self.imported = kv, length, True
 
     def reset_kv(self) -> None:
         """Its KV was dropped (preempted): everything it knows is prefilled again on resume (an

@@ -11,6 +11,12 @@ recomputed (prompt and generated tokens prefilled again) when it is re-admitted.
 overtake a queue head that does not fit, at most `MAX_OVERTAKES` times per head; then the head
 blocks the queue until it fits.
 
+With a prefix cache (helix/kv/prefix_cache.py) a request admitted for the first time, or again
+after preemption, starts with the cached blocks that begin its tokens and prefills from there;
+the full blocks a request has written become cached as it runs (and when it ends or loses its
+KV). Pages of blocks some request holds count as used; idle cached blocks count as free, and are
+evicted (least recently used first) when the pages are taken.
+
 Each step: one decode row per running request that has finished its prefill, then prefill chunks
 of at most `max_prefill_tokens` tokens in all (running requests still prefilling first, then
 newly admitted ones), or `idle_prefill_tokens` in a step without decode rows (no request waits
@@ -24,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from helix.kv.ownership import KVSharding
+from helix.kv.prefix_cache import PrefixCache
 from helix.runtime.request import Request
 
 MAX_OVERTAKES = 8
@@ -57,14 +64,21 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, num_pages: int, sharding: KVSharding, max_batch: int,
-                 max_prefill_tokens: int, idle_prefill_tokens: int | None = None):
+                 max_prefill_tokens: int, idle_prefill_tokens: int | None = None,
+                 prefix_caching: bool = False):
         self.num_pages, self.sharding = num_pages, sharding
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.idle_prefill_tokens = max(max_prefill_tokens, idle_prefill_tokens or 0)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []      # in admission order
-        self.pages: dict[int, int] = {}       # request id -> pages it holds (rank 0's count)
-        self.used = 0                         # sum of self.pages (kept by _hold / _drop)
+        self.pages: dict[int, int] = {}       # request id -> pages its sequence spans (rank 0's
+                                              # count), cached blocks it holds included
+        self.used = 0                         # pages requests hold: their own, and those of the
+                                              # cached blocks any of them holds
+        self.kv_ops: list[tuple] = []         # what every rank's KV manager applies next, in
+                                              # order (KVManager.apply_ops)
+        self.cache = (PrefixCache(sharding.block_tokens, sharding.block_pages, self.kv_ops)
+                      if prefix_caching else None)
         self.dropped: list[Request] = []      # finished while waiting (abort, error)
         self._admitted = 0
 
@@ -73,28 +87,85 @@ class Scheduler:
         return self.sharding.max_pages(length)
 
     def free_pages(self) -> int:
+        """Pages a request may take: free ones and idle cached blocks'."""
         return self.num_pages - self.used
 
     def _hold(self, r: Request, n: int) -> None:
-        """r now holds n pages."""
+        """r's sequence now spans n pages; idle cached blocks are evicted to make the room."""
         self.used += n - self.pages.get(r.id, 0)
         self.pages[r.id] = n
+        if self.cache is not None:
+            over = self.used + self.cache.idle_pages - self.num_pages
+            if over > 0:
+                self.cache.evict(over)
 
-    def _drop(self, req_id: int) -> None:
-        self.used -= self.pages.pop(req_id, 0)
+    def _drop(self, r: Request) -> None:
+        """r holds no KV any more: its own pages are free, its cached blocks' maybe idle."""
+        self.used -= self.pages.pop(r.id, 0)
+        if self.cache is not None:
+            self._register(r)
+            self.used += self.cache.held(r.id) - self.cache.release(r.id)
+        self.kv_ops.append(("free", r.id))
 
-    def _grow(self, r: Request, length: int) -> int:
-        """Pages r needs beyond what it holds to hold `length` positions."""
-        return self.pages_for(length) - self.pages.get(r.id, 0)
+    def take_kv_ops(self) -> list[tuple]:
+        """The KV ops decided since the last call (frees, prefix-cache attach / register /
+        evict), in order: a request preempted and admitted again in one step is freed before
+        it is attached."""
+        ops = self.kv_ops[:]
+        self.kv_ops.clear()
+        return ops
 
-    def _fit(self, r: Request, start: int, n: int, free: int) -> int:
-        """The longest chunk <= n from `start` whose pages fit `free` (pages grow with length)."""
-        if self._grow(r, start + n) <= free:
+    # -- prefix cache -------------------------------------------------------------------------
+    def _register(self, r: Request) -> None:
+        """r's full blocks written so far (and whose tokens the host knows) become cached."""
+        if r.shares_kv:
+            self.cache.register(r.id, r.tokens, min(r.computed, r.known))
+
+    def _register_due(self) -> None:
+        """_register for the running requests that completed a block since they last did (per
+        row and step: the test is all most rows pay)."""
+        chains, B = self.cache.chains, self.sharding.block_tokens
+        for r in self.running:
+            if r.computed // B > len(chains.get(r.id, ())):      # (computed >= what _register
+                self._register(r)                               # takes: the cheap test first)
+
+    def _cached_blocks(self, r: Request) -> list:
+        """The cached blocks that begin a request being admitted (none without a cache)."""
+        if (self.cache is None or not r.shares_kv or r.computed
+                or r.params.prompt_logprobs is not None):   # prompt scores need every prompt
+            return []                                       # position prefilled here
+        return self.cache.lookup(r.tokens, r.cache_limit)
+
+    def _take_cached(self, r: Request, blocks: list) -> None:
+        """r starts with these cached blocks: its first chunk begins after them."""
+        if not r.preemptions:                   # hit rate: over first admissions
+            self.cache.query_tokens += len(r.prompt)
+            self.cache.hit_tokens += len(blocks) * self.sharding.block_tokens
+        if blocks:
+            self.used += self.cache.acquire(r.id, blocks)
+            r.computed = len(blocks) * self.sharding.block_tokens
+            self.pages[r.id] = self.pages_for(r.computed)
+            if not r.preemptions:
+                r.cached = r.computed
+
+    def reset_cache(self) -> int:
+        """Evict every idle cached block; returns the pages freed."""
+        return self.cache.clear() if self.cache is not None else 0
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages of idle cached blocks (counted free)."""
+        return self.cache.idle_pages if self.cache is not None else 0
+
+    def _fit(self, start: int, n: int, free: int, have: int) -> int:
+        """The longest chunk <= n from `start` of a sequence spanning `have` pages whose new
+        pages fit `free` (pages grow with length)."""
+        if self.pages_for(start + n) - have <= free:
             return n
         lo, hi = 0, n                  # lo fits, hi does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self._grow(r, start + mid) <= free else (lo, mid)
+            lo, hi = (mid, hi) if self.pages_for(start + mid) - have <= free else (lo, mid)
         return lo
 
     # -- commands -----------------------------------------------------------------------------
@@ -111,6 +182,8 @@ class Scheduler:
     # -- planning -----------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        if self.cache is not None:
+            self._register_due()
         for r in list(self.running):                    # decode rows, oldest first
             if r.finished or r.exhausted or r.prefilling or (plan.preempted
                                                              and r not in self.running):
@@ -146,7 +219,7 @@ class Scheduler:
 
     def _plan_chunk(self, r: Request, budget: int, plan: StepPlan) -> int:
         start, ids, samples = r.chunk(budget)
-        n = self._fit(r, start, len(ids), self.free_pages())
+        n = self._fit(start, len(ids), self.free_pages(), self.pages.get(r.id, 0))
         if n == 0:
             return 0
         if n < len(ids):
@@ -166,10 +239,14 @@ class Scheduler:
                 continue
             if r.pending:                  # preempted with a token still on its way: next step
                 continue
-            start, ids, _ = r.chunk(budget)
+            blocks = self._cached_blocks(r)
+            start = len(blocks) * self.sharding.block_tokens if blocks else r.computed
+            n = min(start + budget, r.prefill_end) - start
+            revived = sum(b.refs == 0 for b in blocks) * self.sharding.block_pages
             # a page of headroom per running request, so their decodes can grow
-            fits = self._fit(r, start, len(ids), self.free_pages() - len(self.running))
-            if fits == 0:
+            free = self.free_pages() - len(self.running) - revived
+            fits = self._fit(start, n, free, self.pages_for(start) if blocks else 0)
+            if fits == 0 and (n or free < 0):
                 if head_blocked is None:
                     head_blocked = r
                     if r.skipped >= MAX_OVERTAKES:
@@ -181,13 +258,15 @@ class Scheduler:
             r.admitted = self._admitted
             self._admitted += 1
             self.running.append(r)
+            if self.cache is not None:
+                self._take_cached(r, blocks)
             budget -= self._plan_chunk(r, budget, plan)
             if head_blocked is not None and head_blocked.skipped >= MAX_OVERTAKES:
                 return
 
     def _preempt(self, r: Request, plan: StepPlan) -> None:
         self.running.remove(r)
-        self._drop(r.id)
+        self._drop(r)
         r.reset_kv()
         self.waiting.appendleft(r)
         plan.preempted.append(r)
@@ -200,11 +279,15 @@ class Scheduler:
         done += [r for r in self.waiting if r.finished]
         self.waiting = deque(r for r in self.waiting if not r.finished)
         for r in done:
-            self._drop(r.id)
+            self._drop(r)
         done, self.dropped = self.dropped + done, []
         return done
 
     def stats(self) -> dict:
+        cache = self.cache
         return {"running": len(self.running), "queued": len(self.waiting),
                 "pages_used": self.used, "pages_free": self.free_pages(),
-                "num_pages": self.num_pages}
+                "num_pages": self.num_pages,
+                "pages_cached": self.cached_pages,
+                "prefix_cache_queries": cache.query_tokens if cache else 0,
+                "prefix_cache_hits": cache.hit_tokens if cache else 0}

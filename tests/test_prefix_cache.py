@@ -1,0 +1,282 @@
+"""The prefix cache (helix/kv/prefix_cache.py): the KV of full blocks written for one request is
+kept after it and a later request whose tokens begin the same way starts from it.
+
+Checked three ways: the index alone (lookup, chaining, leaves-first eviction, a block computed
+twice); the scheduler and one KV manager per KVP rank driven together through a random workload
+with shared prefixes, preemption and eviction (the page accounting is exact on every step and no
+page is in two places); and whole runs on tiny checkpoints against transformers and against the
+same run without the cache (one process, and KVP ranks over gloo).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hf_fixtures import SMALL, VOCAB, hf_greedy
+
+from helix import LLM, Layout, RuntimeConfig, SamplingParams
+from helix.kv import KVManager
+from helix.kv.ownership import KVSharding, local_len
+from helix.kv.prefix_cache import PrefixCache
+from helix.runtime.request import Request
+from helix.runtime.scheduler import Scheduler
+
+
+def view(tokens: list[int]):
+    return lambda a, b: tokens[a:b]
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True, **kw)
+
+
+# -- the index -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kvp,interleave,page", [(1, 1, 16), (2, 1, 4), (2, 3, 4), (3, 8, 4),
+                                                 (4, 2, 6)])
+def test_a_block_is_the_fewest_positions_that_fill_whole_pages_on_every_rank(kvp, interleave,
+                                                                               page):
+    s = KVSharding(kvp, interleave, page)
+    B = s.block_tokens
+    for k in range(1, 4):
+        assert [local_len(k * B, r, kvp, interleave) for r in range(kvp)] == \
+            [k * s.block_pages * page] * kvp
+    for m in range(1, B):          # anything shorter leaves a partial page or unequal ranks
+        held = [local_len(m, r, kvp, interleave) for r in range(kvp)]
+        assert len(set(held)) > 1 or held[0] % page
+
+
+def test_lookup_matches_whole_blocks_of_the_same_prefix_only():
+    c = PrefixCache(4, 1)
+    toks = list(range(10))
+    c.register(0, view(toks), 10)                       # blocks [0:4], [4:8]; 8, 9 partial
+    assert c.ops == [("register", 0, 0, 0), ("register", 0, 1, 1)]
+    assert [b.id for b in c.lookup(view(toks), 10)] == [0, 1]
+    assert [b.id for b in c.lookup(view(toks), 7)] == [0]          # the limit
+    assert [b.id for b in c.lookup(view(toks[:4] + [9] * 6), 10)] == [0]
+    # the same second block after another first one is another block (its prefix differs)
+    assert c.lookup(view([99] + toks[1:]), 10) == []
+
+
+def test_released_blocks_go_idle_leaves_first_and_are_evicted_least_recently_used_first():
+    c = PrefixCache(2, 3)
+    a, b = [1, 2, 3, 4, 5, 6], [1, 2, 7, 8]
+    c.register(0, view(a), 6)                           # a0 a1 a2
+    assert c.acquire(1, c.lookup(view(b), 3)) == 0      # a0, live: nothing revived
+    c.register(1, view(b), 4)                           # b1 (child of a0)
+    assert c.held(1) == 6
+    assert c.release(0) == 6                            # a2, a1 idle; a0 still held
+    assert c.release(1) == 6                            # b1, a0
+    assert list(c.idle) == [2, 1, 3, 0] and c.idle_pages == 12
+    c.ops.clear()
+    assert c.evict(7) == 9                              # whole blocks: a2, a1, b1
+    assert c.ops == [("evict", 2), ("evict", 1), ("evict", 3)]
+    assert [x.id for x in c.lookup(view(a), 6)] == [0]
+    assert c.acquire(2, c.lookup(view(a), 6)) == 3      # a0 was idle: its pages revived
+    assert not c.idle and c.clear() == 0
+
+
+def test_a_block_computed_twice_stays_with_its_first_writer():
+    c = PrefixCache(2, 1)
+    t = [4, 5, 6, 7]
+    c.register(0, view(t), 4)
+    c.register(1, view(t), 4)                           # both prefilled it: 1 keeps its pages
+    c.register(1, view(t + [8, 9]), 6)                  # ... and registers nothing after it
+    assert c.ops == [("register", 0, 0, 0), ("register", 0, 1, 1)]
+    assert c.held(1) == 0 and c.release(1) == 0
+
+
+# -- the scheduler and every KVP rank's pages, together ------------------------------------------
+def _check_pages(sched: Scheduler, mgrs: list[KVManager], num_pages: int) -> None:
+    cache = sched.cache
+    # rank 0 holds what the scheduler counts: requests' pages and idle blocks', exactly
+    assert num_pages - mgrs[0].alloc.num_free == sched.used + cache.idle_pages
+    for m in mgrs:
+        assert set(m.block_pages) == set(cache.blocks)   # every rank caches the same blocks
+        owner: dict[int, object] = {}
+        for b, pages in m.block_pages.items():
+            for p in pages:
+                assert owner.setdefault(p, ("block", b)) == ("block", b)
+        for seq, pages in m.pages.items():
+            n = m.shared.get(seq, 0)
+            chain = cache.chains.get(seq, [])
+            assert pages[:n] == [p for b in chain for p in m.block_pages[b.id]]
+            for p in pages[n:]:                           # own pages: nobody else's
+                assert owner.setdefault(p, ("seq", seq)) == ("seq", seq)
+        assert not set(owner) & set(m.alloc._free)         # nothing held is also free
+        assert len(owner) + m.alloc.num_free == num_pages
+
+
+@pytest.mark.parametrize("kvp,interleave,page", [(1, 1, 2), (2, 1, 2), (2, 3, 2), (3, 2, 4)])
+def test_scheduler_and_kv_managers_agree_through_hits_preemption_and_eviction(kvp, interleave,
+                                                                             page):
+    """Requests from three shared prefixes, joining at random steps, in a pool that holds a few
+    of them: hits, preemptions and evictions all happen, and after every step the scheduler's
+    count is rank 0's pool, every rank holds the same blocks, and no page is in two places."""
+    rng = random.Random(kvp * 100 + interleave * 10 + page)
+    sharding = KVSharding(kvp, interleave, page)
+    B = sharding.block_tokens
+    num_pages = sharding.max_pages(10 * B)        # about two of the longest requests
+    sched = Scheduler(num_pages, sharding, max_batch=6, max_prefill_tokens=4 * B,
+                      prefix_caching=True)
+    mgrs = [KVManager(num_pages, page, k, kvp, interleave) for k in range(kvp)]
+    stems = [[rng.randrange(1, 50) for _ in range(3 * B)] for _ in range(3)]
+    rid, done, preempted, steps = 0, 0, 0, 0
+    while done < 30:
+        steps += 1
+        assert steps < 2000, "the workload did not finish"
+        if rid < 30 and rng.random() < 0.5:
+            stem = rng.choice(stems)[:rng.randrange(B, 3 * B + 1)]
+            prompt = stem + [rng.randrange(50, 99) for _ in range(rng.randrange(1, B))]
+            sched.add(Request(rid, prompt, greedy(rng.randrange(1, 4 * B)), 10 ** 6))
+            rid += 1
+        plan = sched.schedule()
+        preempted += len(plan.preempted)
+        ops = sched.take_kv_ops()
+        batch = [(r.id, r.num_tokens - 1, 1) for r in plan.decode]
+        batch += [(c.req.id, c.start, len(c.ids)) for c in plan.prefill]
+        for m in mgrs:
+            m.apply_ops(ops)
+            if batch:
+                m.prepare(batch, "cpu")
+        for r in plan.decode:                         # the engine's bookkeeping, no overlap
+            r.computed = r.num_tokens
+            r.output.append(rng.randrange(1, 99))
+        for c in plan.prefill:
+            c.req.computed = c.start + len(c.ids)
+            if c.samples:
+                c.req.output.append(rng.randrange(1, 99))
+        for r in plan.requests:
+            if len(r.output) >= r.params.max_new_tokens:
+                r.finish_reason = "length"
+        finished = sched.retire()
+        ops = sched.take_kv_ops()
+        for m in mgrs:
+            m.apply_ops(ops)
+        done += len(finished)
+        _check_pages(sched, mgrs, num_pages)
+    assert sched.cache.hit_tokens > 0 and preempted > 0
+    assert sched.cache._next > len(sched.cache.blocks)           # some blocks were evicted
+    sched.reset_cache()
+    ops = sched.take_kv_ops()
+    for m in mgrs:
+        m.apply_ops(ops)
+        assert m.alloc.num_free == num_pages and not m.block_pages
+    assert sched.used == 0
+
+
+# -- whole runs ------------------------------------------------------------------------------------
+PREFIX = [(7 * i + 3) % VOCAB for i in range(41)]
+P1, P2 = PREFIX + [5, 9, 11], PREFIX + [60, 61]
+
+
+def _llm(path: str, layout: Layout | None = None, **runtime) -> LLM:
+    return LLM(path, layout or Layout(), RuntimeConfig(**{**SMALL, **runtime}))
+
+
+@pytest.mark.parametrize("family,overlap", [("llama", False), ("llama", True),
+                                            ("deepseek_v3", False)])
+def test_a_shared_prefix_is_read_from_the_cache_with_transformers_tokens(hf_checkpoint, family,
+                                                                        overlap):
+    """P2 shares P1's first 41 tokens; the next turn of P1's conversation holds P1, its answer
+    and more. Each is prefilled from its first uncached position only, and its tokens equal
+    transformers' greedy ones and those of the same run without the cache. With overlap a
+    request's newest tokens are still on the device when its blocks are registered: only
+    tokens the host has read count."""
+    path, hf = hf_checkpoint(family)
+    runs = {}
+    for cache in (True, False):
+        with _llm(path, prefix_caching=cache, overlap=overlap) as llm:
+            a = llm.generate([P1], greedy(6))[0]
+            turn = P1 + a + [33, 34]
+            rb, rc = llm.add_request(P2, greedy(6)), None
+            llm.step()
+            rc = llm.add_request(turn, greedy(6))         # while P2 still decodes
+            while llm.has_unfinished():
+                llm.step()
+            runs[cache] = (a, llm.outputs[rb], llm.outputs[rc], dict(llm.cached_tokens),
+                           llm.prefill_tokens_per_rank()[0], llm.stats())
+    a, b, c, cached, prefilled, stats = runs[True]
+    assert (a, b, c) == runs[False][:3]
+    assert b == hf_greedy(hf, P2, 6)[0] and c == hf_greedy(hf, P1 + a + [33, 34], 6)[0]
+    # page 4, one rank: 4-token blocks. P2 finds PREFIX's 10 whole blocks; the turn finds P1 and
+    # its answer as written (P1 + 5 of 6 tokens: 49 positions, 12 blocks)
+    assert cached == {1: 40, 2: 48}
+    assert prefilled == runs[False][4] - 40 - 48
+    assert stats["prefix_cache_hits"] == 88
+    assert stats["prefix_cache_queries"] == len(P1) + len(P2) + len(P1) + 6 + 2
+    assert stats["kv_pages_used"] == [0] and stats["kv_pages_cached"] > 0
+    assert runs[False][3] == {} and runs[False][5]["kv_pages_cached"] == 0
+
+
+def test_a_tight_pool_preempts_evicts_and_keeps_the_tokens(hf_checkpoint):
+    """A pool of 14 pages: requests sharing a prefix are preempted, resume from their own cached
+    blocks, and evict idle ones; every token equals the run without the cache."""
+    path, _ = hf_checkpoint("llama")
+    prompts = [PREFIX[:20] + [i, i + 1, i + 2] for i in range(4)] + [PREFIX]
+    runs = {}
+    for cache in (True, False):
+        with _llm(path, num_pages=14, prefix_caching=cache) as llm:
+            ids = [llm.add_request(p, greedy(10)) for p in prompts]
+            preempted = 0
+            while llm.has_unfinished():
+                llm.step()
+                preempted = max([preempted] + [r.preemptions for r in
+                                               llm.engine.scheduler.running])
+            runs[cache] = [llm.outputs[i] for i in ids]
+            assert preempted >= 1
+            if cache:
+                assert llm.stats()["prefix_cache_hits"] > 0
+                assert llm.engine.scheduler.cache._next > len(llm.engine.scheduler.cache.blocks)
+            assert llm.engine.kv_pages_free() == 14
+    assert runs[True] == runs[False]
+
+
+def test_prompt_logprobs_prefill_the_whole_prompt(hf_checkpoint):
+    path, _ = hf_checkpoint("llama")
+    with _llm(path) as llm:
+        first = llm.add_request(P1, greedy(2, prompt_logprobs=1))
+        while llm.has_unfinished():
+            llm.step()
+        again = llm.add_request(P1, greedy(2, prompt_logprobs=1))
+        plain = llm.add_request(P1, greedy(2))
+        while llm.has_unfinished():
+            llm.step()
+        assert llm.cached_tokens == {plain: 40}             # the scored request took no hit
+        assert len(llm.prompt_logprobs[again]) == len(P1)
+        for x, y in zip(llm.prompt_logprobs[first][1:], llm.prompt_logprobs[again][1:]):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-5)
+
+
+def test_reset_prefix_cache_returns_every_page(llama_ckpt):
+    with _llm(llama_ckpt) as llm:
+        llm.generate([P1], greedy(3))
+        assert llm.stats()["kv_pages_cached"] == 11
+        assert llm.engine.kv.alloc.num_free == llm.engine.num_pages - 11
+        llm.reset_prefix_cache()
+        llm.step()
+        assert llm.stats()["kv_pages_cached"] == 0
+        assert llm.engine.kv.alloc.num_free == llm.engine.num_pages
+        rid = llm.add_request(P1, greedy(3))
+        while llm.has_unfinished():
+            llm.step()
+        assert rid not in llm.cached_tokens                  # nothing left to hit
+
+
+@pytest.mark.parametrize("family,layout", [
+    ("llama", Layout(kvp=2, kv_interleave=3)),
+    ("deepseek_v3", Layout(kvp=2)),
+], ids=["llama-kvp2-i3", "deepseek_v3-kvp2"])
+def test_kvp_ranks_take_the_same_hits(hf_checkpoint, family, layout):
+    """Two gloo ranks: a block is 2 x lcm(4, I) positions, half on each rank; hits on both ranks'
+    pages give transformers' tokens."""
+    path, hf = hf_checkpoint(family)
+    B = 2 * (12 if layout.kv_interleave == 3 else 4)
+    with _llm(path, layout) as llm:
+        a = llm.generate([P1], greedy(5))[0]
+        turn = P1 + a + [33]
+        outs = llm.generate([P2, turn], greedy(5))
+        cached = dict(llm.cached_tokens)
+    assert a == hf_greedy(hf, P1, 5)[0]
+    assert outs == [hf_greedy(hf, P2, 5)[0], hf_greedy(hf, turn, 5)[0]]
+    assert cached == {1: 41 // B * B, 2: (len(P1) + 4) // B * B}
