@@ -536,6 +536,27 @@ def test_metrics_are_prometheus_text(served):
         assert line.startswith("# ") or len(line.rsplit(" ", 1)) == 2, line
 
 
+def test_usage_counts_prompt_tokens_read_from_the_prefix_cache(served):
+    """The same prompt again: its whole 8-position blocks (2 ranks x 4-position pages) but the
+    last prompt token's come from the cache, reported as OpenAI's cached_tokens, streamed and
+    not; the text is transformers'. The metrics count the hits."""
+    ids = list(range(3, 33))                       # 30 tokens no other test sends
+    c = served.client()
+    first = c.completions.create(model=NAME, prompt=ids, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = c.completions.create(model=NAME, prompt=ids, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 24
+    assert again.choices[0].text == first.choices[0].text == served.want(ids, 4)
+    chunks = list(c.completions.create(model=NAME, prompt=ids, max_tokens=4, temperature=0,
+                                       stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 24
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == first.choices[0].text
+    wait_idle(served)                                # fresh engine stats
+    _, samples = metrics(served)
+    assert int(samples["helix_prefix_cache_hits_total"]) >= 48
+    assert int(samples["helix_prefix_cache_queries_total"]) >= 90
+
+
 def test_kv_import_by_file(served):
     """A prefill server's KV (here transformers' cache) in a file under --kv-dir: the same
     text as prefilling the prompt."""

@@ -262,7 +262,7 @@ class OpenAIServer:
         echo = None if parsed.echo is None else [
             (ids, text) for ids, text in zip(parsed.prompts, parsed.echo) for _ in range(parsed.n)]
         fmt = _Format(chat, self.name, sum(map(len, parsed.prompts)), self.engine.tokenizer,
-                      len(asked), echo, parsed.score_only)
+                      len(asked), echo, parsed.score_only, parsed.n)
         if parsed.stream:
             return EventStream(fmt.events(choices, parsed.include_usage), choices)
         return await self._complete(request, choices, fmt)
@@ -331,11 +331,15 @@ class _Format:
     """OpenAI response bodies for one request."""
 
     def __init__(self, chat: bool, model: str, prompt_tokens: int, tokenizer=None, n: int = 1,
-                 echo: list[tuple[list[int], str]] | None = None, score_only: bool = False):
+                 echo: list[tuple[list[int], str]] | None = None, score_only: bool = False,
+                 per_prompt: int = 1):
         """n: choices; echo: each choice's prompt (ids, text) to put first; score_only: echo
-        with max_tokens 0 (the generated token is dropped)."""
+        with max_tokens 0 (the generated token is dropped); per_prompt: choices of each prompt
+        (choice i is prompt i // per_prompt's)."""
         self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
-        self.tokenizer, self.n = tokenizer, n
+        self.tokenizer, self.n, self.per_prompt = tokenizer, n, per_prompt
+        self.cached = 0                       # prompt tokens read from the prefix cache: each
+                                              # prompt's first choice's
         self.echo, self.score_only = echo, score_only
         self._echoed: set[int] = set()        # choices whose prompt went out
         self.text_offset = [0] * n            # completions' text_offset of each choice's next
@@ -348,7 +352,12 @@ class _Format:
 
     def usage(self, n: int) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
-                "total_tokens": self.prompt_tokens + n}
+                "total_tokens": self.prompt_tokens + n,
+                "prompt_tokens_details": {"cached_tokens": self.cached}}
+
+    def _count_cached(self, i: int, out) -> None:
+        if i % self.per_prompt == 0:
+            self.cached += out.cached_tokens
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -403,6 +412,7 @@ class _Format:
         for i, out in enumerate(outs):
             text, ids, lp_ids, lps = self._parts(i, out)
             generated += len(ids)
+            self._count_cached(i, out)
             choice = {"index": i, "finish_reason": out.finish_reason,
                       "logprobs": self.logprobs(lp_ids, lps, i), "token_ids": ids}
             if self.chat:
@@ -435,6 +445,7 @@ class _Format:
             async for i, out in merged:
                 text, ids, lp_ids, lps = self._parts(i, out)
                 n += len(ids)
+                self._count_cached(i, out)
                 if out.finish_reason == "error":
                     if ids or text:
                         yield self.chunk(text, ids, None, False, lp_ids, lps, i)

@@ -52,6 +52,8 @@ class StreamOutput:
     logprobs: list[TokenLogprob] | None = None   # one per token id, when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None   # the prompt's, on the first
                                      # output of a request that asked (None for position 0)
+    cached_tokens: int = 0           # prompt positions read from the prefix cache, on the last
+                                     # output
 
 
 @dataclass
@@ -60,6 +62,7 @@ class _State:
     logprobs: list[TokenLogprob] = field(default_factory=list)   # theirs, when asked
     finish: str | None = None
     error: str | None = None
+    cached: int = 0
 
 
 class RequestStream:
@@ -95,8 +98,8 @@ class RequestStream:
     def _push_prompt_logprobs(self, logprobs: list[TokenLogprob]) -> None:
         self.prompt_logprobs += logprobs
 
-    def _finish(self, finish: str, error: str | None) -> None:
-        self.state.finish, self.state.error = finish, error
+    def _finish(self, finish: str, error: str | None, cached: int = 0) -> None:
+        self.state.finish, self.state.error, self.state.cached = finish, error, cached
         self.metrics.finished = time.perf_counter()
         self.event.set()
 
@@ -132,7 +135,7 @@ class RequestStream:
         if self.prompt_logprobs is not None and not self._prompt_given:
             prompt, self._prompt_given = self.prompt_logprobs, True
         return StreamOutput(tokens, text, finish, self.state.error if finish else None,
-                            logprobs, prompt)
+                            logprobs, prompt, self.state.cached if finish else 0)
 
     async def result(self) -> StreamOutput:
         """Run to the end: every token and the whole text in one output."""
@@ -141,7 +144,7 @@ class RequestStream:
             if logprobs is not None:
                 logprobs += out.logprobs
         return StreamOutput(self.token_ids, self.text, self.state.finish, self.state.error,
-                            logprobs, self.prompt_logprobs)
+                            logprobs, self.prompt_logprobs, self.state.cached)
 
     def abort(self) -> None:
         """End the request now (a client that went away); no-op once finished."""
@@ -262,10 +265,10 @@ class AsyncLLM:
                 s = streams.get(key)
                 if s is not None:
                     s._push_token(tok, None if logprobs is None else logprobs[i])
-            for key, finish, error in finished:
+            for key, finish, error, cached in finished:
                 s = streams.get(key)
                 if s is not None:
-                    s._finish(finish, error)
+                    s._finish(finish, error, cached)
             self.metrics.step(*step)
         elif kind == "added":
             s = self._streams.get(msg[1])

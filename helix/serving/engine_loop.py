@@ -13,7 +13,7 @@ Messages (tuples, pickled by multiprocessing's Connection):
                      ("shutdown",)
   engine -> server   ("ready", info) | ("failed", message)          once, at start
                      ("added", key) | ("rejected", key, kind, message)   kind: request | capacity
-                     ("out", keys, tokens, [(key, finish_reason, error)],
+                     ("out", keys, tokens, [(key, finish_reason, error, cached)],
                       (seconds, fed tokens, idle), logprobs, prompt_logprobs)
                                                     once per step with news: tokens[i] is
                                                     the new token of request keys[i]; idle:
@@ -23,7 +23,9 @@ Messages (tuples, pickled by multiprocessing's Connection):
                                                     step asked, else logprobs[i] is keys[i]'s
                                                     TokenLogprob (None where not asked);
                                                     prompt_logprobs: None, or key -> the
-                                                    prompt positions scored this step
+                                                    prompt positions scored this step;
+                                                    cached: prompt positions the request
+                                                    took from the prefix cache
                      ("stats", LLM.stats() + steps)                  every STATS_INTERVAL_S, and
                                                                      on ("stats",)
                      ("direct", key, result)   ("dead", message)   ("closed",)
@@ -160,7 +162,8 @@ class EngineLoop:
             if key is None:
                 continue
             self.rid.pop(key, None)
-            finished.append((key, why, (out.errors or {}).get(rid)))
+            finished.append((key, why, (out.errors or {}).get(rid),
+                             llm.cached_tokens.get(rid, 0)))
             llm.release(rid)
         if keys or finished or scored:
             self._send(("out", keys, tokens, finished, (out.seconds, out.num_tokens, idle),

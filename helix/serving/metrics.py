@@ -116,6 +116,15 @@ class Metrics:
                    [f'{name}{{rank="{r}"}} {v}' for r, v in enumerate(vals)])
         metric("helix_kv_pages_total", "gauge", "KV pages per rank",
                [f"helix_kv_pages_total {e.get('num_pages', 0)}"])
+        metric("helix_kv_pages_cached", "gauge",
+               "KV pages of prefix-cache blocks no request holds (counted free), per rank",
+               [f"helix_kv_pages_cached {e.get('kv_pages_cached', 0)}"])
+        for name, key, doc in (
+                ("helix_prefix_cache_queries_total", "prefix_cache_queries",
+                 "prompt tokens looked up in the prefix cache"),
+                ("helix_prefix_cache_hits_total", "prefix_cache_hits",
+                 "prompt tokens found in the prefix cache (not prefilled)")):
+            metric(name, "counter", doc, [f"{name} {e.get(key, 0)}"])
         metric("helix_requests_total", "counter", "finished requests by finish reason",
                [f'helix_requests_total{{finish_reason="{k}"}} {v}'
                 for k, v in sorted(self.requests.items())] or ["helix_requests_total 0"])
