@@ -1,0 +1,115 @@
+"""What the prefix cache saves a multi-turn conversation: the time to first token of each turn,
+whose prompt is the whole conversation so far, with the cache on and off, in one process.
+
+    python profiling/bench_prefix_cache.py --model llama-3.1-8b --layers 4 \\
+        --system 32768 --turns 4 --question 256 --answer 64 --out prefix_cache.json
+
+Turn k's prompt is a system prompt of --system tokens, then k (question, answer) pairs, then a
+new --question tokens; each turn generates --answer tokens (greedy, eos ignored) that join the
+history. With the cache on, a turn prefills only what its earlier turns did not write (the last
+question and the answer's last token, up to a block); off, its whole prompt. Each mode runs on
+its own engine after one warm-up request of unrelated tokens (compiles, captures). Prints the
+TTFT per turn and mode and their ratio; --out writes the records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def conversation(llm, system: int, turns: int, question: int, answer: int, seed: int) -> list:
+    """Run the turns on an open LLM; one record per turn."""
+    import torch
+
+    from helix.runtime.sampling import SamplingParams
+    g = torch.Generator().manual_seed(seed)
+    vocab = llm.cfg.vocab_size
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+    params = SamplingParams(max_new_tokens=answer, ignore_eos=True)
+    history, records = tokens(system), []
+    for turn in range(turns):
+        prompt = history + tokens(question)
+        before = llm.prefill_tokens_per_rank()[0]
+        t0 = time.perf_counter()
+        rid = llm.add_request(prompt, params)
+        while not llm.outputs[rid] and rid not in llm.finish_reasons:
+            llm.step()
+        ttft = time.perf_counter() - t0
+        while llm.has_unfinished():
+            llm.step()
+        if llm.finish_reasons[rid] == "error":
+            raise RuntimeError(f"turn {turn} failed: {llm.errors[rid]}")
+        records.append({"turn": turn, "prompt_tokens": len(prompt),
+                        "cached_tokens": llm.cached_tokens.get(rid, 0),
+                        "prefilled_tokens": llm.prefill_tokens_per_rank()[0] - before,
+                        "ttft_ms": 1e3 * ttft})
+        history = prompt + llm.outputs[rid]
+    return records
+
+
+def measure(model: str, layers: int, device: str, system: int, turns: int, question: int,
+            answer: int, seed: int = 0) -> list[dict]:
+    from helix import LLM, Layout, RuntimeConfig
+    from helix.runtime.sampling import SamplingParams
+    longest = system + turns * (question + answer) + 16
+    out = []
+    for cache in (False, True):
+        rt = RuntimeConfig(device=device, dtype="bfloat16" if device == "cuda" else "float32",
+                           layers=layers, max_batch=2, max_context=longest,
+                           prefix_caching=cache)
+        with LLM(model, Layout(), rt) as llm:
+            llm.generate([list(range(3, 3 + min(system, 512)))],           # warm-up
+                         SamplingParams(max_new_tokens=2, ignore_eos=True))
+            llm.reset_prefix_cache()
+            for rec in conversation(llm, system, turns, question, answer, seed):
+                out.append({"model": model, "layers": layers, "device": device,
+                            "prefix_caching": cache, **rec})
+    return out
+
+
+def table(records: list[dict]) -> str:
+    off = {r["turn"]: r for r in records if not r["prefix_caching"]}
+    lines = ["turn  prompt  cached  prefilled  TTFT ms (off)  TTFT ms (on)  on / off"]
+    for r in records:
+        if not r["prefix_caching"]:
+            continue
+        base = off[r["turn"]]
+        lines.append(f"{r['turn']:4d}  {r['prompt_tokens']:6d}  {r['cached_tokens']:6d}  "
+                     f"{r['prefilled_tokens']:9d}  {base['ttft_ms']:13.1f}  "
+                     f"{r['ttft_ms']:12.1f}  {r['ttft_ms'] / base['ttft_ms']:8.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import torch
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--layers", type=int, default=0, help="first n decoder layers (0: all)")
+    ap.add_argument("--system", type=int, default=32768, help="system prompt tokens")
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--question", type=int, default=256, help="new tokens a turn adds")
+    ap.add_argument("--answer", type=int, default=64, help="tokens a turn generates")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    for name in ("system", "turns", "question", "answer"):
+        if getattr(args, name) < 1:
+            print(f"bench_prefix_cache: --{name} must be >= 1", file=sys.stderr)
+            return 2
+    records = measure(args.model, args.layers, args.device, args.system, args.turns,
+                      args.question, args.answer)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+    print(table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
