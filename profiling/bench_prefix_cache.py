@@ -4,6 +4,9 @@ whose prompt is the whole conversation so far, with the cache on and off, in one
     python profiling/bench_prefix_cache.py --model llama-3.1-8b --layers 4 \\
         --system 32768 --turns 4 --question 256 --answer 64 --out prefix_cache.json
 
+(--kvp N splits the sequence over N ranks: a block is then N x page-size positions, and
+"prefilled" counts the prompt tokens rank 0 projected.)
+
 Turn k's prompt is a system prompt of --system tokens, then k (question, answer) pairs, then a
 new --question tokens; each turn generates --answer tokens (greedy, eos ignored) that join the
 history. With the cache on, a turn prefills only what its earlier turns did not write (the last
@@ -54,7 +57,7 @@ def conversation(llm, system: int, turns: int, question: int, answer: int, seed:
 
 
 def measure(model: str, layers: int, device: str, system: int, turns: int, question: int,
-            answer: int, seed: int = 0) -> list[dict]:
+            answer: int, kvp: int = 1, seed: int = 0) -> list[dict]:
     from helix import LLM, Layout, RuntimeConfig
     from helix.runtime.sampling import SamplingParams
     longest = system + turns * (question + answer) + 16
@@ -63,12 +66,12 @@ def measure(model: str, layers: int, device: str, system: int, turns: int, quest
         rt = RuntimeConfig(device=device, dtype="bfloat16" if device == "cuda" else "float32",
                            layers=layers, max_batch=2, max_context=longest,
                            prefix_caching=cache)
-        with LLM(model, Layout(), rt) as llm:
+        with LLM(model, Layout(kvp=kvp), rt) as llm:
             llm.generate([list(range(3, 3 + min(system, 512)))],           # warm-up
                          SamplingParams(max_new_tokens=2, ignore_eos=True))
             llm.reset_prefix_cache()
             for rec in conversation(llm, system, turns, question, answer, seed):
-                out.append({"model": model, "layers": layers, "device": device,
+                out.append({"model": model, "layers": layers, "device": device, "kvp": kvp,
                             "prefix_caching": cache, **rec})
     return out
 
@@ -95,15 +98,16 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--question", type=int, default=256, help="new tokens a turn adds")
     ap.add_argument("--answer", type=int, default=64, help="tokens a turn generates")
+    ap.add_argument("--kvp", type=int, default=1, help="KVP ranks (the sequence split)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    for name in ("system", "turns", "question", "answer"):
+    for name in ("system", "turns", "question", "answer", "kvp"):
         if getattr(args, name) < 1:
             print(f"bench_prefix_cache: --{name} must be >= 1", file=sys.stderr)
             return 2
     records = measure(args.model, args.layers, args.device, args.system, args.turns,
-                      args.question, args.answer)
+                      args.question, args.answer, args.kvp)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)
