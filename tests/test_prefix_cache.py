@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from hf_fixtures import SMALL, VOCAB, hf_greedy
 
 from helix import LLM, Layout, RuntimeConfig, SamplingParams
@@ -280,3 +281,29 @@ def test_kvp_ranks_take_the_same_hits(hf_checkpoint, family, layout):
     assert a == hf_greedy(hf, P1, 5)[0]
     assert outs == [hf_greedy(hf, P2, 5)[0], hf_greedy(hf, turn, 5)[0]]
     assert cached == {1: 41 // B * B, 2: (len(P1) + 4) // B * B}
+
+
+# -- on the GPU: graphs over shared pages ----------------------------------------------------------
+def _gpu_turns(model: str, dtype: str, cache: bool, graph_eager: bool = False):
+    """A request, then one sharing its prompt's first 40 tokens and one holding its prompt and
+    answer (the next turn), under decode and prefill graphs with overlapped steps."""
+    rt = RuntimeConfig(device="cuda", dtype=dtype, page_size=16, max_batch=4,
+                       graph_buckets=(1, 2, 4), attention_backend="triton",
+                       graph_eager=graph_eager, prefix_caching=cache)
+    with LLM(model, Layout(), rt) as llm:
+        a = llm.generate([P1], greedy(8))[0]
+        outs = llm.generate([P2, P1 + a + [33, 34]], greedy(8))
+        return [a] + outs, dict(llm.cached_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-deepseek-v3"])
+def test_captured_steps_read_cached_blocks_as_eager_steps_do(model):
+    """Decode and prefill graphs over block tables whose leading pages are cached blocks, and
+    chunks that start after a hit: bitwise the eager steps' tokens (bf16); in fp32 the tokens of
+    the same run without the cache."""
+    captured, cached = _gpu_turns(model, "bfloat16", True)
+    assert (captured, cached) == _gpu_turns(model, "bfloat16", True, graph_eager=True)
+    assert cached == {1: 32, 2: 48}                  # 16-position blocks
+    assert _gpu_turns(model, "float32", True)[0] == _gpu_turns(model, "float32", False)[0]
