@@ -1,11 +1,12 @@
 """After a server's warm-up (helix/serving/warmup.py), a random serving pattern (prompts of any
-length joining while others decode, contexts up to max_context) launches no Triton kernel
-variant the warm-up did not: on a GPU each new variant is a compilation (~1 s) in the middle of
-serving. Triton compiles one variant per specialisation of a launch's arguments: integers equal
-to 1 or divisible by 16 (unless the kernel names them in do_not_specialize), integers past 32
-bits, pointers aligned to 16 bytes, every constexpr value. This test records that key for every
-launch through the interpreter on the CPU (the attention kernels: the fused norm / RoPE ops run
-their torch fallbacks off CUDA).
+length joining while others decode, some starting like earlier ones so their chunks begin after
+prefix-cache hits, contexts up to max_context) launches no Triton kernel variant the warm-up did
+not: on a GPU each new variant is a compilation (~1 s) in the middle of serving. Triton compiles
+one variant per specialisation of a launch's arguments: integers equal to 1 or divisible by 16
+(unless the kernel names them in do_not_specialize), integers past 32 bits, pointers aligned to
+16 bytes, every constexpr value. This test records that key for every launch through the
+interpreter on the CPU (the attention kernels: the fused norm / RoPE ops run their torch
+fallbacks off CUDA).
 
 Before the mixed step's prefill metadata was aligned (helix/kv/manager.py: _aligned), this found
 three new variants of the prefill kernel after the warm-up (block tables, lengths and positions
@@ -72,16 +73,21 @@ def test_serving_after_warm_up_compiles_nothing_new(launches, model, layers):
         warm = set(launches)
         assert warm, "no kernel launched: the test would prove nothing"
         vocab = llm.cfg.vocab_size
-        for _ in range(16):
+        sent = []                          # earlier prompts: some later ones start the same way
+        for _ in range(16):                # (prefix-cache hits: chunks after cached blocks)
             for _ in range(rnd.choice([0, 0, 1, 2, 3])):
                 prefix = rnd.choice([0, 0, 0, rnd.randint(1, 150)])
                 n = rnd.randint(1, min(40, 190 - prefix))
-                llm.add_request([rnd.randint(1, vocab - 1) for _ in range(n)],
-                                SamplingParams(max_new_tokens=rnd.randint(1, 6), ignore_eos=True),
-                                synthetic_prefix=prefix)
+                ids = [rnd.randint(1, vocab - 1) for _ in range(n)]
+                if sent and not prefix and rnd.random() < 0.4:
+                    ids = rnd.choice(sent)[:rnd.randint(16, 60)] + ids[:20]
+                sent.append(ids)
+                llm.add_request(ids, SamplingParams(max_new_tokens=rnd.randint(1, 6),
+                                                    ignore_eos=True), synthetic_prefix=prefix)
             if llm.has_unfinished():
                 llm.step()
         while llm.has_unfinished():
             llm.step()
+        assert llm.stats()["prefix_cache_hits"] > 0
     new = launches - warm
     assert not new, [(name, args) for name, args, _ in new]
