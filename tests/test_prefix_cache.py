@@ -233,6 +233,27 @@ def test_a_tight_pool_preempts_evicts_and_keeps_the_tokens(hf_checkpoint):
     assert runs[True] == runs[False]
 
 
+def test_a_request_waits_for_the_prefill_of_its_prompt_that_is_running(hf_checkpoint):
+    """Two choices of one prompt (and a third request sharing its first half) added together:
+    the first prefills, the others wait a step and read its blocks; a request sharing less than
+    half its prompt (a common system prompt) is not held back. Tokens: transformers'."""
+    path, hf = hf_checkpoint("llama")
+    short = PREFIX[:8] + list(range(60, 100))        # shares 8 of 48 tokens: runs at once
+    half = PREFIX[:28] + [1, 2, 3]                    # shares 28 of 31
+    with _llm(path, max_prefill_tokens=256) as llm:
+        ids = [llm.add_request(p, greedy(4)) for p in (P1, P1, half, short)]
+        first = llm.step()
+        running = {r.id for r in llm.engine.scheduler.running}
+        while llm.has_unfinished():
+            llm.step()
+        assert running == {ids[0], ids[3]}
+        assert first.num_tokens == len(P1) + len(short)
+        assert llm.cached_tokens == {ids[1]: 40, ids[2]: 28}
+        assert llm.prefill_tokens_per_rank() == [len(P1) + 4 + 3 + len(short)]
+        for i, p in zip(ids, (P1, P1, half, short)):
+            assert llm.outputs[i] == hf_greedy(hf, p, 4)[0]
+
+
 def test_prompt_logprobs_prefill_the_whole_prompt(hf_checkpoint):
     path, _ = hf_checkpoint("llama")
     with _llm(path) as llm:

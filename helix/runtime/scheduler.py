@@ -136,6 +136,22 @@ class Scheduler:
             return []                                       # position prefilled here
         return self.cache.lookup(r.tokens, r.cache_limit)
 
+    def _defers(self, r: Request) -> bool:
+        """r waits while a running request prefills the first half (or more) of r's prompt: r
+        then reads those positions from the cache instead of prefilling them beside it (n
+        choices of one prompt, the same document asked twice at once). Not for a shared prefix
+        shorter than that (a common system prompt before long, different questions), where
+        waiting would cost r a step to save less than it prefills anyway."""
+        if not r.shares_kv or r.computed or r.params.prompt_logprobs is not None:
+            return False
+        B = self.sharding.block_tokens
+        need = max(B, len(r.prompt) // 2) // B * B
+        if need > r.cache_limit:
+            return False
+        head = r.prompt[:need]
+        return any(q.prefilling and q.shares_kv and q.computed < need and q.prompt[:need] == head
+                   for q in self.running)
+
     def _take_cached(self, r: Request, blocks: list) -> None:
         """r starts with these cached blocks: its first chunk begins after them."""
         if not r.preemptions:                   # hit rate: over first admissions
@@ -238,6 +254,8 @@ class Scheduler:
                 self.dropped.append(r)
                 continue
             if r.pending:                  # preempted with a token still on its way: next step
+                continue
+            if self.cache is not None and self._defers(r):
                 continue
             blocks = self._cached_blocks(r)
             start = len(blocks) * self.sharding.block_tokens if blocks else r.computed
