@@ -138,6 +138,8 @@ class OpenAIServer:
             Route("/v1/models", self._authorized(self.models), methods=["GET"]),
             Route("/tokenize", self._authorized(self.tokenize), methods=["POST"]),
             Route("/detokenize", self._authorized(self.detokenize), methods=["POST"]),
+            Route("/reset_prefix_cache", self._authorized(self.reset_prefix_cache),
+                  methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ])
@@ -177,6 +179,14 @@ class OpenAIServer:
                 up = self.engine.health() is None      # stale stats, still rendered
         return PlainTextResponse(self.engine.metrics.render(self.engine.in_flight, up),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's /reset_prefix_cache: idle cached blocks dropped (running requests keep
+        theirs); answers with the KV pages free after it, per rank."""
+        try:
+            return JSONResponse(await self.engine.reset_prefix_cache())
+        except EngineDeadError as e:
+            return error(503, str(e), "engine_dead", code="engine_dead")
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (through the chat

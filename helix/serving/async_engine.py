@@ -411,6 +411,13 @@ class AsyncLLM:
         self.bind()
         return await self._call("stats", ("stats",))
 
+    async def reset_prefix_cache(self) -> dict:
+        """Drop the prefix cache's idle blocks (LLM.reset_prefix_cache); returns
+        {"kv_pages_free": [per rank]} after it."""
+        self.bind()
+        key = next(self._keys)
+        return await self._call(key, ("reset_cache", key))
+
     async def run_direct(self, prompts: list[list[int]], params) -> dict:
         """The engine's own run of `prompts` (no server in the path): tokens, seconds, steps,
         outputs. Nothing else may run meanwhile (benchmarks)."""

@@ -10,6 +10,7 @@ Messages (tuples, pickled by multiprocessing's Connection):
 
   server -> engine   ("add", key, prompt_ids, SamplingParams, kv | None)
                      ("abort", key)        ("stats",)        ("direct", key, prompts, params)
+                     ("reset_cache", key)
                      ("shutdown",)
   engine -> server   ("ready", info) | ("failed", message)          once, at start
                      ("added", key) | ("rejected", key, kind, message)   kind: request | capacity
@@ -116,6 +117,14 @@ class EngineLoop:
 
     def _on_shutdown(self) -> None:
         self.stopping = True
+
+    def _on_reset_cache(self, key: int) -> None:
+        """Drop the idle cached blocks now (a step applies it; running requests advance by
+        it), then answer with the pool's state."""
+        self.llm.reset_prefix_cache()
+        self._step()
+        stats = self.llm.stats()
+        self._send(("direct", key, {"kv_pages_free": stats["kv_pages_free"]}))
 
     def _on_direct(self, key: int, prompts, params) -> None:
         """Run `prompts` straight through the LLM, nothing else running (benchmarks: the
