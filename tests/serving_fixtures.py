@@ -1,6 +1,7 @@
-"""A tiny word-level tokenizer saved next to a tiny HF checkpoint (tests/hf_fixtures.py), so text
-tests run without downloads: 128 tokens (the fixtures' vocabulary), whitespace pre-tokenizer, a
-chat template of plain words."""
+"""Tiny tokenizers saved next to a tiny HF checkpoint (tests/hf_fixtures.py), so text tests run
+without downloads, 128 tokens each (the fixtures' vocabulary): a word-level one (whitespace
+pre-tokenizer, a chat template of plain words), and a character-level one whose tokens decode by
+concatenation, as real tokenizers' do (structured outputs: JSON and regexes over characters)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,31 @@ def checkpoint_with_tokenizer(src: str, dst: str) -> str:
         shutil.copytree(src, dst)
         save_tokenizer(dst)
     return dst
+
+
+CHAR_PIECES = ['{"', '"}', '":', '","', '":"', '"]', '["', 'true', 'false', 'null', 'red',
+               'blue', 'green', 'name', 'color', 'yes', 'no', 'the', 'and', 'cat', 'dog', 'age',
+               'ok', '10', '42', '00', 'ing', 'er', 'on', 'in', 'at']
+
+
+def char_vocab() -> dict[str, int]:
+    """<unk>, <|end|>, the 95 printable ASCII characters, 31 multi-character pieces."""
+    words = SPECIAL + [chr(c) for c in range(32, 127)] + CHAR_PIECES
+    assert len(set(words)) == len(words) == 128, len(words)
+    return {w: i for i, w in enumerate(words)}
+
+
+def save_char_tokenizer(path: str) -> str:
+    """A character-level tokenizer (prompts encode one character a token; the pieces are only
+    generated), decoding by concatenation, eos <|end|>."""
+    from tokenizers import Regex, Tokenizer, decoders
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Split
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(WordLevel(char_vocab(), unk_token="<unk>"))
+    tok.pre_tokenizer = Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                   eos_token="<|end|>", chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(path)
+    return path

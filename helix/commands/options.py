@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from helix.config import ATTENTION_BACKENDS, Layout, RuntimeConfig
+from helix.errors import RequestError
 from helix.runtime.sampling import SamplingParams
 
 
@@ -132,6 +133,13 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="each token's log-probability and its K most likely alternatives "
                         "(0-20; in --json's \"logprobs\")")
+    g = p.add_argument_group("structured output (a checkpoint with its tokenizer; one of)")
+    g.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                   help="generate JSON following this schema (a file, or the schema inline)")
+    g.add_argument("--json-object", action="store_true", help="generate a JSON value")
+    g.add_argument("--regex", default=None, help="generate text matching the pattern")
+    g.add_argument("--choice", default=None, metavar="A,B,...",
+                   help="generate exactly one of these comma-separated strings")
 
 
 def configs(args) -> tuple[Layout, RuntimeConfig]:
@@ -163,4 +171,35 @@ def sampling(args) -> SamplingParams:
                           logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
                           repetition_penalty=args.repetition_penalty,
                           frequency_penalty=args.frequency_penalty,
-                          presence_penalty=args.presence_penalty, min_tokens=args.min_tokens)
+                          presence_penalty=args.presence_penalty, min_tokens=args.min_tokens,
+                          grammar=grammar(args))
+
+
+def grammar(args) -> tuple[str, str] | None:
+    """The structured-output flags -> a grammar spec (helix/runtime/grammar.py), or None."""
+    import json
+    import os
+
+    from helix.runtime.grammar import choice_spec
+    given = [f for f in ("json_schema", "json_object", "regex", "choice") if getattr(args, f)]
+    if len(given) > 1:
+        raise RequestError(f"give one of --json-schema, --json-object, --regex, --choice (got "
+                           f"{', '.join('--' + f.replace('_', '-') for f in given)})")
+    if args.json_schema is not None:
+        text = args.json_schema
+        if os.path.isfile(text):
+            with open(text) as f:
+                text = f.read()
+        try:
+            json.loads(text)
+        except ValueError:
+            raise RequestError(f"--json-schema: {args.json_schema!r} is neither a file nor "
+                               f"JSON") from None
+        return ("json_schema", text)
+    if args.json_object:
+        return ("json", "")
+    if args.regex is not None:
+        return ("regex", args.regex)
+    if args.choice is not None:
+        return choice_spec(args.choice.split(","))
+    return None

@@ -34,6 +34,7 @@ from helix.loader import build_and_load
 from helix.parallel.comm import Comm
 from helix.runtime import faults, penalties
 from helix.runtime.decode_graphs import DecodeGraphs
+from helix.runtime.grammar import Grammars, Matcher, allowed, bitmask
 from helix.runtime.logprobs import TokenLogprob, from_host, score_prompts
 from helix.runtime.memory import plan_kv_pool
 from helix.runtime.prefill_graphs import DEFAULT_MAX_TOKENS, LOCAL, PASS_KV, PrefillGraphs
@@ -99,6 +100,8 @@ class Engine:
         self.seeds: dict[int, int] = {}       # request id -> sampling seed
         self.vocab_rows: dict[int, tuple] = {}   # request id -> its prompt mask and logit
                                                  # bias over the vocabulary (penalties.py)
+        self.grammars = Grammars(model_ref, cfg.vocab_size)
+        self.matchers: dict[int, Matcher] = {}   # request id -> its place in its grammar
         self.kv_tokens_released = 0
         ladder = (BucketLadder(buckets=runtime.graph_buckets) if runtime.graph_buckets
                   else BucketLadder(max_size=runtime.max_batch))
@@ -160,6 +163,8 @@ class Engine:
                 req = Request(req_id, list(prompt), params, max_len, prefix)
                 self.seeds[req_id] = (params.seed if params.seed is not None
                                       else self.runtime.seed * 1000003 + req_id)
+                if params.grammar is not None:
+                    self.matchers[req_id] = self.grammars.matcher(params.grammar)
                 self.scheduler.add(req)
             elif cmd[0] == "abort":
                 self.scheduler.abort(cmd[1])
@@ -183,23 +188,21 @@ class Engine:
             raise EngineDeadError(self.dead)
         t0 = time.perf_counter()
         self.apply(commands)
-        retired = self._retire()                      # aborted before running
+        tokens, logprobs, prompt_logprobs = {}, {}, {}
+        if self.inflight is not None and self.matchers:   # constrained rows need their last
+            self._resolve_inflight(tokens, logprobs, prompt_logprobs)   # token on the host
+        retired = self._retire()                      # aborted (or just ended) before running
         plan = self.scheduler.schedule()
         self.kv.apply_ops(self.scheduler.take_kv_ops())   # preempted requests' pages freed
         for c in plan.prefill:
             if c.req.imported_kv is not None:         # admitted with KV from a prefill server
                 self._write_imported(c.req, c.start)
         launched = self._launch_confined(plan) if plan else None
-        tokens, logprobs, prompt_logprobs = {}, {}, {}
-        try:
-            if self.inflight is not None:
-                self._resolve(self.inflight, tokens, logprobs, prompt_logprobs)
-            self.inflight = launched
-            if launched is not None and not self.overlap:
-                self._resolve(launched, tokens, logprobs, prompt_logprobs)
-                self.inflight = None
-        except Exception as e:                        # an asynchronous device fault
-            raise self._die(f"reading back a step failed: {type(e).__name__}: {e}") from None
+        if self.inflight is not None:
+            self._resolve_inflight(tokens, logprobs, prompt_logprobs)
+        self.inflight = launched
+        if launched is not None and (not self.overlap or self.matchers):
+            self._resolve_inflight(tokens, logprobs, prompt_logprobs)
         retired += self._retire()
         finished = {r.id: r.finish_reason for r in retired}
         errors = {r.id: r.error for r in retired if r.finish_reason == "error"}
@@ -318,7 +321,8 @@ class Engine:
                     self._vocab_rows([sampled[i] for i in processed], logits.shape[1]),
                     [seeds[i] for i in processed], [counters[i] for i in processed],
                     [tuple(self._stop_ids(params[i])) if produced[i] < params[i].min_tokens
-                     else () for i in processed])
+                     else () for i in processed],
+                    self._grammar_masks([sampled[i] for i in processed], logits.shape[1]))
         k = self._logprobs(params, produced, logits) if extras else None
         scored = None
         if h is not None and any(c.req.params.prompt_logprobs is not None for c in plan.prefill):
@@ -344,6 +348,17 @@ class Engine:
         s = torch.tensor([src[i] if p else -1 for i, p in zip(rows, pend)], dtype=torch.long)
         t = torch.tensor([ids[i] if p else -1 for i, p in zip(rows, pend)], dtype=torch.long)
         return self.sampler.select(upload(s, self.device), upload(t, self.device))
+
+    def _grammar_masks(self, reqs: list[Request], vocab: int) -> torch.Tensor | None:
+        """[m, V] bool on the device: the ids each request's grammar allows next (every id for
+        a request without one); None when none of them has a grammar."""
+        rows = [(i, self.matchers[r.id]) for i, r in enumerate(reqs) if r.id in self.matchers]
+        if not rows:
+            return None
+        mask = bitmask(len(reqs), vocab)
+        for i, m in rows:
+            m.fill(mask, i)
+        return allowed(upload(mask, self.device), vocab)
 
     def _vocab_rows(self, reqs: list[Request], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The requests' prompt masks and logit biases [m, V] (made once per request, dropped
@@ -424,6 +439,15 @@ class Engine:
                   for cache in self.caches]
         return {"positions": pos, "heads": self._kv_heads(), "layers": layers}
 
+    def _resolve_inflight(self, *outs) -> None:
+        """_resolve the step in flight into `outs`; a failure there is the device's (an
+        asynchronous fault) and ends the engine."""
+        step, self.inflight = self.inflight, None
+        try:
+            self._resolve(step, *outs)
+        except Exception as e:
+            raise self._die(f"reading back a step failed: {type(e).__name__}: {e}") from None
+
     def _resolve(self, step: _Launched, out: dict[int, int], logprobs: dict[int, TokenLogprob],
                  prompt_logprobs: dict[int, list[TokenLogprob]]) -> None:
         """Wait for a queued step's tokens; append them to `out` (request id -> token, and
@@ -451,7 +475,11 @@ class Engine:
             k = r.params.logprobs
             if k is not None:
                 logprobs[r.id] = TokenLogprob(rows[i].logprob, rows[i].top[:k])
-            if tok in self._stop_ids(r.params):
+            matcher = self.matchers.get(r.id)
+            if matcher is not None and not matcher.accept(tok):
+                r.finish_reason = "error"
+                r.error = f"token {tok} is outside the request's grammar (no token was allowed)"
+            elif tok in self._stop_ids(r.params) or (matcher is not None and matcher.done):
                 r.finish_reason = "stop"
             elif (len(r.output) >= r.params.max_new_tokens
                   or r.num_tokens - r.pending >= r.max_len):
@@ -465,6 +493,7 @@ class Engine:
         for r in done:
             self.seeds.pop(r.id, None)
             self.vocab_rows.pop(r.id, None)
+            self.matchers.pop(r.id, None)
         return done
 
     def _die(self, message: str) -> EngineDeadError:

@@ -278,6 +278,8 @@ class LLM:
             raise RequestError(f"params must be a helix.SamplingParams, got "
                                f"{type(params).__name__}")
         params.check_vocab(self.cfg.vocab_size)
+        if params.grammar is not None:          # compiled here first: a bad one is refused now
+            self.engine.grammars.compile(params.grammar)
         prompt = self._check_prompt(prompt_ids, prefix)
         max_len = min(prefix + len(prompt) + params.max_new_tokens, self.max_context)
         sched = self.engine.scheduler

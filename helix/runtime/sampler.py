@@ -69,12 +69,14 @@ class Sampler:
     def process_rows(self, logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
                      outputs: list[list[int]], pending: torch.Tensor,
                      vocab_rows: tuple[torch.Tensor, torch.Tensor], seeds: list[int],
-                     counters: list[int], suppress: list[tuple[int, ...]]) -> None:
+                     counters: list[int], suppress: list[tuple[int, ...]],
+                     allowed: torch.Tensor | None = None) -> None:
         """After the step's tokens are in: rows `rows` of logits [n, V] (their params, output
         tokens the host knows, pending [m] the device token not read back yet or -1,
-        vocab_rows their prompt masks and biases [m, V] (penalties.request_rows), and ids each
-        must not produce now) get their token again from their processed logits: the argmax,
-        or the same seeded draw as an unprocessed row. No host sync."""
+        vocab_rows their prompt masks and biases [m, V] (penalties.request_rows), the ids each
+        must not produce now, and allowed [m, V] bool: the ids their grammars allow, or None)
+        get their token again from their processed logits: the argmax, or the same seeded draw
+        as an unprocessed row. No host sync."""
         dev = logits.device
 
         def col(name):
@@ -85,6 +87,8 @@ class Sampler:
         x = penalties.apply(logits.index_select(0, rows_t), counts, *vocab_rows,
                             col("repetition_penalty"), col("frequency_penalty"),
                             col("presence_penalty"), suppress)
+        if allowed is not None:
+            x = x.masked_fill(~allowed, -torch.inf)
         out = x.argmax(-1)
         if not all(p.greedy for p in params):
             r = self._row_params(params, seeds, counters)

@@ -1,6 +1,6 @@
 """Sampling parameters of a request, validated when they are made: greedy, temperature, top-k,
 top-p, seeded per request, stop ids, teacher forcing, log-probabilities, penalties and logit
-bias (helix/runtime/penalties.py)."""
+bias (helix/runtime/penalties.py), a grammar (helix/runtime/grammar.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from helix.errors import RequestError
+from helix.runtime.grammar import check_spec
 from helix.runtime.logprobs import MAX_LOGPROBS
 
 SEED_LIMIT = 2**63            # seeds are hashed as signed 64-bit integers
@@ -81,9 +82,13 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, -100..100) added to its logit
                                              # (a dict is taken too). helix/runtime/penalties.py
     min_tokens: int = 0                      # no eos / stop id before this many tokens
+    grammar: tuple[str, str] | None = None   # structured output: (kind, text), e.g.
+                                             # ("json_schema", '{"type": "object"}');
+                                             # helix/runtime/grammar.py
     extras: bool = field(default=False, init=False, repr=False, compare=False)
                                              # any of logprobs / prompt_logprobs / penalties /
-                                             # logit_bias / min_tokens set (set, not given)
+                                             # logit_bias / min_tokens / grammar set (set, not
+                                             # given)
 
     def __post_init__(self):
         _int("max_new_tokens", self.max_new_tokens, 1)
@@ -112,6 +117,7 @@ class SamplingParams:
                                f"got {self.min_tokens}")
         object.__setattr__(self, "repetition_penalty", r)
         object.__setattr__(self, "logit_bias", _bias(self.logit_bias))
+        object.__setattr__(self, "grammar", check_spec(self.grammar))
         object.__setattr__(self, "extras", self.logprobs is not None or
                            self.prompt_logprobs is not None or self.processed(0))
         if not isinstance(self.ignore_eos, bool):
@@ -120,6 +126,8 @@ class SamplingParams:
         object.__setattr__(self, "top_p", p)
         object.__setattr__(self, "stop_token_ids", _ids("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "forced_tokens", _ids("forced_tokens", self.forced_tokens))
+        if self.grammar is not None and self.forced_tokens:
+            raise RequestError("grammar and forced_tokens exclude each other: give one")
 
     @property
     def greedy(self) -> bool:
@@ -129,7 +137,8 @@ class SamplingParams:
         """Whether its logits are processed before its next token is chosen (penalties.py),
         `produced` tokens into its output."""
         return bool(self.repetition_penalty != 1 or self.frequency_penalty or
-                    self.presence_penalty or self.logit_bias or produced < self.min_tokens)
+                    self.presence_penalty or self.logit_bias or produced < self.min_tokens
+                    or self.grammar is not None)
 
     def check_vocab(self, vocab: int) -> None:
         """Token ids the request names must exist in the model's vocabulary."""

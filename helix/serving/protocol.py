@@ -12,11 +12,13 @@ helix/kv/transfer.py, under the server's --kv-dir). Every choice also carries it
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, replace
 
 from helix.errors import RequestError
+from helix.runtime.grammar import choice_spec
 from helix.runtime.logprobs import MAX_LOGPROBS
 from helix.runtime.sampling import SEED_LIMIT, SamplingParams
 
@@ -63,13 +65,14 @@ class Parsed:
 
 
 # fields a client may send that Helix does not implement: refused unless left at the default
-# (structured outputs and tools would change what is generated: never silently ignored)
+# (tools would change what is generated: never silently ignored)
 UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
                "functions": (None, []), "tool_choice": (None, "none"),
-               "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
-               "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-               "guided_grammar": (None,), "structured_outputs": (None,), "prediction": (None,),
+               "function_call": (None, "none"), "prediction": (None,),
                "audio": (None,), "modalities": (None, ["text"])}
+# structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
 MAX_STOPS = 4
 MAX_N = 16                     # choices per prompt
 MAX_PROMPTS = 64               # prompts in a completions batch
@@ -147,6 +150,67 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return top or 0
 
 
+def _schema_text(name: str, schema) -> str:
+    """A JSON schema given as an object or as JSON text -> its JSON text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise FieldError(name, f"{name}: the schema is not valid JSON") from None
+    if not isinstance(schema, (dict, bool)):
+        raise FieldError(name, f"{name}: a JSON schema is an object")
+    return json.dumps(schema)
+
+
+def _guided(name: str, kind: str, value) -> tuple[str, str]:
+    """One structured-output request (vLLM's kinds: json, regex, choice, grammar) -> a spec."""
+    if kind == "json":
+        return ("json_schema", _schema_text(name, value))
+    if kind == "choice":
+        try:
+            return choice_spec(value)
+        except RequestError as e:
+            raise FieldError(name, f"{name}: {e}") from None
+    if not isinstance(value, str) or not value:
+        raise FieldError(name, f"{name} must be a non-empty string")
+    return ("regex" if kind == "regex" else "ebnf", value)
+
+
+def _grammar(body: dict) -> tuple[str, str] | None:
+    """The request's grammar (helix/runtime/grammar.py), from at most one of response_format
+    (json_object, json_schema), guided_json / _regex / _choice / _grammar, structured_outputs."""
+    found = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            found.append(("json", ""))
+        elif kind == "json_schema":
+            inner = fmt.get("json_schema")
+            if not isinstance(inner, dict) or "schema" not in inner:
+                raise FieldError("response_format", "response_format json_schema needs "
+                                 "{\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+            found.append(("json_schema", _schema_text("response_format", inner["schema"])))
+        elif kind != "text":
+            raise FieldError("response_format", "response_format type must be text, "
+                                                "json_object or json_schema")
+    for name, kind in GUIDED.items():
+        if body.get(name) is not None:
+            found.append(_guided(name, kind, body[name]))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise FieldError("structured_outputs", "structured_outputs must be an object, e.g. "
+                                                   "{\"regex\": \"(yes|no)\"}")
+        for kind in ("json", "regex", "choice", "grammar"):
+            if so.get(kind) is not None:
+                found.append(_guided("structured_outputs", kind, so[kind]))
+    if len(found) > 1:
+        raise FieldError("response_format", "give one structured output (response_format, a "
+                                            "guided_* field or structured_outputs), not several")
+    return found[0] if found else None
+
+
 def sampling(body: dict, vocab: int, max_tokens_field: str = "max_tokens",
              chat: bool = False, echo: bool = False) -> SamplingParams:
     """The sampling fields -> SamplingParams (OpenAI defaults: temperature 1, max_tokens 16 on
@@ -174,7 +238,8 @@ def sampling(body: dict, vocab: int, max_tokens_field: str = "max_tokens",
             presence_penalty=_num(body, "presence_penalty", 0.0),
             frequency_penalty=_num(body, "frequency_penalty", 0.0),
             repetition_penalty=_num(body, "repetition_penalty", 1.0),
-            logit_bias=_logit_bias(body), min_tokens=_int(body, "min_tokens", 0, 0))
+            logit_bias=_logit_bias(body), min_tokens=_int(body, "min_tokens", 0, 0),
+            grammar=_grammar(body))
     except FieldError:
         raise
     except RequestError as e:

@@ -1,0 +1,155 @@
+"""Structured outputs: a request's tokens constrained to a language (any JSON value, JSON that
+follows a schema, a regular expression, one of a list of strings, an EBNF grammar). xgrammar
+(https://github.com/mlc-ai/xgrammar, the `structured` extra) compiles the grammar against the
+checkpoint's own tokenizer and tells, before each token, which token ids keep the output a
+prefix of the language.
+
+A spec is a pair (kind, text), hashable and picklable so it travels in a step's commands:
+
+    ("json", "")              any JSON value (OpenAI's response_format json_object)
+    ("json_schema", schema)   JSON text following the schema (a JSON string)
+    ("regex", pattern)        the pattern (xgrammar's regex syntax)
+    ("choice", options)       exactly one of the strings (options: a JSON list of strings)
+    ("ebnf", grammar)         an EBNF grammar whose start rule is `root`
+
+JSON is generated compact (no whitespace between tokens of the syntax): a random or weak model
+left free to emit whitespace can fill its whole budget with it.
+
+Where it runs: every rank keeps a matcher per constrained request (sampling is replicated, so
+every rank applies the same mask and gets the same token). Before a step, each constrained
+row's allowed ids are written as a bitmask [rows, ceil(V / 32)] int32 (bit j of word w: id
+32 w + j), uploaded, unpacked on the device and applied to the row's processed logits (-inf
+elsewhere, helix/runtime/sampler.py process_rows); after the step the row's token is accepted
+by its matcher, and a matcher that has accepted a stop token (the language is complete) ends
+the request with finish reason "stop". A constrained row needs its previous token on the host
+to know its mask, so a step holding one does not overlap the step before it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+
+import torch
+
+from helix.errors import RequestError
+
+KINDS = ("json", "json_schema", "regex", "choice", "ebnf")
+CACHE = 64                       # compiled grammars kept per engine (least recently used out)
+
+
+def check_spec(spec) -> tuple[str, str] | None:
+    """A grammar spec as SamplingParams keeps it: None, or (kind, text) with a known kind."""
+    if spec is None:
+        return None
+    if (not isinstance(spec, (tuple, list)) or len(spec) != 2 or spec[0] not in KINDS
+            or not isinstance(spec[1], str)):
+        raise RequestError(f"grammar must be (kind, text) with kind one of {', '.join(KINDS)}, "
+                           f"got {spec!r}: e.g. grammar=('regex', '(yes|no)')")
+    return (spec[0], spec[1])
+
+
+def choice_spec(options) -> tuple[str, str]:
+    """("choice", ...) of a list of strings."""
+    if (isinstance(options, (str, bytes)) or not hasattr(options, "__iter__")
+            or not (options := list(options))
+            or not all(isinstance(o, str) and o for o in options)):
+        raise RequestError(f"a choice is a non-empty list of non-empty strings, got {options!r}")
+    return ("choice", json.dumps(options))
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise RequestError("structured outputs need xgrammar: pip install -e \".[structured]\""
+                           ) from None
+    return xgrammar
+
+
+class Grammars:
+    """Grammars compiled for one checkpoint's tokenizer (loaded on first use), cached."""
+
+    def __init__(self, model: str, vocab: int):
+        self.model, self.vocab = model, vocab
+        self._compiler = None
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+
+    def compiler(self):
+        if self._compiler is None:
+            from helix.serving.tokenizer import load_tokenizer
+            tok = load_tokenizer(self.model)
+            if tok is None:
+                raise RequestError(f"structured outputs need the checkpoint's tokenizer and "
+                                   f"{self.model} has none (a preset takes token ids only): "
+                                   f"use a checkpoint directory with its tokenizer files")
+            xgr = _xgrammar()
+            info = xgr.TokenizerInfo.from_huggingface(tok.hf, vocab_size=self.vocab)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+    def compile(self, spec: tuple[str, str]):
+        """The compiled grammar of a spec; a spec that does not compile is a RequestError
+        naming the kind and xgrammar's first line."""
+        hit = self._cache.get(spec)
+        if hit is not None:
+            self._cache.move_to_end(spec)
+            return hit
+        comp, (kind, text) = self.compiler(), spec
+        try:
+            if kind == "json":
+                grammar = comp.compile_builtin_json_grammar()
+            elif kind == "json_schema":
+                grammar = comp.compile_json_schema(text, any_whitespace=False)
+            elif kind == "regex":
+                grammar = comp.compile_regex(text)
+            elif kind == "choice":
+                options = json.loads(text)
+                grammar = comp.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(o) for o in options))
+            else:
+                grammar = comp.compile_grammar(text)
+        except (RuntimeError, ValueError, TypeError) as e:
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            why = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", why)      # xgrammar's time, file:line
+            why = re.sub(r"^Check failed: .*? is false: ", "", why)
+            raise RequestError(f"the {kind} grammar does not compile: {why}") from None
+        self._cache[spec] = grammar
+        if len(self._cache) > CACHE:
+            self._cache.popitem(last=False)
+        return grammar
+
+    def matcher(self, spec: tuple[str, str]) -> "Matcher":
+        return Matcher(_xgrammar().GrammarMatcher(self.compile(spec)))
+
+
+class Matcher:
+    """One request's place in its grammar."""
+
+    def __init__(self, matcher):
+        self.m = matcher
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of a host bitmask [m, ceil(V / 32)] int32: the ids allowed next."""
+        self.m.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        return bool(self.m.accept_token(token))
+
+    @property
+    def done(self) -> bool:
+        """It has accepted a stop token: the output is a whole sentence of the language."""
+        return bool(self.m.is_terminated())
+
+
+def bitmask(rows: int, vocab: int) -> torch.Tensor:
+    """A host bitmask [rows, ceil(vocab / 32)] int32 allowing every id."""
+    return torch.full((rows, -(-vocab // 32)), -1, dtype=torch.int32)
+
+
+def allowed(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Unpack a bitmask [m, W] int32 (any device) -> [m, vocab] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+    bits = (mask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(mask.shape[0], -1)[:, :vocab].bool()
