@@ -183,7 +183,8 @@ class Engine:
         """Queue this step on the device, then read back the tokens of the step before it
         (overlap) or of this one (no overlap). With overlap the host prepares step N + 1 while
         the device runs step N: a request's token is reported one call later, and a request
-        that stops on a sampled stop id runs one extra (discarded) row."""
+        that stops on a sampled stop id runs one extra (discarded) row. While a request with a
+        grammar runs, every step is read back at once (its next mask needs its token)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         t0 = time.perf_counter()
