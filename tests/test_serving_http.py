@@ -466,10 +466,10 @@ def test_bad_bodies_and_chat_fields(served):
     s.close()
     assert reply.startswith("HTTP/1.1 400") and "not valid JSON" in reply
     c = served.client()
-    with pytest.raises(openai.BadRequestError) as e:                    # no silent tools
+    with pytest.raises(openai.BadRequestError) as e:     # no silent tools: auto is refused
         c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
                                   tools=[{"type": "function", "function": {"name": "f"}}])
-    assert e.value.body["param"] == "tools"
+    assert e.value.body["param"] == "tool_choice"
     for msgs, param in (([], "messages"), ([{"content": "x"}], "messages[0]"),
                         ([{"role": "user", "content": 5}], "messages[0].content")):
         with pytest.raises(openai.BadRequestError) as e:

@@ -272,7 +272,7 @@ class OpenAIServer:
         echo = None if parsed.echo is None else [
             (ids, text) for ids, text in zip(parsed.prompts, parsed.echo) for _ in range(parsed.n)]
         fmt = _Format(chat, self.name, sum(map(len, parsed.prompts)), self.engine.tokenizer,
-                      len(asked), echo, parsed.score_only, parsed.n)
+                      len(asked), echo, parsed.score_only, parsed.n, parsed.tools)
         if parsed.stream:
             return EventStream(fmt.events(choices, parsed.include_usage), choices)
         return await self._complete(request, choices, fmt)
@@ -342,12 +342,14 @@ class _Format:
 
     def __init__(self, chat: bool, model: str, prompt_tokens: int, tokenizer=None, n: int = 1,
                  echo: list[tuple[list[int], str]] | None = None, score_only: bool = False,
-                 per_prompt: int = 1):
+                 per_prompt: int = 1, tools=None):
         """n: choices; echo: each choice's prompt (ids, text) to put first; score_only: echo
         with max_tokens 0 (the generated token is dropped); per_prompt: choices of each prompt
-        (choice i is prompt i // per_prompt's)."""
+        (choice i is prompt i // per_prompt's); tools: a chat's ToolRequest (its outputs are
+        tool calls when its tool_choice asks for one)."""
         self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
         self.tokenizer, self.n, self.per_prompt = tokenizer, n, per_prompt
+        self.calling = tools if tools is not None and tools.grammar is not None else None
         self.cached = 0                       # prompt tokens read from the prefix cache: each
                                               # prompt's first choice's
         self.echo, self.score_only = echo, score_only
@@ -425,12 +427,30 @@ class _Format:
             self._count_cached(i, out)
             choice = {"index": i, "finish_reason": out.finish_reason,
                       "logprobs": self.logprobs(lp_ids, lps, i), "token_ids": ids}
-            if self.chat:
+            calls = self._calls(text, out.finish_reason)
+            if calls is not None:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
             choices.append(choice)
         return {**self._head(self.object), "choices": choices, "usage": self.usage(generated)}
+
+    def _calls(self, text: str, finish: str | None) -> list[dict] | None:
+        """A finished output's tool calls when the request asked for one (None otherwise, or
+        when max_tokens cut the call short: the text goes out as it is)."""
+        if self.calling is None or finish != "stop":
+            return None
+        return self.calling.calls(text)
+
+    def tool_chunk(self, calls: list[dict], ids: list[int], index: int) -> bytes:
+        """A streamed choice's tool calls, whole, with its finish."""
+        delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+        choice = {"index": index, "finish_reason": "tool_calls", "logprobs": None,
+                  "token_ids": ids, "delta": delta}
+        return self._chunk_head + json.dumps(choice, separators=(",", ":")).encode() + b"]}\n\n"
 
     def chunk(self, text: str, ids: list[int], finish: str | None, first: bool = False,
               lp_ids: list[int] = (), logprobs=None, index: int = 0) -> bytes:
@@ -451,11 +471,21 @@ class _Format:
             for i in range(self.n):
                 yield self.chunk("", [], None, first=True, index=i)
         n = 0
+        held = [("", [])] * self.n                 # tool calls: each choice's text until it ends
         async with contextlib.aclosing(choices.merged()) as merged:
             async for i, out in merged:
                 text, ids, lp_ids, lps = self._parts(i, out)
                 n += len(ids)
                 self._count_cached(i, out)
+                if self.calling is not None and out.finish_reason != "error":
+                    text, ids = held[i][0] + text, held[i][1] + ids
+                    held[i] = (text, ids)
+                    if out.finish_reason is None:
+                        continue
+                    calls = self._calls(text, out.finish_reason)
+                    if calls is not None:
+                        yield self.tool_chunk(calls, ids, i)
+                        continue
                 if out.finish_reason == "error":
                     if ids or text:
                         yield self.chunk(text, ids, None, False, lp_ids, lps, i)

@@ -7,7 +7,10 @@ integer, alternatives per token) on /v1/completions, `logprobs: true` and `top_l
 max_tokens 0 (the prompt scored, nothing generated). Penalties: presence_penalty,
 frequency_penalty, logit_bias (helix/runtime/penalties.py). Extensions (as vLLM's): top_k,
 repetition_penalty, min_tokens, stop_token_ids, ignore_eos, kv_file (a KV import,
-helix/kv/transfer.py, under the server's --kv-dir). Every choice also carries its "token_ids".
+helix/kv/transfer.py, under the server's --kv-dir). Structured outputs: response_format,
+guided_json / _regex / _choice / _grammar, structured_outputs (helix/runtime/grammar.py); chat
+tools with tool_choice required or a named function (helix/serving/tools.py). Every choice also
+carries its "token_ids".
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from helix.errors import RequestError
 from helix.runtime.grammar import choice_spec
 from helix.runtime.logprobs import MAX_LOGPROBS
 from helix.runtime.sampling import SEED_LIMIT, SamplingParams
+from helix.serving.tools import ToolError, ToolRequest, parse_tools, tool_message
 
 
 class FieldError(RequestError):
@@ -45,6 +49,7 @@ class Parsed:
     score_only: bool = False         # echo with max_tokens 0: the prompt scored, no tokens
     to_context: bool = False         # chat without a max_tokens: generate until the end of
                                      # the context (choices' longest_request)
+    tools: ToolRequest | None = None  # chat's tools and tool_choice (helix/serving/tools.py)
 
     def choices(self, longest_request: int) -> list[tuple[list[int], SamplingParams]]:
         """(prompt ids, params) of each choice, prompt by prompt, n each (one engine request
@@ -65,9 +70,8 @@ class Parsed:
 
 
 # fields a client may send that Helix does not implement: refused unless left at the default
-# (tools would change what is generated: never silently ignored)
-UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
-               "functions": (None, []), "tool_choice": (None, "none"),
+# (the legacy functions would change what is generated: never silently ignored)
+UNSUPPORTED = {"suffix": (None, ""), "best_of": (None, 1), "functions": (None, []),
                "function_call": (None, "none"), "prediction": (None,),
                "audio": (None,), "modalities": (None, ["text"])}
 # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
@@ -367,22 +371,34 @@ def parse_chat(body, tokenizer, vocab: int, kv_dir: str | None = None) -> Parsed
     if not isinstance(messages, list) or not messages:
         raise FieldError("messages", "messages must be a non-empty list of {role, content}")
     rendered = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise FieldError(f"messages[{i}]", f"messages[{i}] must be an object with a role "
-                                               f"and content")
-        rendered.append({"role": m["role"], "content": _text(m.get("content"), i)})
+    try:
+        tools = parse_tools(body)
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise FieldError(f"messages[{i}]", f"messages[{i}] must be an object with a "
+                                                   f"role and content")
+            calls = tool_message(m, i)
+            content = "" if m.get("content") is None and calls else _text(m.get("content"), i)
+            rendered.append({"role": m["role"], "content": content, **calls})
+    except ToolError as e:
+        raise FieldError(e.param, str(e)) from None
     if tokenizer is None:
         raise FieldError("messages", "messages: this model has no tokenizer (a preset): use "
                                      "/v1/completions with token ids")
     try:
-        ids = tokenizer.chat(rendered)
+        ids = tokenizer.chat(rendered, list(tools.tools) if tools else None)
     except RequestError as e:
         raise FieldError("messages", str(e)) from None
     stream, usage = _stream(body)
     params = sampling(body, vocab, "max_completion_tokens", chat=True)
+    if tools is not None and tools.grammar is not None:
+        if params.grammar is not None:
+            raise FieldError("tool_choice", "a tool call is JSON of its own: leave out "
+                                            "response_format / guided_* with this tool_choice")
+        params = replace(params, grammar=tools.grammar)
     return Parsed([ids], params, stream, usage, _kv_file(body, kv_dir), _stop(body, tokenizer),
-                  _int(body, "n", 1, 1, MAX_N), to_context=params.max_new_tokens == TO_CONTEXT)
+                  _int(body, "n", 1, 1, MAX_N), to_context=params.max_new_tokens == TO_CONTEXT,
+                  tools=tools)
 
 
 def _object(body) -> dict:

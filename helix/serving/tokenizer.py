@@ -31,15 +31,16 @@ class Tokenizer:
         """Prompt text -> ids, with the tokenizer's special tokens (e.g. BOS)."""
         return list(self.hf.encode(text, add_special_tokens=True))
 
-    def chat(self, messages: list[dict]) -> list[int]:
-        """Chat messages [{"role", "content"}] -> prompt ids through the checkpoint's chat
-        template, ending with the assistant's turn."""
+    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Chat messages [{"role", "content"}] (and the request's tools) -> prompt ids through
+        the checkpoint's chat template, ending with the assistant's turn."""
         if not self.has_chat_template:
             raise RequestError(f"the tokenizer in {self.path} has no chat template: send a plain "
                                f"prompt (/v1/completions, --prompt) instead")
         try:
             text = self.hf.apply_chat_template(messages, add_generation_prompt=True,
-                                               tokenize=False)
+                                               tokenize=False, **({"tools": tools} if tools
+                                                                  else {}))
         except Exception as e:   # a template's own raise_exception (e.g. roles out of order)
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise RequestError(f"messages: the chat template refused them: {why}") from None
