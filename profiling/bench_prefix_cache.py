@@ -18,7 +18,6 @@ TTFT per turn and mode and their ratio; --out writes the records.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -91,6 +90,8 @@ def table(records: list[dict]) -> str:
 
 def main(argv=None) -> int:
     import torch
+
+    from helix.perf.records import write_json
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--layers", type=int, default=0, help="first n decoder layers (0: all)")
@@ -109,8 +110,7 @@ def main(argv=None) -> int:
     records = measure(args.model, args.layers, args.device, args.system, args.turns,
                       args.question, args.answer, args.kvp)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
+        write_json(records, args.out)
     print(table(records))
     return 0
 

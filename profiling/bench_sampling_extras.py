@@ -14,7 +14,6 @@ plain step; --out writes the records (helix sweep's fields, plus "mode" and "sam
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 MODES = {"plain": {},
@@ -61,6 +60,8 @@ def table(records: list[dict]) -> str:
 
 def main(argv=None) -> int:
     import torch
+
+    from helix.perf.records import write_json
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--layers", type=int, default=None)
@@ -81,8 +82,7 @@ def main(argv=None) -> int:
                       [int(c) for c in args.contexts.split(",")], modes, args.device,
                       args.steps)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
+        write_json(records, args.out)
     print(table(records))
     return 0
 

@@ -41,12 +41,13 @@ def save_tokenizer(path: str, size: int = 128) -> str:
     return path
 
 
-def checkpoint_with_tokenizer(src: str, dst: str) -> str:
-    """A copy of the checkpoint at `src` with the tokenizer added (the fixtures' checkpoints are
-    shared by other tests, so they stay untouched)."""
+def checkpoint_with_tokenizer(src: str, dst: str, chars: bool = False) -> str:
+    """A copy of the checkpoint at `src` with the word-level tokenizer (chars: the
+    character-level one) added (the fixtures' checkpoints are shared by other tests, so they
+    stay untouched)."""
     if not os.path.isdir(dst):
         shutil.copytree(src, dst)
-        save_tokenizer(dst)
+        (save_char_tokenizer if chars else save_tokenizer)(dst)
     return dst
 
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 
 import pytest
 import torch
 from hf_fixtures import SMALL, VOCAB, hf_greedy
-from serving_fixtures import save_char_tokenizer, save_tokenizer
+from serving_fixtures import checkpoint_with_tokenizer
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -47,9 +46,8 @@ SPECS = {
 def char_ckpt(hf_checkpoint, tmp_path_factory):
     """The tiny Llama with the character-level tokenizer -> (path, HF model, tokenizer)."""
     src, hf = hf_checkpoint("llama")
-    path = str(tmp_path_factory.mktemp("grammar") / "llama-char")
-    shutil.copytree(src, path)
-    save_char_tokenizer(path)
+    path = checkpoint_with_tokenizer(src, str(tmp_path_factory.mktemp("grammar") / "char"),
+                                     chars=True)
     return path, hf, load_tokenizer(path)
 
 
@@ -142,9 +140,7 @@ def test_a_grammar_with_no_way_on_fails_its_request_only(hf_checkpoint, tmp_path
     """The word-level tokenizer has "blue" but no "sky": after "blue" no token continues
     "bluesky", so that request ends with an error naming it; the one beside it is untouched."""
     src, hf = hf_checkpoint("llama")
-    path = str(tmp_path / "llama-words")
-    shutil.copytree(src, path)
-    save_tokenizer(path)
+    path = checkpoint_with_tokenizer(src, str(tmp_path / "llama-words"))
     with _llm(path) as llm:
         other = llm.add_request([5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
         (rid,) = _run(llm, [5, 6, 7], [choice_spec(["bluesky"])])

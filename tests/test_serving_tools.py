@@ -8,10 +8,9 @@ The server runs the tiny Llama with the character-level tokenizer (tests/serving
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-from serving_fixtures import save_char_tokenizer
+from serving_fixtures import checkpoint_with_tokenizer
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -39,9 +38,8 @@ MESSAGES = [{"role": "user", "content": "weather in Oslo?"}]
 @pytest.fixture(scope="module")
 def served(hf_checkpoint, tmp_path_factory):
     src, _ = hf_checkpoint("llama")
-    path = str(tmp_path_factory.mktemp("tools") / "llama-char")
-    shutil.copytree(src, path)
-    save_char_tokenizer(path)
+    path = checkpoint_with_tokenizer(src, str(tmp_path_factory.mktemp("tools") / "char"),
+                                     chars=True)
     tok = load_tokenizer(path)
     engine = AsyncLLM(path, Layout(), RT, tok, max_in_flight=8)
     server = HTTPServer(engine, NAME, listen("127.0.0.1", 0), None).start()
