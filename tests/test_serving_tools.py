@@ -2,8 +2,10 @@
 named function or tool_choice "required" constrain the output to the call's JSON, returned as
 `tool_calls` (streamed too) with finish reason "tool_calls"; the arguments are the tokens of the
 same grammar run straight on an LLM (transformers' argmax over the allowed ids is checked for
-grammars in tests/test_grammar.py); "auto" and malformed tools are refused naming the field.
-The server runs the tiny Llama with the character-level tokenizer (tests/serving_fixtures.py)."""
+grammars in tests/test_grammar.py); "auto" with the server's hermes parser finds the model's own
+<tool_call> blocks (the random model is steered into that syntax by a guided_regex); malformed
+tools are refused naming the field. The server runs the tiny Llama with the character-level
+tokenizer (tests/serving_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ def served(hf_checkpoint, tmp_path_factory):
                                      chars=True)
     tok = load_tokenizer(path)
     engine = AsyncLLM(path, Layout(), RT, tok, max_in_flight=8)
-    server = HTTPServer(engine, NAME, listen("127.0.0.1", 0), None).start()
+    server = HTTPServer(engine, NAME, listen("127.0.0.1", 0), None,
+                        tool_parser="hermes").start()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
                            timeout=60)
     yield path, tok, client
@@ -122,9 +125,40 @@ def test_tool_results_in_the_history_and_none(served):
     assert isinstance(r.choices[0].message.content, str)
 
 
+HERMES = (r'Sure<tool_call>\{"name": "time", "arguments": \{"zone": "(UTC|CET)"\}\}'
+          r'</tool_call>')
+
+
+def test_auto_finds_the_models_own_calls(served):
+    """tool_choice auto (the default with tools) on a server with --tool-call-parser hermes:
+    the text before the first <tool_call> is the content, the blocks are the calls; streamed,
+    the content goes out as it comes and no part of a call leaks into it. Text without a call
+    stays text."""
+    _, tok, c = served
+    steer = {"guided_regex": HERMES}
+    r = c.chat.completions.create(model=NAME, messages=MESSAGES, tools=TOOLS, temperature=0,
+                                  max_tokens=200, extra_body=steer)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "Sure"
+    (call,) = msg.tool_calls
+    assert call.function.name == "time"
+    assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    chunks = list(c.chat.completions.create(model=NAME, messages=MESSAGES, tools=TOOLS,
+                                            temperature=0, max_tokens=200, stream=True,
+                                            extra_body=steer))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert text == "Sure" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert json.loads(chunks[-1].choices[0].delta.tool_calls[0].function.arguments) == \
+        json.loads(call.function.arguments)
+    plain = c.chat.completions.create(model=NAME, messages=MESSAGES, tools=TOOLS,
+                                      temperature=0, max_tokens=50,
+                                      extra_body={"guided_regex": "(hi|bye) <b>"})
+    assert plain.choices[0].finish_reason == "stop"
+    assert plain.choices[0].message.content in ("hi <b>", "bye <b>")
+    assert plain.choices[0].message.tool_calls is None
+
+
 @pytest.mark.parametrize("body,param", [
-    ({"tools": TOOLS}, "tool_choice"),                                   # auto, the default
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
@@ -145,6 +179,19 @@ def test_bad_tool_requests_name_the_field(served, body, param):
 
 
 def test_tool_request_units():
+    for choice in (None, "auto"):                   # no parser: auto refused, naming the fixes
+        with pytest.raises(ToolError, match="--tool-call-parser hermes") as e:
+            parse_tools({"tools": TOOLS, "tool_choice": choice})
+        assert e.value.param == "tool_choice"
+    hermes = parse_tools({"tools": TOOLS}, "hermes").parser
+    assert hermes.safe("ab<tool") == 2 and hermes.safe("ab<tool_call>{") == 2
+    assert hermes.safe("a < b") == 5
+    content, calls = hermes.split('ok <tool_call>{"name": "f", "arguments": {"x": 1}}'
+                                  '</tool_call>\n<tool_call>{"name": "g"}</tool_call>')
+    assert content == "ok" and [(x["function"]["name"], x["function"]["arguments"])
+                                for x in calls] == [("f", '{"x": 1}'), ("g", "{}")]
+    assert hermes.split("no call") == ("no call", None)
+    assert hermes.split("<tool_call>{broken") == ("<tool_call>{broken", None)
     req = parse_tools({"tools": TOOLS, "tool_choice": {"type": "function",
                                                        "function": {"name": "time"}}})
     assert req.mode == "named" and req.grammar == ("json_schema", json.dumps(TIME))

@@ -16,6 +16,7 @@ import os
 
 from helix.commands.options import add_layout_args, add_runtime_args, configs
 from helix.errors import HelixError
+from helix.serving.tools import PARSERS
 
 log = logging.getLogger("helix")
 
@@ -34,6 +35,9 @@ def add_parser(subparsers):
                    help="directory whose safetensors files requests may import as their "
                         "prompt's KV (field kv_file); default: no KV imports")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="the model's own tool-call syntax, for tool_choice auto (hermes: "
+                        "<tool_call>{...}</tool_call>, as Qwen and Hermes models write it)")
     p.add_argument("--api-key", default=os.environ.get("HELIX_API_KEY"),
                    help="clients of the /v1 routes must send 'Authorization: Bearer KEY' "
                         "(default: $HELIX_API_KEY; none: open)")
@@ -72,7 +76,7 @@ def run(args) -> int:
                           max_in_flight=args.max_in_flight or None)
         try:
             server = HTTPServer(engine, args.served_model_name or args.model, sock, args.kv_dir,
-                                args.access_log, args.api_key)
+                                args.access_log, args.api_key, args.tool_call_parser)
             text = "text and token ids" if tokenizer else "token ids only (no tokenizer)"
             log.info(f"serving {args.model} on {server.url} ({layout.world_size} rank(s), "
                      f"{text})")

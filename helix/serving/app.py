@@ -120,8 +120,9 @@ class OpenAIServer:
     """The routes; one per served model name."""
 
     def __init__(self, engine: AsyncLLM, name: str, kv_dir: str | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, tool_parser: str | None = None):
         self.engine, self.name, self.kv_dir = engine, name, kv_dir
+        self.tool_parser = tool_parser            # tool_choice auto's call syntax (tools.py)
         self.api_key = None if not api_key else ("Bearer " + api_key).encode()
         self.created = int(time.time())
         self.vocab = engine.info["vocab_size"]
@@ -197,7 +198,7 @@ class OpenAIServer:
         tok = self.engine.tokenizer
         try:
             if "messages" in body:
-                ids = parse_chat(body, tok, self.vocab).prompts[0]
+                ids = self._parse_chat(body, tok, self.vocab).prompts[0]
             else:
                 text = body.get("prompt")
                 if not isinstance(text, str):
@@ -245,7 +246,10 @@ class OpenAIServer:
         return await self._generate(request, parse_completion, chat=False)
 
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, parse_chat, chat=True)
+        return await self._generate(request, self._parse_chat, chat=True)
+
+    def _parse_chat(self, body, tokenizer, vocab: int, kv_dir: str | None = None):
+        return parse_chat(body, tokenizer, vocab, kv_dir, self.tool_parser)
 
     async def _generate(self, request: Request, parse, chat: bool) -> Response:
         body, bad = await self._body(request)
@@ -349,7 +353,7 @@ class _Format:
         tool calls when its tool_choice asks for one)."""
         self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
         self.tokenizer, self.n, self.per_prompt = tokenizer, n, per_prompt
-        self.calling = tools if tools is not None and tools.grammar is not None else None
+        self.tools = tools if tools is not None and tools.mode != "none" else None
         self.cached = 0                       # prompt tokens read from the prefix cache: each
                                               # prompt's first choice's
         self.echo, self.score_only = echo, score_only
@@ -427,9 +431,10 @@ class _Format:
             self._count_cached(i, out)
             choice = {"index": i, "finish_reason": out.finish_reason,
                       "logprobs": self.logprobs(lp_ids, lps, i), "token_ids": ids}
-            calls = self._calls(text, out.finish_reason)
+            content, calls = self._split(text, out.finish_reason)
             if calls is not None:
-                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                choice["message"] = {"role": "assistant", "content": content or None,
+                                     "tool_calls": calls}
                 choice["finish_reason"] = "tool_calls"
             elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -438,12 +443,16 @@ class _Format:
             choices.append(choice)
         return {**self._head(self.object), "choices": choices, "usage": self.usage(generated)}
 
-    def _calls(self, text: str, finish: str | None) -> list[dict] | None:
-        """A finished output's tool calls when the request asked for one (None otherwise, or
-        when max_tokens cut the call short: the text goes out as it is)."""
-        if self.calling is None or finish != "stop":
-            return None
-        return self.calling.calls(text)
+    def _split(self, text: str, finish: str | None) -> tuple[str, list[dict] | None]:
+        """(content, tool calls) of a finished output: the calls a tool_choice asked for (the
+        whole output), or those the model made in its own syntax (auto; content: the text
+        before them); (text, None) without calls, or when max_tokens cut one short."""
+        if self.tools is None or finish == "error":
+            return text, None
+        if self.tools.parser is not None:
+            return self.tools.parser.split(text)
+        calls = self.tools.calls(text) if finish == "stop" else None
+        return ("", calls) if calls is not None else (text, None)
 
     def tool_chunk(self, calls: list[dict], ids: list[int], index: int) -> bytes:
         """A streamed choice's tool calls, whole, with its finish."""
@@ -471,21 +480,28 @@ class _Format:
             for i in range(self.n):
                 yield self.chunk("", [], None, first=True, index=i)
         n = 0
-        held = [("", [])] * self.n                 # tool calls: each choice's text until it ends
-        async with contextlib.aclosing(choices.merged()) as merged:
-            async for i, out in merged:
+        held = [["", 0, []] for _ in range(self.n)]   # tool calls: each choice's text, how
+        async with contextlib.aclosing(choices.merged()) as merged:   # much of it went out,
+            async for i, out in merged:                                # its ids not sent yet
                 text, ids, lp_ids, lps = self._parts(i, out)
                 n += len(ids)
                 self._count_cached(i, out)
-                if self.calling is not None and out.finish_reason != "error":
-                    text, ids = held[i][0] + text, held[i][1] + ids
-                    held[i] = (text, ids)
+                if self.tools is not None and out.finish_reason != "error":
+                    h = held[i]
+                    h[0], h[2] = h[0] + text, h[2] + ids
                     if out.finish_reason is None:
+                        k = self.tools.parser.safe(h[0]) if self.tools.parser else 0
+                        if k > h[1]:
+                            yield self.chunk(h[0][h[1]:k], h[2], None, index=i)
+                            h[1], h[2] = k, []
                         continue
-                    calls = self._calls(text, out.finish_reason)
+                    content, calls = self._split(h[0], out.finish_reason)
                     if calls is not None:
-                        yield self.tool_chunk(calls, ids, i)
+                        if len(content) > h[1]:
+                            yield self.chunk(content[h[1]:], [], None, index=i)
+                        yield self.tool_chunk(calls, h[2], i)
                         continue
+                    text, ids = h[0][h[1]:], h[2]
                 if out.finish_reason == "error":
                     if ids or text:
                         yield self.chunk(text, ids, None, False, lp_ids, lps, i)

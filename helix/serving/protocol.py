@@ -361,8 +361,10 @@ def _text(content, i: int) -> str:
     raise FieldError(f"messages[{i}].content", f"messages[{i}].content must be a string")
 
 
-def parse_chat(body, tokenizer, vocab: int, kv_dir: str | None = None) -> Parsed:
-    """A /v1/chat/completions body, rendered through the checkpoint's chat template."""
+def parse_chat(body, tokenizer, vocab: int, kv_dir: str | None = None,
+               tool_parser: str | None = None) -> Parsed:
+    """A /v1/chat/completions body, rendered through the checkpoint's chat template;
+    tool_parser: the server's --tool-call-parser (helix/serving/tools.py)."""
     body = _object(body)
     _check_unsupported(body)
     if body.get("echo") not in (None, False):
@@ -372,7 +374,7 @@ def parse_chat(body, tokenizer, vocab: int, kv_dir: str | None = None) -> Parsed
         raise FieldError("messages", "messages must be a non-empty list of {role, content}")
     rendered = []
     try:
-        tools = parse_tools(body)
+        tools = parse_tools(body, tool_parser)
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise FieldError(f"messages[{i}]", f"messages[{i}] must be an object with a "

@@ -55,10 +55,10 @@ class HTTPServer:
 
     def __init__(self, engine: AsyncLLM, name: str, sock: socket.socket,
                  kv_dir: str | None = None, access_log: bool = False,
-                 api_key: str | None = None):
+                 api_key: str | None = None, tool_parser: str | None = None):
         self.engine, self.sock = engine, sock
         self.host, self.port = sock.getsockname()[:2]
-        app = OpenAIServer(engine, name, kv_dir, api_key).app()
+        app = OpenAIServer(engine, name, kv_dir, api_key, tool_parser).app()
         config = uvicorn.Config(app, log_level="warning", access_log=access_log,
                                 timeout_graceful_shutdown=GRACE_S, lifespan="on")
         self.server = _Uvicorn(config, engine)

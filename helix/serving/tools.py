@@ -8,9 +8,10 @@ to JSON with a grammar (helix/runtime/grammar.py), which the server turns into O
                         ...} (any of the tools, each with its own schema; one only with
                         parallel_tool_calls false)
     "none"              plain text (the template still sees the tools)
-    "auto" (the default when tools are given) needs a parser of the model's own tool-call
-    syntax (Hermes tags, Llama's JSON, ...), which Helix does not have: refused, naming the
-    choices that work.
+    "auto"              (the default with tools) the model decides, in its own call syntax:
+                        the server needs the parser of it (--tool-call-parser; hermes:
+                        <tool_call>{...}</tool_call> blocks, HermesCalls); without one, refused
+                        naming the choices that work
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ class ToolError(RequestError):
 @dataclass(frozen=True)
 class ToolRequest:
     tools: tuple[dict, ...]          # the functions as the chat template takes them
-    mode: str                        # named | required | none
+    mode: str                        # named | required | none | auto
     name: str | None = None          # the named function
     parallel: bool = True            # "required" may call several (parallel_tool_calls)
+    parser: object = None            # auto: the model's call syntax (HermesCalls)
 
     @property
     def grammar(self) -> tuple[str, str] | None:
-        if self.mode == "none":
+        if self.mode in ("none", "auto"):
             return None
         params = {t["function"]["name"]: t["function"]["parameters"] for t in self.tools}
         if self.mode == "named":
@@ -88,8 +90,9 @@ def _function(tool, i: int) -> dict:
     return {"type": "function", "function": out}
 
 
-def parse_tools(body: dict) -> ToolRequest | None:
-    """tools and tool_choice of a chat body -> a ToolRequest, or None without tools."""
+def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
+    """tools and tool_choice of a chat body -> a ToolRequest, or None without tools. parser:
+    the server's --tool-call-parser (tool_choice auto needs one)."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None or tools == []:
@@ -103,10 +106,13 @@ def parse_tools(body: dict) -> ToolRequest | None:
     if len(set(names)) != len(names):
         raise ToolError("tools", "tools: two functions share a name")
     if choice in (None, "auto"):
-        raise ToolError("tool_choice", "tool_choice auto (the default with tools) needs a "
-                                       "parser of this model's tool-call syntax, which Helix "
-                                       "does not have: send tool_choice \"required\" or "
-                                       "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        if parser == "hermes":
+            return ToolRequest(funcs, "auto", parser=HermesCalls())
+        raise ToolError("tool_choice", "tool_choice auto (the default with tools) needs the "
+                                       "parser of this model's call syntax: start the server "
+                                       "with --tool-call-parser hermes (Qwen, Hermes), or send "
+                                       "tool_choice \"required\" or {\"type\": \"function\", "
+                                       "\"function\": {\"name\": ...}}")
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise ToolError("parallel_tool_calls", "parallel_tool_calls must be true or false")
@@ -156,3 +162,46 @@ def _arguments(function: dict, i: int):
             raise ToolError(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls: arguments "
                                                          f"must be JSON") from None
     return args
+
+
+# -- tool_choice auto: the model's own call syntax ----------------------------------------------
+PARSERS = ("hermes",)
+
+
+class HermesCalls:
+    """Hermes-style calls (Qwen 2.5 / 3, Hermes, many fine-tunes): text, then one or more
+    <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks."""
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def split(self, text: str) -> tuple[str, list[dict] | None]:
+        """(content before the first call, the calls) of a finished output; (text, None) when
+        it holds no call or a block that is not a call (the text then goes out as it is)."""
+        head, sep, rest = text.partition(self.START)
+        if not sep:
+            return text, None
+        found = []
+        for block in (self.START + rest).split(self.START)[1:]:
+            body = block.split(self.END, 1)[0].strip()
+            try:
+                call = json.loads(body)
+            except ValueError:
+                return text, None
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return text, None
+            found.append(call)
+        return head.rstrip(), [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                                "function": {"name": c["name"],
+                                             "arguments": json.dumps(c.get("arguments", {}))}}
+                               for c in found]
+
+    def safe(self, text: str) -> int:
+        """How much of a streamed output's text may go out now: all of it before a call starts,
+        less any tail that could be the start of one."""
+        at = text.find(self.START)
+        if at >= 0:
+            return at
+        for k in range(min(len(self.START) - 1, len(text)), 0, -1):
+            if self.START.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
