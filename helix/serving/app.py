@@ -457,9 +457,8 @@ class _Format:
     def tool_chunk(self, calls: list[dict], ids: list[int], index: int) -> bytes:
         """A streamed choice's tool calls, whole, with its finish."""
         delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
-        choice = {"index": index, "finish_reason": "tool_calls", "logprobs": None,
-                  "token_ids": ids, "delta": delta}
-        return self._chunk_head + json.dumps(choice, separators=(",", ":")).encode() + b"]}\n\n"
+        return self._sse_choice({"index": index, "finish_reason": "tool_calls",
+                                 "logprobs": None, "token_ids": ids, "delta": delta})
 
     def chunk(self, text: str, ids: list[int], finish: str | None, first: bool = False,
               lp_ids: list[int] = (), logprobs=None, index: int = 0) -> bytes:
@@ -470,7 +469,10 @@ class _Format:
                                else {"content": text} if text or finish is None else {})
         else:
             choice["text"] = text
-        # = _sse({**head, "choices": [choice]}); the head's JSON is made once per request
+        return self._sse_choice(choice)
+
+    def _sse_choice(self, choice: dict) -> bytes:
+        """= _sse({**head, "choices": [choice]}); the head's JSON is made once per request."""
         return self._chunk_head + json.dumps(choice, separators=(",", ":")).encode() + b"]}\n\n"
 
     async def events(self, choices: _Choices, include_usage: bool):
@@ -480,9 +482,10 @@ class _Format:
             for i in range(self.n):
                 yield self.chunk("", [], None, first=True, index=i)
         n = 0
-        held = [["", 0, []] for _ in range(self.n)]   # tool calls: each choice's text, how
-        async with contextlib.aclosing(choices.merged()) as merged:   # much of it went out,
-            async for i, out in merged:                                # its ids not sent yet
+        # with tools: each choice's text so far, how much of it went out, its ids not sent yet
+        held = [["", 0, []] for _ in range(self.n)]
+        async with contextlib.aclosing(choices.merged()) as merged:
+            async for i, out in merged:
                 text, ids, lp_ids, lps = self._parts(i, out)
                 n += len(ids)
                 self._count_cached(i, out)
