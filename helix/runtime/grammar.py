@@ -12,8 +12,9 @@ A spec is a pair (kind, text), hashable and picklable so it travels in a step's 
     ("choice", options)       exactly one of the strings (options: a JSON list of strings)
     ("ebnf", grammar)         an EBNF grammar whose start rule is `root`
 
-JSON is generated compact (no whitespace between tokens of the syntax): a random or weak model
-left free to emit whitespace can fill its whole budget with it.
+A JSON schema is compiled without free whitespace (`any_whitespace=False`: the separators are
+", " and ": "): a random or weak model left free to emit whitespace can fill its whole budget
+with it.
 
 Where it runs: every rank keeps a matcher per constrained request (sampling is replicated, so
 every rank applies the same mask and gets the same token). Before a step, each constrained
