@@ -260,6 +260,8 @@ class RuntimeConfig:
     prefix_caching: bool = True    # keep the KV of full blocks of written tokens after their
                                    # request, and start a request whose tokens begin the same
                                    # way from it (helix/kv/prefix_cache.py)
+    host_cache_gb: float = 0.0     # host memory per rank for cached blocks evicted from the
+                                   # device pool (0: they are dropped; helix/kv/host_cache.py)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -272,12 +274,15 @@ class RuntimeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
-        for name in ("timeout_s", "memory_utilization"):
+        for name in ("timeout_s", "memory_utilization", "host_cache_gb"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.host_cache_gb and not self.prefix_caching:
+            raise ConfigError("host_cache_gb keeps the prefix cache's blocks: it needs "
+                              "prefix_caching (drop --no-prefix-caching or --host-cache-gb)")
         if self.memory_utilization > 1:
             raise ConfigError(f"memory_utilization is a fraction in (0, 1], got "
                               f"{self.memory_utilization}")

@@ -229,3 +229,18 @@ def test_prefix_caching_flag():
     add_runtime_args(p)
     assert configs(p.parse_args(["--device", "cpu"]))[1].prefix_caching
     assert not configs(p.parse_args(["--device", "cpu", "--no-prefix-caching"]))[1].prefix_caching
+
+
+def test_host_cache_flag_and_its_rule():
+    import argparse
+
+    from helix.commands.options import add_layout_args, add_runtime_args, configs
+    from helix.errors import ConfigError
+    p = argparse.ArgumentParser()
+    add_layout_args(p)
+    add_runtime_args(p)
+    assert configs(p.parse_args(["--device", "cpu", "--host-cache-gb", "4"]))[1].host_cache_gb == 4
+    with pytest.raises(ConfigError, match="needs prefix_caching"):
+        configs(p.parse_args(["--device", "cpu", "--host-cache-gb", "4", "--no-prefix-caching"]))
+    with pytest.raises(ConfigError, match="host_cache_gb must be a finite number >= 0"):
+        RuntimeConfig(host_cache_gb=-1)

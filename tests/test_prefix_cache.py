@@ -63,7 +63,7 @@ def test_released_blocks_go_idle_leaves_first_and_are_evicted_least_recently_use
     c = PrefixCache(2, 3)
     a, b = [1, 2, 3, 4, 5, 6], [1, 2, 7, 8]
     c.register(0, view(a), 6)                           # a0 a1 a2
-    assert c.acquire(1, c.lookup(view(b), 3)) == 0      # a0, live: nothing revived
+    assert c.acquire(1, c.lookup(view(b), 3)) == (0, [])   # a0, live: nothing revived
     c.register(1, view(b), 4)                           # b1 (child of a0)
     assert c.held(1) == 6
     assert c.release(0) == 6                            # a2, a1 idle; a0 still held
@@ -73,8 +73,28 @@ def test_released_blocks_go_idle_leaves_first_and_are_evicted_least_recently_use
     assert c.evict(7) == 9                              # whole blocks: a2, a1, b1
     assert c.ops == [("evict", 2), ("evict", 1), ("evict", 3)]
     assert [x.id for x in c.lookup(view(a), 6)] == [0]
-    assert c.acquire(2, c.lookup(view(a), 6)) == 3      # a0 was idle: its pages revived
+    assert c.acquire(2, c.lookup(view(a), 6)) == (3, [])   # a0 was idle: pages revived
     assert not c.idle and c.clear() == 0
+
+
+def test_a_host_tier_keeps_evicted_blocks_until_its_slots_are_full():
+    c = PrefixCache(2, 1, host_slots=2)
+    t = [1, 2, 3, 4, 5, 6]
+    c.register(0, view(t), 6)                           # b0 b1 b2
+    c.release(0)                                        # idle: b2, b1, b0
+    c.ops.clear()
+    assert c.evict(3) == 3                    # b2, b1 to host; then b2 (the host's LRU) is
+    assert c.ops == [("offload", 2, 0), ("offload", 1, 1), ("offload", 0, 0)]   # dropped for b0
+    assert list(c.host) == [1, 0] and 2 not in c.blocks
+    c.ops.clear()
+    found = c.lookup(view(t), 5)                        # b0, b1: both in host memory
+    assert [b.id for b in found] == [0, 1]
+    assert c.acquire(7, found) == (0, found) and not c.host
+    c.attach(7, found)
+    assert c.ops == [("load", 0, 0), ("load", 1, 1), ("attach", 7, [0, 1])]
+    assert sorted(c.free_slots) == [0, 1] and all(b.slot is None for b in found)
+    c.release(7)
+    assert c.clear() == 2 and not c.blocks and c.ops[-2:] == [("evict", 1), ("evict", 0)]
 
 
 def test_a_block_computed_twice_stays_with_its_first_writer():
@@ -92,8 +112,10 @@ def _check_pages(sched: Scheduler, mgrs: list[KVManager], num_pages: int) -> Non
     cache = sched.cache
     # rank 0 holds what the scheduler counts: requests' pages and idle blocks', exactly
     assert num_pages - mgrs[0].alloc.num_free == sched.used + cache.idle_pages
+    on_device = {b for b, block in cache.blocks.items() if block.slot is None}
+    assert set(cache.host) == set(cache.blocks) - on_device
     for m in mgrs:
-        assert set(m.block_pages) == set(cache.blocks)   # every rank caches the same blocks
+        assert set(m.block_pages) == on_device           # every rank caches the same blocks
         owner: dict[int, object] = {}
         for b, pages in m.block_pages.items():
             for p in pages:
@@ -108,19 +130,45 @@ def _check_pages(sched: Scheduler, mgrs: list[KVManager], num_pages: int) -> Non
         assert len(owner) + m.alloc.num_free == num_pages
 
 
+class SlotCheck:
+    """A host tier for the KV managers without data: each load must read the slot its block
+    was offloaded to, not overwritten since (checked on the op stream)."""
+
+    def __init__(self):
+        self.owner: dict[int, int] = {}
+        self.loads = 0
+
+    def see(self, ops: list[tuple]) -> None:
+        for op in ops:
+            if op[0] == "offload":
+                self.owner[op[2]] = op[1]
+            elif op[0] == "load":
+                assert self.owner.pop(op[2]) == op[1], op
+                self.loads += 1
+
+    def offload(self, pages, slot):
+        pass
+
+    def load(self, slot, pages):
+        pass
+
+
+@pytest.mark.parametrize("host_slots", [0, 4], ids=["device", "host4"])
 @pytest.mark.parametrize("kvp,interleave,page", [(1, 1, 2), (2, 1, 2), (2, 3, 2), (3, 2, 4)])
 def test_scheduler_and_kv_managers_agree_through_hits_preemption_and_eviction(kvp, interleave,
-                                                                             page):
+                                                                             page, host_slots):
     """Requests from three shared prefixes, joining at random steps, in a pool that holds a few
-    of them: hits, preemptions and evictions all happen, and after every step the scheduler's
-    count is rank 0's pool, every rank holds the same blocks, and no page is in two places."""
+    of them: hits, preemptions and evictions all happen (with a host tier: offloads and loads
+    too), and after every step the scheduler's count is rank 0's pool, every rank holds the
+    same blocks, and no page is in two places."""
     rng = random.Random(kvp * 100 + interleave * 10 + page)
     sharding = KVSharding(kvp, interleave, page)
     B = sharding.block_tokens
     num_pages = sharding.max_pages(10 * B)        # about two of the longest requests
     sched = Scheduler(num_pages, sharding, max_batch=6, max_prefill_tokens=4 * B,
-                      prefix_caching=True)
+                      prefix_caching=True, host_slots=host_slots)
     mgrs = [KVManager(num_pages, page, k, kvp, interleave) for k in range(kvp)]
+    host = SlotCheck()
     stems = [[rng.randrange(1, 50) for _ in range(3 * B)] for _ in range(3)]
     rid, done, preempted, steps = 0, 0, 0, 0
     while done < 30:
@@ -134,10 +182,11 @@ def test_scheduler_and_kv_managers_agree_through_hits_preemption_and_eviction(kv
         plan = sched.schedule()
         preempted += len(plan.preempted)
         ops = sched.take_kv_ops()
+        host.see(ops)
         batch = [(r.id, r.num_tokens - 1, 1) for r in plan.decode]
         batch += [(c.req.id, c.start, len(c.ids)) for c in plan.prefill]
         for m in mgrs:
-            m.apply_ops(ops)
+            m.apply_ops(ops, host)
             if batch:
                 m.prepare(batch, "cpu")
         for r in plan.decode:                         # the engine's bookkeeping, no overlap
@@ -152,16 +201,20 @@ def test_scheduler_and_kv_managers_agree_through_hits_preemption_and_eviction(kv
                 r.finish_reason = "length"
         finished = sched.retire()
         ops = sched.take_kv_ops()
+        host.see(ops)
         for m in mgrs:
-            m.apply_ops(ops)
+            m.apply_ops(ops, host)
         done += len(finished)
         _check_pages(sched, mgrs, num_pages)
     assert sched.cache.hit_tokens > 0 and preempted > 0
-    assert sched.cache._next > len(sched.cache.blocks)           # some blocks were evicted
+    assert sched.cache._next > len(sched.cache.blocks)           # some blocks were dropped
+    assert (host.loads > 0) == (host_slots > 0)
+    assert (sched.cache.host_hit_tokens > 0) == (host_slots > 0)
     sched.reset_cache()
+    assert not sched.cache.host and len(sched.cache.free_slots) == host_slots
     ops = sched.take_kv_ops()
     for m in mgrs:
-        m.apply_ops(ops)
+        m.apply_ops(ops, host)
         assert m.alloc.num_free == num_pages and not m.block_pages
     assert sched.used == 0
 
@@ -328,3 +381,50 @@ def test_captured_steps_read_cached_blocks_as_eager_steps_do(model):
     assert (captured, cached) == _gpu_turns(model, "bfloat16", True, graph_eager=True)
     assert cached == {1: 32, 2: 48}                  # 16-position blocks
     assert _gpu_turns(model, "float32", True)[0] == _gpu_turns(model, "float32", False)[0]
+
+
+@pytest.mark.parametrize("layout,pages", [(Layout(), 16), (Layout(kvp=2), 8)],
+                         ids=["kvp1", "kvp2"])
+def test_blocks_evicted_to_host_memory_come_back_with_the_same_tokens(hf_checkpoint, layout,
+                                                                      pages):
+    """A pool of a few pages a rank and a host tier: the first conversation's blocks are pushed
+    out to host memory by an unrelated request, and its next turn loads them back (KV copied
+    out and in) instead of prefilling them; its tokens are transformers' and those without
+    the host tier, where the same blocks were dropped and prefilled again."""
+    path, hf = hf_checkpoint("llama")
+    other = [(5 * i + 1) % VOCAB for i in range(40)]
+    runs = {}
+    for gb in (0.0, 0.01):
+        with _llm(path, layout, num_pages=pages, host_cache_gb=gb) as llm:
+            a = llm.generate([P1], greedy(6))[0]
+            llm.generate([other], greedy(8))
+            turn = P1 + a + [33, 34]
+            (c,) = llm.generate([turn], greedy(6))
+            stats = llm.stats()
+            runs[gb] = (a, c, llm.prefill_tokens_per_rank()[0], stats)
+            assert llm.engine.kv_pages_free() == pages
+    (a, c, prefilled, stats), plain = runs[0.01], runs[0.0]
+    assert (a, c) == plain[:2] and c == hf_greedy(hf, P1 + a + [33, 34], 6)[0]
+    assert stats["prefix_cache_host_hits"] > 0
+    assert plain[3]["prefix_cache_host_hits"] == 0
+    assert prefilled < plain[2]                    # the turn's blocks were not prefilled again
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_tier_copies_on_the_stream_keep_the_tokens():
+    """On CUDA the host tier's copies are asynchronous (pinned memory, the step's stream): a
+    pool too small for two conversations, blocks pushed out and loaded back under graphs, the
+    tokens those of the run that drops them instead (fp32)."""
+    other = [(5 * i + 1) % VOCAB for i in range(40)]
+    runs = []
+    for gb in (0.0, 0.01):
+        rt = RuntimeConfig(device="cuda", dtype="float32", page_size=16, max_batch=4,
+                           max_context=256, num_pages=5, graph_buckets=(1, 2, 4),
+                           attention_backend="triton", host_cache_gb=gb)
+        with LLM("tiny-llama", Layout(), rt) as llm:
+            a = llm.generate([P1], greedy(8))[0]
+            llm.generate([other], greedy(8))
+            c = llm.generate([P1 + a + [33, 34]], greedy(8))[0]
+            runs.append((a, c, llm.stats()["prefix_cache_host_hits"]))
+    assert runs[0][:2] == runs[1][:2] and runs[0][2] == 0 < runs[1][2]

@@ -92,6 +92,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not reuse the KV of earlier requests whose tokens begin a new one "
                         "(each prompt is prefilled whole)")
+    g.add_argument("--host-cache-gb", type=float, default=d.host_cache_gb,
+                   help="host memory per rank that keeps cached KV blocks evicted from the "
+                        "device (0: they are dropped)")
     g = p.add_argument_group("CUDA graphs")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every step eagerly (decode and prefill)")
@@ -160,7 +163,8 @@ def configs(args) -> tuple[Layout, RuntimeConfig]:
                             hopb=args.hopb, prefill_cp=args.prefill_cp,
                             prefill_graphs=args.prefill_graphs,
                             prefill_graph_buckets=tuple(args.prefill_graph_buckets),
-                            prefix_caching=args.prefix_caching)
+                            prefix_caching=args.prefix_caching,
+                            host_cache_gb=args.host_cache_gb)
     return layout, runtime
 
 

@@ -134,9 +134,10 @@ class KVManager:
         self.table.drop(seq_id)
 
     # -- the scheduler's decisions (helix/runtime/scheduler.py, helix/kv/prefix_cache.py) -----
-    def apply_ops(self, ops: list[tuple]) -> None:
+    def apply_ops(self, ops: list[tuple], host=None) -> None:
         """Apply the scheduler's KV ops in their order: ("free", seq) - a sequence that ended or
-        was preempted; the prefix cache's attach / register / evict."""
+        was preempted; the prefix cache's attach / register / evict, and with its host tier
+        (host: helix.kv.host_cache.HostCache) offload / load."""
         n = self.sharding.block_pages
         for op in ops:
             if op[0] == "free":
@@ -158,6 +159,13 @@ class KVManager:
                 self.shared[seq_id] = (b + 1) * n
             elif op[0] == "evict":
                 self.alloc.free(self.block_pages.pop(op[1]))
+            elif op[0] == "offload":                # to host memory, its pages then free
+                pages = self.block_pages.pop(op[1])
+                host.offload(pages, op[2])
+                self.alloc.free(pages)
+            elif op[0] == "load":                   # back from host memory into new pages
+                pages = self.block_pages[op[1]] = self.alloc.allocate(n)
+                host.load(op[2], pages)
             else:
                 raise ValueError(f"unknown KV op {op[0]!r}")
 

@@ -12,7 +12,15 @@ takes the same hits, registers the same blocks and evicts the same ones. What it
 the scheduler's KV op stream, which each rank's `KVManager.apply_ops` applies in order:
 ("attach", seq, [block ids]) - a new sequence starts with these blocks; ("register", seq, index,
 block id) - the sequence's pages of block `index` become that block; ("evict", block id) - the
-block's pages return to the pool.
+block's pages return to the pool; with a host tier ("offload", block id, slot) - the block's KV
+goes to host slot `slot` and its pages return to the pool, ("load", block id, slot) - it comes
+back into newly taken pages.
+
+The host tier (`host_slots` > 0, helix/kv/host_cache.py): a block evicted from the device pool
+keeps its KV in host memory instead of being dropped (a million-token prompt costs minutes to
+prefill again, and host memory holds many times the device pool), least recently used out when
+the host slots are full. A hit on a host block loads it back before the request's first step
+reads it (the copies are queued on the step's stream, in order).
 
 Pages are counted as the scheduler counts them (KVP rank 0's, and a block holds `block_pages` on
 every rank). A block is live while a request holds it (refs > 0) and idle after; idle blocks
@@ -32,11 +40,16 @@ class Block:
     id: int
     key: tuple                  # (parent block id or -1, its tokens)
     refs: int = 0               # requests holding it
+    slot: int | None = None     # its host slot while its KV is in host memory, not on the device
 
 
 class PrefixCache:
-    def __init__(self, block_tokens: int, block_pages: int, ops: list | None = None):
+    def __init__(self, block_tokens: int, block_pages: int, ops: list | None = None,
+                 host_slots: int = 0):
         self.block_tokens, self.block_pages = block_tokens, block_pages
+        self.host: OrderedDict[int, Block] = OrderedDict()   # blocks in host memory, LRU first
+        self.free_slots = list(range(host_slots - 1, -1, -1))
+        self.host_hit_tokens = 0                  # ... of the hits, read from host memory
         self.index: dict[tuple, Block] = {}
         self.blocks: dict[int, Block] = {}
         self.idle: OrderedDict[int, Block] = OrderedDict()   # least recently used first
@@ -68,17 +81,30 @@ class PrefixCache:
             parent = block.id
         return found
 
-    def acquire(self, req_id: int, blocks: list[Block]) -> int:
-        """A new request starts with these blocks; returns the pages that were idle (now live)."""
-        revived = 0
+    def acquire(self, req_id: int, blocks: list[Block]) -> tuple[int, list[Block]]:
+        """A new request will start with these blocks -> (pages of idle ones now live, the
+        ones in host memory). Those leave the host's LRU (never dropped) until attach() loads
+        them; between the two the caller makes room for them on the device."""
+        revived, loading = 0, []
         for block in blocks:
-            if block.refs == 0:
+            if block.slot is not None:
+                del self.host[block.id]
+                loading.append(block)
+            elif block.refs == 0:
                 del self.idle[block.id]
                 revived += self.block_pages
             block.refs += 1
         self.chains[req_id] = list(blocks)
-        self.ops.append(("attach", req_id, [b.id for b in blocks]))
-        return revived
+        return revived, loading
+
+    def attach(self, req_id: int, loading: list[Block]) -> None:
+        """acquire()'s blocks from host memory come back into device pages, and the request's
+        sequence starts with its blocks."""
+        for block in loading:
+            self.ops.append(("load", block.id, block.slot))
+            self.free_slots.append(block.slot)
+            block.slot = None
+        self.ops.append(("attach", req_id, [b.id for b in self.chains[req_id]]))
 
     def release(self, req_id: int) -> int:
         """A request holds no KV any more (it finished or was preempted): its sequence is freed
@@ -95,10 +121,10 @@ class PrefixCache:
     # -- growth -------------------------------------------------------------------------------
     def register(self, req_id: int, tokens, written: int) -> None:
         """The request's positions [0, written) hold its KV (tokens(a, b): its token ids at
-        positions [a, b)): its full blocks past
-        those it holds become cached blocks (its pages, now shared). A block another request
-        registered first (both computed it) ends the request's registering: its pages for that
-        block stay its own, and a chain must be a leading run of blocks."""
+        positions [a, b)): its full blocks past those it holds become cached blocks (its pages,
+        now shared). A block another request registered first (both computed it) ends the
+        request's registering: its pages for that block stay its own, and a chain must be a
+        leading run of blocks."""
         if req_id in self.frozen:
             return
         chain, B = self.chains.setdefault(req_id, []), self.block_tokens
@@ -113,17 +139,35 @@ class PrefixCache:
             chain.append(block)
             self.ops.append(("register", req_id, b, block.id))
 
-    def evict(self, pages: int) -> int:
-        """Evict idle blocks, least recently used first, until `pages` are freed or none is
-        idle; returns the pages freed."""
+    def evict(self, pages: int, offload: bool = True) -> int:
+        """Evict idle blocks from the device, least recently used first, until `pages` are
+        freed or none is idle (to host memory when it has a slot, or can free one by dropping
+        its own least recently used block); returns the device pages freed."""
         freed = 0
         while freed < pages and self.idle:
             _, block = self.idle.popitem(last=False)
-            del self.index[block.key], self.blocks[block.id]
-            self.ops.append(("evict", block.id))
+            if offload and not self.free_slots and self.host:
+                self._forget(self.host.popitem(last=False)[1])
+            if offload and self.free_slots:
+                block.slot = self.free_slots.pop()
+                self.host[block.id] = block
+                self.ops.append(("offload", block.id, block.slot))
+            else:
+                self._forget(block)
+                self.ops.append(("evict", block.id))
             freed += self.block_pages
         return freed
 
+    def _forget(self, block: Block) -> None:
+        """Out of the index (a block in host memory gives its slot back: no op, the slot's data
+        is simply overwritten later)."""
+        del self.index[block.key], self.blocks[block.id]
+        if block.slot is not None:
+            self.free_slots.append(block.slot)
+            block.slot = None
+
     def clear(self) -> int:
-        """Evict every idle block; returns the pages freed."""
-        return self.evict(self.idle_pages)
+        """Drop every idle block, in host memory too; returns the device pages freed."""
+        while self.host:
+            self._forget(self.host.popitem(last=False)[1])
+        return self.evict(self.idle_pages, offload=False)

@@ -26,6 +26,7 @@ from helix.config import Layout, ModelConfig, RuntimeConfig
 from helix.errors import EngineDeadError
 from helix.graphs import BucketLadder, GraphPool, token_buckets
 from helix.kv.context_parallel import own_counts, pass_kv_cheaper, plan_pass_kv
+from helix.kv.host_cache import HostCache
 from helix.kv.manager import KVManager, upload
 from helix.kv.ownership import KVSharding
 from helix.layers.attention_gqa import kv_head_range
@@ -91,10 +92,14 @@ class Engine:
         self.sharding = KVSharding(layout.kvp, layout.kv_interleave, runtime.page_size)
         self.kv = KVManager(num_pages, runtime.page_size, mesh.kvp_rank, layout.kvp,
                             layout.kv_interleave)
+        slots = HostCache.slots_for(runtime.host_cache_gb, self.sharding.block_pages,
+                                    self.pool.page_bytes)
+        self.host_cache = HostCache(self.caches, slots, self.sharding.block_pages) if slots \
+            else None
         self.scheduler = Scheduler(num_pages, self.sharding, runtime.max_batch,
                                    runtime.resolved_max_prefill_tokens,
                                    runtime.resolved_idle_prefill_tokens,
-                                   prefix_caching=runtime.prefix_caching)
+                                   prefix_caching=runtime.prefix_caching, host_slots=slots)
         self.backend = get_backend(runtime.resolved_backend, runtime.device)
         self.backend.prepare(device, cfg.is_mla)
         self.seeds: dict[int, int] = {}       # request id -> sampling seed
@@ -194,7 +199,7 @@ class Engine:
             self._resolve_inflight(tokens, logprobs, prompt_logprobs)   # token on the host
         retired = self._retire()                      # aborted (or just ended) before running
         plan = self.scheduler.schedule()
-        self.kv.apply_ops(self.scheduler.take_kv_ops())   # preempted requests' pages freed
+        self.kv.apply_ops(self.scheduler.take_kv_ops(), self.host_cache)   # the preempted freed
         for c in plan.prefill:
             if c.req.imported_kv is not None:         # admitted with KV from a prefill server
                 self._write_imported(c.req, c.start)
@@ -490,7 +495,7 @@ class Engine:
         done = self.scheduler.retire()
         for r in done:
             self.kv_tokens_released += self.kv.local_tokens(r.id)
-        self.kv.apply_ops(self.scheduler.take_kv_ops())   # their pages freed
+        self.kv.apply_ops(self.scheduler.take_kv_ops(), self.host_cache)   # their pages freed
         for r in done:
             self.seeds.pop(r.id, None)
             self.vocab_rows.pop(r.id, None)

@@ -426,6 +426,8 @@ class LLM:
                 "kv_pages_cached": s["pages_cached"],
                 "prefix_cache_queries": s["prefix_cache_queries"],
                 "prefix_cache_hits": s["prefix_cache_hits"],
+                "prefix_cache_host_hits": s["prefix_cache_host_hits"],
+                "host_blocks_cached": s["host_blocks_cached"],
                 "engine_steps": s["steps"], "device_wait_s": s["device_wait_s"]}
 
     # -- shutdown ------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ With a prefix cache (helix/kv/prefix_cache.py) a request admitted for the first 
 after preemption, starts with the cached blocks that begin its tokens and prefills from there;
 the full blocks a request has written become cached as it runs (and when it ends or loses its
 KV). Pages of blocks some request holds count as used; idle cached blocks count as free, and are
-evicted (least recently used first) when the pages are taken.
+evicted (least recently used first) when the pages are taken: to host memory when the cache has
+a host tier, whence a hit loads them back into pages it takes like any request's.
 
 Each step: one decode row per running request that has finished its prefill, then prefill chunks
 of at most `max_prefill_tokens` tokens in all (running requests still prefilling first, then
@@ -65,7 +66,7 @@ class StepPlan:
 class Scheduler:
     def __init__(self, num_pages: int, sharding: KVSharding, max_batch: int,
                  max_prefill_tokens: int, idle_prefill_tokens: int | None = None,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, host_slots: int = 0):
         self.num_pages, self.sharding = num_pages, sharding
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.idle_prefill_tokens = max(max_prefill_tokens, idle_prefill_tokens or 0)
@@ -77,8 +78,8 @@ class Scheduler:
                                               # cached blocks any of them holds
         self.kv_ops: list[tuple] = []         # what every rank's KV manager applies next, in
                                               # order (KVManager.apply_ops)
-        self.cache = (PrefixCache(sharding.block_tokens, sharding.block_pages, self.kv_ops)
-                      if prefix_caching else None)
+        self.cache = (PrefixCache(sharding.block_tokens, sharding.block_pages, self.kv_ops,
+                                  host_slots) if prefix_caching else None)
         self.dropped: list[Request] = []      # finished while waiting (abort, error)
         self._admitted = 0
 
@@ -94,6 +95,10 @@ class Scheduler:
         """r's sequence now spans n pages; idle cached blocks are evicted to make the room."""
         self.used += n - self.pages.get(r.id, 0)
         self.pages[r.id] = n
+        self._reclaim()
+
+    def _reclaim(self) -> None:
+        """Evict idle cached blocks until the pool holds what is used and what stays cached."""
         if self.cache is not None:
             over = self.used + self.cache.idle_pages - self.num_pages
             if over > 0:
@@ -154,12 +159,17 @@ class Scheduler:
 
     def _take_cached(self, r: Request, blocks: list) -> None:
         """r starts with these cached blocks: its first chunk begins after them."""
+        B = self.sharding.block_tokens
         if not r.preemptions:                   # hit rate: over first admissions
             self.cache.query_tokens += len(r.prompt)
-            self.cache.hit_tokens += len(blocks) * self.sharding.block_tokens
+            self.cache.hit_tokens += len(blocks) * B
+            self.cache.host_hit_tokens += sum(b.slot is not None for b in blocks) * B
         if blocks:
-            self.used += self.cache.acquire(r.id, blocks)
-            r.computed = len(blocks) * self.sharding.block_tokens
+            revived, loading = self.cache.acquire(r.id, blocks)
+            self.used += revived + len(loading) * self.sharding.block_pages
+            self._reclaim()                     # room for the ones coming from host memory
+            self.cache.attach(r.id, loading)
+            r.computed = len(blocks) * B
             self.pages[r.id] = self.pages_for(r.computed)
             if not r.preemptions:
                 r.cached = r.computed
@@ -260,6 +270,7 @@ class Scheduler:
             blocks = self._cached_blocks(r)
             start = len(blocks) * self.sharding.block_tokens if blocks else r.computed
             n = min(start + budget, r.prefill_end) - start
+            # pages its hit makes live: idle blocks', and those coming back from host memory
             revived = sum(b.refs == 0 for b in blocks) * self.sharding.block_pages
             # a page of headroom per running request, so their decodes can grow
             free = self.free_pages() - len(self.running) - revived
@@ -308,4 +319,6 @@ class Scheduler:
                 "num_pages": self.num_pages,
                 "pages_cached": self.cached_pages,
                 "prefix_cache_queries": cache.query_tokens if cache else 0,
-                "prefix_cache_hits": cache.hit_tokens if cache else 0}
+                "prefix_cache_hits": cache.hit_tokens if cache else 0,
+                "prefix_cache_host_hits": cache.host_hit_tokens if cache else 0,
+                "host_blocks_cached": len(cache.host) if cache else 0}

@@ -123,7 +123,9 @@ class Metrics:
                 ("helix_prefix_cache_queries_total", "prefix_cache_queries",
                  "prompt tokens looked up in the prefix cache"),
                 ("helix_prefix_cache_hits_total", "prefix_cache_hits",
-                 "prompt tokens found in the prefix cache (not prefilled)")):
+                 "prompt tokens found in the prefix cache (not prefilled)"),
+                ("helix_prefix_cache_host_hits_total", "prefix_cache_host_hits",
+                 "of those, prompt tokens loaded back from host memory")):
             metric(name, "counter", doc, [f"{name} {e.get(key, 0)}"])
         metric("helix_requests_total", "counter", "finished requests by finish reason",
                [f'helix_requests_total{{finish_reason="{k}"}} {v}'
