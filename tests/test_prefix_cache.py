@@ -428,3 +428,47 @@ def test_host_tier_copies_on_the_stream_keep_the_tokens():
             c = llm.generate([P1 + a + [33, 34]], greedy(8))[0]
             runs.append((a, c, llm.stats()["prefix_cache_host_hits"]))
     assert runs[0][:2] == runs[1][:2] and runs[0][2] == 0 < runs[1][2]
+
+
+def _random_workload(path: str, seed: int, **runtime) -> tuple[dict, dict]:
+    """Requests from shared stems joining at random steps, some aborted mid-way, in a small
+    pool, with overlapped steps: each request's finish and tokens (greedy; "aborted" for those
+    an abort was sent to: with the cache they may end sooner) and the engine's stats."""
+    rng = random.Random(seed)
+    stems = [[rng.randrange(1, VOCAB) for _ in range(24)] for _ in range(2)]
+    out, aborted = {}, set()
+    with _llm(path, num_pages=16, overlap=True, max_prefill_tokens=32, **runtime) as llm:
+        ids, step, preempted = [], 0, 0
+        while len(ids) < 14 or llm.has_unfinished():
+            if len(ids) < 14 and rng.random() < 0.45:
+                prompt = rng.choice(stems)[:rng.randrange(4, 25)] + \
+                    [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 9))]
+                ids.append(llm.add_request(prompt, greedy(rng.randrange(2, 12))))
+            if ids and rng.random() < 0.08:
+                victim = rng.choice(ids)
+                aborted.add(victim)
+                if victim not in llm.finish_reasons:
+                    llm.abort(victim)
+            llm.step()
+            step += 1
+            assert step < 500
+            preempted = max([preempted] + [r.preemptions for r in llm.engine.scheduler.running])
+        for i in ids:
+            out[i] = "aborted" if i in aborted else (llm.finish_reasons[i], llm.outputs[i])
+        assert llm.engine.kv_pages_free() == 16
+        return out, dict(llm.stats(), preempted=preempted)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_random_workload_gives_the_same_tokens_with_and_without_the_cache(hf_checkpoint,
+                                                                            seed):
+    """Joins, aborts, preemption and overlap in a 16-page pool: every request that was not
+    aborted ends as it does without the cache, with or without a host tier, and the cache was
+    used (hits; with the host tier, loads)."""
+    path, _ = hf_checkpoint("llama")
+    plain, _ = _random_workload(path, seed, prefix_caching=False)
+    cached, stats = _random_workload(path, seed)
+    hosted, host_stats = _random_workload(path, seed, host_cache_gb=0.01)
+    assert cached == plain == hosted
+    assert stats["prefix_cache_hits"] > 0 and host_stats["prefix_cache_hits"] > 0
+    assert stats["preempted"] > 0 and host_stats["prefix_cache_host_hits"] > 0
