@@ -472,3 +472,25 @@ def test_a_random_workload_gives_the_same_tokens_with_and_without_the_cache(hf_c
     assert cached == plain == hosted
     assert stats["prefix_cache_hits"] > 0 and host_stats["prefix_cache_hits"] > 0
     assert stats["preempted"] > 0 and host_stats["prefix_cache_host_hits"] > 0
+
+
+def test_a_host_cache_that_cannot_be_allocated_is_a_config_error(monkeypatch):
+    from helix.errors import ConfigError
+    from helix.kv.host_cache import HostCache
+    real = torch.empty
+
+    def refuse(*a, **kw):
+        raise RuntimeError("CUDA error: out of memory\nmore")
+    caches = [[torch.zeros(4, 2, 3)]]
+    monkeypatch.setattr(torch, "empty", refuse)
+    with pytest.raises(ConfigError, match=r"could not be allocated \(CUDA error: out of "
+                                          r"memory\): lower --host-cache-gb"):
+        HostCache(caches, 8, 1)
+    monkeypatch.setattr(torch, "empty", real)
+    host = HostCache(caches, 2, 2)
+    caches[0][0][1:3] = 7.0
+    host.offload([1, 2], 1)
+    caches[0][0].zero_()
+    host.load(1, [3, 0])
+    assert caches[0][0][3].eq(7).all() and caches[0][0][0].eq(7).all()
+    assert caches[0][0][1:3].eq(0).all()

@@ -7,14 +7,23 @@ from __future__ import annotations
 
 import torch
 
+from helix.errors import ConfigError
+
 
 class HostCache:
     def __init__(self, caches: list[list[torch.Tensor]], slots: int, block_pages: int):
         self.caches, self.block_pages = caches, block_pages
         pin = caches[0][0].device.type == "cuda"
         n = slots * block_pages
-        self.store = [[torch.empty((n, *c.shape[1:]), dtype=c.dtype, pin_memory=pin)
-                       for c in layer] for layer in caches]
+        try:
+            self.store = [[torch.empty((n, *c.shape[1:]), dtype=c.dtype, pin_memory=pin)
+                           for c in layer] for layer in caches]
+        except RuntimeError as e:             # pinned (or plain) host memory refused
+            gib = n * sum(c[0].numel() * c.element_size() for layer in caches for c in layer)
+            raise ConfigError(f"the host cache's {gib / 2**30:.1f} GiB of "
+                              f"{'pinned ' if pin else ''}host memory could not be allocated "
+                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
+                              f"lower --host-cache-gb") from None
 
     @staticmethod
     def slots_for(gb: float, block_pages: int, page_bytes: int) -> int:
