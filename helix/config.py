@@ -260,6 +260,8 @@ class RuntimeConfig:
     prefix_caching: bool = True    # keep the KV of full blocks of written tokens after their
                                    # request, and start a request whose tokens begin the same
                                    # way from it (helix/kv/prefix_cache.py)
+    scheduling: str = "fcfs"       # fcfs: arrival order | priority: SamplingParams.priority
+                                   # first, preempting lower priorities (runtime/scheduler.py)
     host_cache_gb: float = 0.0     # host memory per rank for cached blocks evicted from the
                                    # device pool (0: they are dropped; helix/kv/host_cache.py)
 
@@ -295,6 +297,8 @@ class RuntimeConfig:
         if any(isinstance(b, bool) or not isinstance(b, int) or b < 1
                for b in self.prefill_graph_buckets):
             raise ConfigError("prefill graph buckets must be positive token counts")
+        if self.scheduling not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling must be fcfs or priority, got {self.scheduling!r}")
         if self.prefill_cp not in ("auto", "pass-kv", "pass-q"):
             raise ConfigError(f"prefill_cp must be auto, pass-kv or pass-q, "
                               f"got {self.prefill_cp!r}")

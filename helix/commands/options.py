@@ -92,6 +92,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not reuse the KV of earlier requests whose tokens begin a new one "
                         "(each prompt is prefilled whole)")
+    g.add_argument("--scheduling", choices=["fcfs", "priority"], default=d.scheduling,
+                   help="fcfs: arrival order; priority: requests' priority first (lower "
+                        "first), preempting lower priorities")
     g.add_argument("--host-cache-gb", type=float, default=d.host_cache_gb,
                    help="host memory per rank that keeps cached KV blocks evicted from the "
                         "device (0: they are dropped)")
@@ -164,7 +167,7 @@ def configs(args) -> tuple[Layout, RuntimeConfig]:
                             prefill_graphs=args.prefill_graphs,
                             prefill_graph_buckets=tuple(args.prefill_graph_buckets),
                             prefix_caching=args.prefix_caching,
-                            host_cache_gb=args.host_cache_gb)
+                            host_cache_gb=args.host_cache_gb, scheduling=args.scheduling)
     return layout, runtime
 
 

@@ -99,7 +99,8 @@ class Engine:
         self.scheduler = Scheduler(num_pages, self.sharding, runtime.max_batch,
                                    runtime.resolved_max_prefill_tokens,
                                    runtime.resolved_idle_prefill_tokens,
-                                   prefix_caching=runtime.prefix_caching, host_slots=slots)
+                                   prefix_caching=runtime.prefix_caching, host_slots=slots,
+                                   policy=runtime.scheduling)
         self.backend = get_backend(runtime.resolved_backend, runtime.device)
         self.backend.prepare(device, cfg.is_mla)
         self.seeds: dict[int, int] = {}       # request id -> sampling seed

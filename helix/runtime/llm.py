@@ -278,6 +278,10 @@ class LLM:
             raise RequestError(f"params must be a helix.SamplingParams, got "
                                f"{type(params).__name__}")
         params.check_vocab(self.cfg.vocab_size)
+        if params.priority and self.runtime.scheduling != "priority":
+            raise RequestError(f"priority {params.priority} needs priority scheduling: start "
+                               f"with --scheduling priority (RuntimeConfig(scheduling="
+                               f"'priority')), or leave priority at 0")
         if params.grammar is not None:          # compiled here first: a bad one is refused now
             self.engine.grammars.compile(params.grammar)
         prompt = self._check_prompt(prompt_ids, prefix)

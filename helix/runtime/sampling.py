@@ -82,6 +82,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, -100..100) added to its logit
                                              # (a dict is taken too). helix/runtime/penalties.py
     min_tokens: int = 0                      # no eos / stop id before this many tokens
+    priority: int = 0                        # lower runs first (scheduling="priority" only; a
+                                             # scheduling field that travels with the request)
     grammar: tuple[str, str] | None = None   # structured output: (kind, text), e.g.
                                              # ("json_schema", '{"type": "object"}');
                                              # helix/runtime/grammar.py
@@ -112,6 +114,7 @@ class SamplingParams:
             if not -2 <= v <= 2:
                 raise RequestError(f"{name} must be in [-2, 2], got {v}")
             object.__setattr__(self, name, v)
+        _int("priority", self.priority, -2**31, 2**31)
         if _int("min_tokens", self.min_tokens, 0) > self.max_new_tokens:
             raise RequestError(f"min_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
                                f"got {self.min_tokens}")

@@ -11,6 +11,11 @@ recomputed (prompt and generated tokens prefilled again) when it is re-admitted.
 overtake a queue head that does not fit, at most `MAX_OVERTAKES` times per head; then the head
 blocks the queue until it fits.
 
+With the priority policy (`scheduling="priority"`, SamplingParams.priority: lower runs first)
+the queue is admitted in priority order (then arrival), a request that must make room
+preempts the lowest-priority running one (then the newest), and the queue's best request,
+when it does not fit, preempts running requests of lower priority until it does.
+
 With a prefix cache (helix/kv/prefix_cache.py) a request admitted for the first time, or again
 after preemption, starts with the cached blocks that begin its tokens and prefills from there;
 the full blocks a request has written become cached as it runs (and when it ends or loses its
@@ -66,7 +71,7 @@ class StepPlan:
 class Scheduler:
     def __init__(self, num_pages: int, sharding: KVSharding, max_batch: int,
                  max_prefill_tokens: int, idle_prefill_tokens: int | None = None,
-                 prefix_caching: bool = False, host_slots: int = 0):
+                 prefix_caching: bool = False, host_slots: int = 0, policy: str = "fcfs"):
         self.num_pages, self.sharding = num_pages, sharding
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.idle_prefill_tokens = max(max_prefill_tokens, idle_prefill_tokens or 0)
@@ -80,6 +85,7 @@ class Scheduler:
                                               # order (KVManager.apply_ops)
         self.cache = (PrefixCache(sharding.block_tokens, sharding.block_pages, self.kv_ops,
                                   host_slots) if prefix_caching else None)
+        self.policy = policy                  # fcfs | priority
         self.dropped: list[Request] = []      # finished while waiting (abort, error)
         self._admitted = 0
 
@@ -210,6 +216,8 @@ class Scheduler:
         plan = StepPlan()
         if self.cache is not None:
             self._register_due()
+        if self.policy == "priority":
+            self._room_for_priority(plan)
         for r in list(self.running):                    # decode rows, oldest first
             if r.finished or r.exhausted or r.prefilling or (plan.preempted
                                                              and r not in self.running):
@@ -217,7 +225,8 @@ class Scheduler:
             n = self.pages_for(r.num_tokens)
             need = n - self.pages.get(r.id, 0)
             while need > self.free_pages():
-                victim = self.running[-1]               # the newest request makes room
+                planned = set(map(id, plan.decode))     # (rows planned stay in the plan)
+                victim = self._victim([q for q in self.running if id(q) not in planned])
                 self._preempt(victim, plan)
                 if victim is r:
                     break
@@ -227,7 +236,7 @@ class Scheduler:
         budget = self._plan_prefill(plan)
         while not plan and len(self.running) > 1 and any(   # prompts blocked on pages
                 r.prefilling and not r.pending and not r.finished for r in self.running):
-            self._preempt(self.running[-1], plan)               # make room: newest out
+            self._preempt(self._victim(self.running), plan)     # make room
             budget = self._plan_prefill(plan)
         self._admit(budget, plan)
         return plan
@@ -256,7 +265,7 @@ class Scheduler:
 
     def _admit(self, budget: int, plan: StepPlan) -> None:
         head_blocked = None
-        for r in list(self.waiting):
+        for r in self._queue_order():
             if budget <= 0 or len(self.running) >= self.max_batch:
                 return
             if r.finished:
@@ -292,6 +301,35 @@ class Scheduler:
             budget -= self._plan_chunk(r, budget, plan)
             if head_blocked is not None and head_blocked.skipped >= MAX_OVERTAKES:
                 return
+
+    def _victim(self, candidates: list[Request]) -> Request:
+        """Who makes room: the newest (fcfs), or the lowest priority, then the newest."""
+        if self.policy == "priority":
+            return max(candidates, key=lambda q: (q.params.priority, q.admitted))
+        return candidates[-1]
+
+    def _queue_order(self) -> list[Request]:
+        """The queue as admission takes it: arrival order (preempted requests first), or by
+        priority, then arrival."""
+        if self.policy == "priority":
+            return sorted(self.waiting, key=lambda r: (r.params.priority, r.id))
+        return list(self.waiting)
+
+    def _room_for_priority(self, plan: StepPlan) -> None:
+        """The queue's best request preempts running requests of lower priority, lowest first,
+        until its first chunk fits (with a page of headroom per running request, counted
+        without cache hits) and the batch has a free row."""
+        head = next((r for r in self._queue_order() if not r.pending and not r.finished), None)
+        if head is None:
+            return
+        end = min(head.prefill_end, head.computed + self.max_prefill_tokens)
+        while True:
+            lower = [q for q in self.running if q.params.priority > head.params.priority]
+            fits = (len(self.running) < self.max_batch and
+                    self.pages_for(end) + len(self.running) <= self.free_pages())
+            if fits or not lower:
+                return
+            self._preempt(self._victim(lower), plan)
 
     def _preempt(self, r: Request, plan: StepPlan) -> None:
         self.running.remove(r)

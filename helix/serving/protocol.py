@@ -243,6 +243,7 @@ def sampling(body: dict, vocab: int, max_tokens_field: str = "max_tokens",
             frequency_penalty=_num(body, "frequency_penalty", 0.0),
             repetition_penalty=_num(body, "repetition_penalty", 1.0),
             logit_bias=_logit_bias(body), min_tokens=_int(body, "min_tokens", 0, 0),
+            priority=_int(body, "priority", 0, -2**31, 2**31 - 1),
             grammar=_grammar(body))
     except FieldError:
         raise
