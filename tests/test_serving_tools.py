@@ -1,8 +1,8 @@
 """Tool calls on /v1/chat/completions (helix/serving/tools.py) through the `openai` client: a
 named function or tool_choice "required" constrain the output to the call's JSON, returned as
-`tool_calls` (streamed too) with finish reason "tool_calls"; the arguments are the tokens of the
-same grammar run straight on an LLM (transformers' argmax over the allowed ids is checked for
-grammars in tests/test_grammar.py); "auto" with the server's hermes parser finds the model's own
+`tool_calls` (streamed: a named function's arguments as they come) with finish reason
+"tool_calls"; the arguments are the tokens of the same grammar run straight on an LLM
+(transformers' argmax over the allowed ids is checked for grammars in tests/test_grammar.py); "auto" with the server's hermes parser finds the model's own
 <tool_call> blocks (the random model is steered into that syntax by a guided_regex); malformed
 tools are refused naming the field. The server runs the tiny Llama with the character-level
 tokenizer (tests/serving_fixtures.py)."""
@@ -77,16 +77,18 @@ def test_a_named_function_is_called_with_its_schemas_arguments(served):
     args = json.loads(call.function.arguments)
     assert args["city"] in ("Paris", "Oslo") and args["unit"] in ("C", "F")
     assert args == json.loads(direct(path, tok, ("json_schema", json.dumps(WEATHER)), TOOLS))
-    # streamed: the role, then the whole call with its finish
+    # streamed: the role, then the arguments as they come, the first fragment naming the call
     chunks = list(c.chat.completions.create(model=NAME, messages=MESSAGES, tools=TOOLS,
                                             tool_choice=choice, temperature=0, max_tokens=200,
                                             stream=True))
     deltas = [ch.choices[0].delta for ch in chunks]
     assert deltas[0].role == "assistant"
-    (streamed,) = deltas[-1].tool_calls
+    fragments = [d.tool_calls[0] for d in deltas[1:]]
+    assert len(fragments) > 2 and all(f.index == 0 for f in fragments)
+    assert fragments[0].function.name == "weather" and fragments[0].id.startswith("call_")
+    assert all(f.id is None and f.function.name is None for f in fragments[1:])
+    assert json.loads("".join(f.function.arguments for f in fragments)) == args
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    assert streamed.index == 0 and streamed.function.name == "weather"
-    assert json.loads(streamed.function.arguments) == args
     assert all(not d.content for d in deltas)                     # no JSON text leaks
 
 

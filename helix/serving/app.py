@@ -40,6 +40,7 @@ from starlette.routing import Route
 from helix.errors import CapacityError, EngineDeadError, RequestError
 from helix.serving.async_engine import AsyncLLM, OverloadedError
 from helix.serving.protocol import FieldError, parse_chat, parse_completion, token_ids_field
+from helix.serving.tools import call_id
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -454,6 +455,17 @@ class _Format:
         calls = self.tools.calls(text) if finish == "stop" else None
         return ("", calls) if calls is not None else (text, None)
 
+    def argument_chunk(self, text: str, ids: list[int], finish: str | None, first: bool,
+                       index: int) -> bytes:
+        """A streamed fragment of a named function's arguments (the first names the call)."""
+        call = {"index": 0, "function": {"arguments": text}}
+        if first:
+            call = {"index": 0, "id": call_id(), "type": "function",
+                    "function": {"name": self.tools.name, "arguments": text}}
+        return self._sse_choice({"index": index, "logprobs": None, "token_ids": ids,
+                                 "finish_reason": "tool_calls" if finish == "stop" else finish,
+                                 "delta": {"tool_calls": [call]}})
+
     def tool_chunk(self, calls: list[dict], ids: list[int], index: int) -> bytes:
         """A streamed choice's tool calls, whole, with its finish."""
         delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
@@ -489,6 +501,11 @@ class _Format:
                 text, ids, lp_ids, lps = self._parts(i, out)
                 n += len(ids)
                 self._count_cached(i, out)
+                if self.tools is not None and self.tools.mode == "named" and \
+                        out.finish_reason != "error":   # the arguments stream as they come
+                    yield self.argument_chunk(text, ids, out.finish_reason, not held[i][1], i)
+                    held[i][1] = 1
+                    continue
                 if self.tools is not None and out.finish_reason != "error":
                     h = held[i]
                     h[0], h[2] = h[0] + text, h[2] + ids

@@ -67,8 +67,12 @@ class ToolRequest:
             found = [(c.get("name"), c.get("parameters")) for c in value if isinstance(c, dict)]
         else:
             return None
-        return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+        return [{"id": call_id(), "type": "function",
                  "function": {"name": n, "arguments": json.dumps(a)}} for n, a in found]
+
+
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
 
 
 def _function(tool, i: int) -> dict:
@@ -190,7 +194,7 @@ class HermesCalls:
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                 return text, None
             found.append(call)
-        return head.rstrip(), [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+        return head.rstrip(), [{"id": call_id(), "type": "function",
                                 "function": {"name": c["name"],
                                              "arguments": json.dumps(c.get("arguments", {}))}}
                                for c in found]
