@@ -2,9 +2,10 @@
 named function or tool_choice "required" constrain the output to the call's JSON, returned as
 `tool_calls` (streamed: a named function's arguments as they come) with finish reason
 "tool_calls"; the arguments are the tokens of the same grammar run straight on an LLM
-(transformers' argmax over the allowed ids is checked for grammars in tests/test_grammar.py); "auto" with the server's hermes parser finds the model's own
-<tool_call> blocks (the random model is steered into that syntax by a guided_regex); malformed
-tools are refused naming the field. The server runs the tiny Llama with the character-level
+(transformers' argmax over the allowed ids is checked for grammars in tests/test_grammar.py);
+"auto" with the server's hermes parser finds the model's own <tool_call> blocks (the random
+model is steered into that syntax by a guided_regex); malformed tools are refused naming the
+field. The server runs the tiny Llama with the character-level
 tokenizer (tests/serving_fixtures.py)."""
 
 from __future__ import annotations
