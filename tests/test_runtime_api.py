@@ -102,6 +102,7 @@ def test_tight_pool_preempts_and_recomputes_with_the_same_tokens(llama_ckpt):
             reqs.update({r.id: r for r in llm.engine.scheduler.running})
         got = llm.outputs[a], llm.outputs[b]
         assert reqs[b].preemptions >= 1                  # B gave its pages back at least once
+        assert llm.stats()["preemptions"] == sum(r.preemptions for r in reqs.values())
         assert llm.engine.kv_pages_free() == llm.engine.num_pages   # cached blocks idle
     assert got == (alone(llama_ckpt, A, greedy(9)), alone(llama_ckpt, B, greedy(8)))
 

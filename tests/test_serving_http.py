@@ -555,6 +555,7 @@ def test_usage_counts_prompt_tokens_read_from_the_prefix_cache(served):
     _, samples = metrics(served)
     assert int(samples["helix_prefix_cache_hits_total"]) >= 48
     assert int(samples["helix_prefix_cache_queries_total"]) >= 90
+    assert "helix_preemptions_total" in samples     # (its count: test_runtime_api)
     # dropped (with the key only): the pool is all free, and the prompt is prefilled again
     assert _post(served, "/reset_prefix_cache", {}, key=None)[0] == 401
     assert _post(served, "/reset_prefix_cache", {}) == (200, {"kv_pages_free": [12, 12]})

@@ -427,7 +427,7 @@ class LLM:
         return {"running": s["running"], "queued": s["queued"], "num_pages": s["num_pages"],
                 "kv_pages_used": [r["kv_pages_used"] for r in per_rank],
                 "kv_pages_free": [r["kv_pages_free"] for r in per_rank],
-                "kv_pages_cached": s["pages_cached"],
+                "kv_pages_cached": s["pages_cached"], "preemptions": s["preemptions"],
                 "prefix_cache_queries": s["prefix_cache_queries"],
                 "prefix_cache_hits": s["prefix_cache_hits"],
                 "prefix_cache_host_hits": s["prefix_cache_host_hits"],

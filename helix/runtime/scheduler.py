@@ -86,6 +86,7 @@ class Scheduler:
         self.cache = (PrefixCache(sharding.block_tokens, sharding.block_pages, self.kv_ops,
                                   host_slots) if prefix_caching else None)
         self.policy = policy                  # fcfs | priority
+        self.preemptions = 0                  # requests preempted so far
         self.dropped: list[Request] = []      # finished while waiting (abort, error)
         self._admitted = 0
 
@@ -332,6 +333,7 @@ class Scheduler:
             self._preempt(self._victim(lower), plan)
 
     def _preempt(self, r: Request, plan: StepPlan) -> None:
+        self.preemptions += 1
         self.running.remove(r)
         self._drop(r)
         r.reset_kv()
@@ -355,7 +357,7 @@ class Scheduler:
         return {"running": len(self.running), "queued": len(self.waiting),
                 "pages_used": self.used, "pages_free": self.free_pages(),
                 "num_pages": self.num_pages,
-                "pages_cached": self.cached_pages,
+                "pages_cached": self.cached_pages, "preemptions": self.preemptions,
                 "prefix_cache_queries": cache.query_tokens if cache else 0,
                 "prefix_cache_hits": cache.hit_tokens if cache else 0,
                 "prefix_cache_host_hits": cache.host_hit_tokens if cache else 0,

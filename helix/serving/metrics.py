@@ -125,7 +125,9 @@ class Metrics:
                 ("helix_prefix_cache_hits_total", "prefix_cache_hits",
                  "prompt tokens found in the prefix cache (not prefilled)"),
                 ("helix_prefix_cache_host_hits_total", "prefix_cache_host_hits",
-                 "of those, prompt tokens loaded back from host memory")):
+                 "of those, prompt tokens loaded back from host memory"),
+                ("helix_preemptions_total", "preemptions",
+                 "requests preempted for KV pages (recomputed when re-admitted)")):
             metric(name, "counter", doc, [f"{name} {e.get(key, 0)}"])
         metric("helix_requests_total", "counter", "finished requests by finish reason",
                [f'helix_requests_total{{finish_reason="{k}"}} {v}'
