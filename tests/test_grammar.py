@@ -169,6 +169,8 @@ def test_bad_grammars_are_refused_when_added(char_ckpt):
             SamplingParams(grammar=bad)
     with pytest.raises(RequestError, match="exclude each other"):
         SamplingParams(grammar=("regex", "a"), forced_tokens=(1,))
+    with pytest.raises(RequestError, match="grammar and min_tokens exclude each other"):
+        SamplingParams(grammar=("regex", "a"), min_tokens=2)
     for bad in ([], "ab", ["a", ""], [1]):
         with pytest.raises(RequestError, match="non-empty list"):
             choice_spec(bad)

@@ -131,6 +131,9 @@ class SamplingParams:
         object.__setattr__(self, "forced_tokens", _ids("forced_tokens", self.forced_tokens))
         if self.grammar is not None and self.forced_tokens:
             raise RequestError("grammar and forced_tokens exclude each other: give one")
+        if self.grammar is not None and self.min_tokens:
+            raise RequestError("grammar and min_tokens exclude each other (the grammar decides "
+                               "where the output ends): give one")
 
     @property
     def greedy(self) -> bool:
