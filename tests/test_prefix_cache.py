@@ -494,3 +494,31 @@ def test_a_host_cache_that_cannot_be_allocated_is_a_config_error(monkeypatch):
     host.load(1, [3, 0])
     assert caches[0][0][3].eq(7).all() and caches[0][0][0].eq(7).all()
     assert caches[0][0][1:3].eq(0).all()
+
+
+def test_a_waiting_request_walks_the_cache_once_and_again_after_a_drop():
+    """A request held back (the batch is full) with a long cached prefix: its first look walks
+    every block, each later step only tries the next one; after a block is dropped from the
+    index its walk starts over and finds only what is left."""
+    sharding = KVSharding(1, 1, 2)
+    s = Scheduler(200, sharding, max_batch=1, max_prefill_tokens=64, prefix_caching=True)
+    stem = list(range(1, 41))
+    s.cache.register(99, lambda a, b: stem[a:b], 40)            # 20 blocks of 2
+    s.cache.release(99)
+    busy, waiting = Request(0, [7] * 4, greedy(30), 10 ** 6), Request(1, stem + [3], greedy(2),
+                                                                       10 ** 6)
+    s.add(busy)
+    s.schedule()
+    s.add(waiting)
+    calls = []
+    real = waiting.tokens
+    waiting.tokens = lambda a, b: calls.append(a) or real(a, b)
+
+    def look():
+        calls.clear()
+        return s._cached_blocks(waiting)
+    assert len(look()) == 20 and len(calls) == 20
+    assert len(look()) == 20 and calls == []                    # the limit: nothing to try
+    s.cache.evict(s.cache.block_pages * 15, offload=False)        # the 15 deepest go
+    assert len(look()) == 5 and len(calls) == 6
+    assert [b.id for b in look()] == [b.id for b in s.cache.lookup(real, waiting.cache_limit)]

@@ -50,6 +50,8 @@ class PrefixCache:
         self.host: OrderedDict[int, Block] = OrderedDict()   # blocks in host memory, LRU first
         self.free_slots = list(range(host_slots - 1, -1, -1))
         self.host_hit_tokens = 0                  # ... of the hits, read from host memory
+        self.forgotten = 0                        # blocks ever dropped from the index (a walk
+                                                  # made before the last drop may be stale)
         self.index: dict[tuple, Block] = {}
         self.blocks: dict[int, Block] = {}
         self.idle: OrderedDict[int, Block] = OrderedDict()   # least recently used first
@@ -69,11 +71,14 @@ class PrefixCache:
         return len(self.chains.get(req_id, ())) * self.block_pages
 
     # -- lookup -------------------------------------------------------------------------------
-    def lookup(self, tokens, limit: int) -> list[Block]:
+    def lookup(self, tokens, limit: int, found: list[Block] = ()) -> list[Block]:
         """The cached blocks that start a sequence, covering at most `limit` positions;
-        tokens(a, b): its token ids at positions [a, b)."""
-        found, parent, B = [], -1, self.block_tokens
-        for b in range(limit // B):
+        tokens(a, b): its token ids at positions [a, b). found: the result of an earlier walk
+        (no block dropped since): the walk goes on from its end."""
+        B = self.block_tokens
+        found = list(found[:limit // B])
+        parent = found[-1].id if found else -1
+        for b in range(len(found), limit // B):
             block = self.index.get((parent, tuple(tokens(b * B, (b + 1) * B))))
             if block is None:
                 break
@@ -162,6 +167,7 @@ class PrefixCache:
         """Out of the index (a block in host memory gives its slot back: no op, the slot's data
         is simply overwritten later)."""
         del self.index[block.key], self.blocks[block.id]
+        self.forgotten += 1
         if block.slot is not None:
             self.free_slots.append(block.slot)
             block.slot = None

@@ -85,6 +85,10 @@ class Scheduler:
                                               # order (KVManager.apply_ops)
         self.cache = (PrefixCache(sharding.block_tokens, sharding.block_pages, self.kv_ops,
                                   host_slots) if prefix_caching else None)
+        # a waiting request's cache walk and its prompt heads' matches, kept across the steps
+        # it waits (a long prompt would otherwise be hashed or compared whole every step)
+        self._walks: dict[int, tuple[int, list]] = {}    # request id -> (forgotten, blocks)
+        self._same_head: dict[int, dict[int, bool]] = {}  # request id -> running id -> equal
         self.policy = policy                  # fcfs | priority
         self.preemptions = 0                  # requests preempted so far
         self.dropped: list[Request] = []      # finished while waiting (abort, error)
@@ -114,6 +118,7 @@ class Scheduler:
     def _drop(self, r: Request) -> None:
         """r holds no KV any more: its own pages are free, its cached blocks' maybe idle."""
         self.used -= self.pages.pop(r.id, 0)
+        self._forget_waiting(r)
         if self.cache is not None:
             self._register(r)
             self.used += self.cache.held(r.id) - self.cache.release(r.id)
@@ -146,7 +151,16 @@ class Scheduler:
         if (self.cache is None or not r.shares_kv or r.computed
                 or r.params.prompt_logprobs is not None):   # prompt scores need every prompt
             return []                                       # position prefilled here
-        return self.cache.lookup(r.tokens, r.cache_limit)
+        seen = self._walks.get(r.id)
+        blocks = self.cache.lookup(r.tokens, r.cache_limit,
+                                   seen[1] if seen and seen[0] == self.cache.forgotten else ())
+        self._walks[r.id] = (self.cache.forgotten, blocks)
+        return blocks
+
+    def _forget_waiting(self, r: Request) -> None:
+        """r was admitted or holds no KV: its walk and head matches are stale."""
+        self._walks.pop(r.id, None)
+        self._same_head.pop(r.id, None)
 
     def _defers(self, r: Request) -> bool:
         """r waits while a running request prefills the first half (or more) of r's prompt: r
@@ -160,12 +174,18 @@ class Scheduler:
         need = max(B, len(r.prompt) // 2) // B * B
         if need > r.cache_limit:
             return False
-        head = r.prompt[:need]
-        return any(q.prefilling and q.shares_kv and q.computed < need and q.prompt[:need] == head
-                   for q in self.running)
+        same = self._same_head.setdefault(r.id, {})
+        for q in self.running:
+            if q.prefilling and q.shares_kv and q.computed < need:
+                if q.id not in same:
+                    same[q.id] = q.prompt[:need] == r.prompt[:need]
+                if same[q.id]:
+                    return True
+        return False
 
     def _take_cached(self, r: Request, blocks: list) -> None:
         """r starts with these cached blocks: its first chunk begins after them."""
+        self._forget_waiting(r)
         B = self.sharding.block_tokens
         if not r.preemptions:                   # hit rate: over first admissions
             self.cache.query_tokens += len(r.prompt)
@@ -272,6 +292,7 @@ class Scheduler:
             if r.finished:
                 self.waiting.remove(r)
                 self.dropped.append(r)
+                self._forget_waiting(r)
                 continue
             if r.pending:                  # preempted with a token still on its way: next step
                 continue
