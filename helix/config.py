@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from helix.errors import ConfigError
+from helix.kv.quant import KV_CACHE_DTYPES, cache_dtype
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -219,6 +220,8 @@ class Layout:
 class RuntimeConfig:
     device: str = "cpu"            # cpu | cuda
     dtype: str = "float32"         # weights, activations and KV: float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"   # KV pool storage: auto (the dtype above) | fp8 (e4m3: half
+                                   # of bf16's bytes, twice the positions; helix/kv/quant.py)
     page_size: int = 16            # KV positions per page (per rank)
     max_context: int = 0           # longest prompt + generation per request (0: model max, <= 8192)
     max_batch: int = 64            # most requests running at once
@@ -269,6 +272,9 @@ class RuntimeConfig:
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         parse_dtype(self.dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         for name, lo in (("page_size", 1), ("max_batch", 1), ("max_context", 0), ("num_pages", 0),
                          ("layers", 0), ("seed", 0), ("max_prefill_tokens", 0),
                          ("idle_prefill_tokens", 0),
@@ -309,6 +315,11 @@ class RuntimeConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        """The dtype the KV pool is allocated in."""
+        return cache_dtype(self.kv_cache_dtype, self.torch_dtype)
 
     @property
     def resolved_backend(self) -> str:

@@ -64,7 +64,7 @@ try:
     import triton.language as tl  # noqa: F401
     HAS_TRITON = True
 except ImportError:                      # pragma: no cover - triton is the optional "kernels" extra
-    triton = tl = pdl_sync = prefetch_l2 = prefetching = None
+    triton = tl = pdl_sync = prefetch_l2 = prefetching = cache_cast = None
     HAS_TRITON = False
 
 
@@ -195,6 +195,23 @@ if HAS_TRITON:
             "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
             "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
             "=r,l,r", [lo, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def cache_cast(x, DTYPE: tl.constexpr):
+        """x as a KV cache of dtype DTYPE stores it (helix/kv/quant.py). fp8 (e4m3) saturates at
+        +-448 and rounds to nearest even in fp32 arithmetic first (normal values: the fp32 bits at
+        3 mantissa bits; below 2^-6: to a multiple of 2^-9, by an fp32 add), so the conversion
+        itself is exact on every target: the interpreter's own fp8 rounding drops a mantissa carry
+        (7.94 -> 4.0) and does not saturate."""
+        if DTYPE == tl.float8e4nv:
+            x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+            a = tl.abs(x)
+            small = (a + 16384.0) - 16384.0          # 2^14: one fp32 ulp is 2^-9
+            x = tl.where(a < 0.015625, tl.where(x < 0, -small, small),
+                         bits.to(tl.float32, bitcast=True))
+        return x.to(DTYPE)
 
 
 def pow2(n: int) -> int:

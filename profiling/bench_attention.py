@@ -17,6 +17,11 @@ timed once per config), forced or left to the heuristic:
 
     python profiling/bench_attention.py --kernels gqa --batches 1,2,4,8 \\
         --contexts 4096,16384,65536 --gqa-splits auto,8,16,32 --out gqa_splits.json
+
+The KV cache's storage (`--kv-dtypes bf16,fp8`; records' `kv_dtype`): fp8 pools hold the bf16
+pool's values rounded to e4m3 (helix/kv/quant.py), queries stay bf16, the reference reads the
+same stored values, and the floor counts one byte a cached element (SDPA and the Gluon MLA
+kernel take 16-bit KV only: timed for bf16 pools).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from helix.attention import gluon_mla, triton_backend  # noqa: E402
 from helix.attention.triton_decode import gqa_decode, gqa_num_splits  # noqa: E402
 from helix.attention.triton_mla import mla_decode, mla_plan  # noqa: E402
 from helix.attention.triton_splits import sm_count_of  # noqa: E402
+from helix.kv.quant import to_cache  # noqa: E402
 from profiling.roofline import L2Flush, copy_bandwidth, graph_time_us, matmul_rate  # noqa: E402
 
 GQA = dict(hq=64, hkv=8, d=128)
@@ -43,15 +49,17 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64]
 CONTEXTS = [4096, 16384, 65536, 131072, 262144, 524288]
 BF16 = 2
 DEVICE = "cuda"
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
-def kv_bytes_per_token(kernel: str) -> int:
-    return GQA["hkv"] * GQA["d"] * 2 * BF16 if kernel == "gqa" else (MLA["dl"] + MLA["dr"]) * BF16
+def kv_bytes_per_token(kernel: str, elem: int = BF16) -> int:
+    return GQA["hkv"] * GQA["d"] * 2 * elem if kernel == "gqa" else (MLA["dl"] + MLA["dr"]) * elem
 
 
-def cost(kernel: str, B: int, ctx: int) -> tuple[int, int]:
-    """(bytes, flops) of one decode step: KV read once, Q and O once; QK and PV products."""
-    kv = B * ctx * kv_bytes_per_token(kernel)
+def cost(kernel: str, B: int, ctx: int, kv_elem: int = BF16) -> tuple[int, int]:
+    """(bytes, flops) of one decode step: KV read once (kv_elem bytes an element), Q and O
+    once; QK and PV products."""
+    kv = B * ctx * kv_bytes_per_token(kernel, kv_elem)
     if kernel == "gqa":
         hq, d = GQA["hq"], GQA["d"]
         return kv + 2 * B * hq * d * BF16, 2 * 2 * B * hq * ctx * d
@@ -59,11 +67,14 @@ def cost(kernel: str, B: int, ctx: int) -> tuple[int, int]:
     return kv + B * h * (dl + dr + dl) * BF16, 2 * B * h * ctx * (dl + dr + dl)
 
 
-def random_pool(shape, gen_chunk=2**28) -> torch.Tensor:
-    pool = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
+def random_pool(shape, dtype=torch.bfloat16, gen_chunk=2**28) -> torch.Tensor:
+    """Normal bf16 values, stored in `dtype` (fp8: rounded as the cache rounds them)."""
+    pool = torch.empty(shape, dtype=dtype, device=DEVICE)
     flat = pool.view(-1)
     for i in range(0, flat.numel(), gen_chunk):
-        flat[i:i + gen_chunk].normal_()
+        part = flat[i:i + gen_chunk]
+        part.copy_(to_cache(torch.empty(part.shape, dtype=torch.bfloat16,
+                                        device=DEVICE).normal_(), dtype))
     return pool
 
 
@@ -106,7 +117,8 @@ def bench_config(kernel, B, ctx, page, pools, flush, args) -> list[dict]:
         v_seq = v_pool[:pages].view(B, ctx, hkv, d)
         refs = {b: reference(q[b].view(hkv, hq // hkv, d), k_seq[b], v_seq[b], scale)
                 for b in {0, B - 1}}
-        sdpa_us = None if args.no_sdpa else sdpa_time(q, k_seq, v_seq, scale, flush)
+        sdpa_us = (None if args.no_sdpa or k_pool.dtype != torch.bfloat16
+                   else sdpa_time(q, k_seq, v_seq, scale, flush))
         records = []
         for forced in gqa_splits(args):
             splits = forced or gqa_num_splits(B, hkv, bt.shape[1] * page, q.device,
@@ -117,6 +129,7 @@ def bench_config(kernel, B, ctx, page, pools, flush, args) -> list[dict]:
             errs = [check(o[b], lse[b], *refs[b], f"gqa B{B} ctx{ctx} splits {splits} row {b}")
                     for b in refs]
             records.append(dict(kernel="triton-gqa", batch=B, context=ctx, sdpa_us=sdpa_us,
+                                kv_dtype=kv_name(k_pool),
                                 shape="llama-3.1-70b rank: 64q/8kv d128 bf16",
                                 num_splits=splits, splits_forced=forced is not None,
                                 max_err=max(errs),
@@ -140,10 +153,11 @@ def bench_config(kernel, B, ctx, page, pools, flush, args) -> list[dict]:
         errs = [check(o[b], lse[b], *refs[b], f"mla B{B} ctx{ctx} splits {splits} row {b}")
                 for b in refs]
         records.append(dict(kernel="triton-mla", batch=B, context=ctx, sdpa_us=None,
+                            kv_dtype=kv_name(kv_pool),
                             shape="deepseek-v3 rank: 128h Dl512 Dr64 bf16", max_err=max(errs),
                             num_splits=splits, splits_forced=forced is not None,
                             time_us=graph_time_us(fn, args.iters, flush)))
-        if gluon_runs():
+        if kv_pool.dtype == torch.bfloat16 and gluon_runs():
             splits = forced or gluon_mla.plan(B, h, bt.shape[1] * page,
                                               sm_count_of(ql.device), page).num_splits
             fn = lambda n=splits: gluon_mla.mla_decode_gluon(  # noqa: E731
@@ -153,12 +167,17 @@ def bench_config(kernel, B, ctx, page, pools, flush, args) -> list[dict]:
             errs = [check(o[b], lse[b], *refs[b], f"gluon B{B} ctx{ctx} splits {splits} row {b}")
                     for b in refs]
             records.append(dict(kernel="gluon-mla", variant=triton_backend.GLUON_VARIANT,
+                                kv_dtype="bf16",
                                 batch=B, context=ctx, sdpa_us=None,
                                 shape="deepseek-v3 rank: 128h Dl512 Dr64 bf16, sm_90",
                                 max_err=max(errs), num_splits=splits,
                                 splits_forced=forced is not None,
                                 time_us=graph_time_us(fn, args.iters, flush)))
     return records
+
+
+def kv_name(pool: torch.Tensor) -> str:
+    return next(k for k, v in KV_DTYPES.items() if v == pool.dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,7 +230,12 @@ def main():
                    help="comma list of MLA split counts to force, or auto (mla_plan's choice)")
     p.add_argument("--gqa-min-tokens", type=int, default=None,
                    help="choose_num_splits' shortest split for auto (default: the library's)")
+    p.add_argument("--kv-dtypes", default="bf16",
+                   help="comma list of KV cache storages: bf16, fp8 (e4m3)")
     args = p.parse_args()
+    kv_dtypes = args.kv_dtypes.split(",")
+    if not set(kv_dtypes) <= set(KV_DTYPES):
+        p.error(f"--kv-dtypes: choose among {', '.join(KV_DTYPES)}")
     batches = [int(x) for x in args.batches.split(",")] if args.batches else (
         [1, 8] if args.quick else BATCHES)
     contexts = [int(x) for x in args.contexts.split(",")] if args.contexts else (
@@ -221,17 +245,18 @@ def main():
     print(f"copy {copy_bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
     flush = L2Flush()
     records = []
-    for kernel in args.kernels.split(","):
-        cap_tokens = int(args.mem_cap_gb * 1e9) // kv_bytes_per_token(kernel)
+    for kernel, kv_dtype in [(k, d) for k in args.kernels.split(",") for d in kv_dtypes]:
+        elem = KV_DTYPES[kv_dtype].itemsize
+        cap_tokens = int(args.mem_cap_gb * 1e9) // kv_bytes_per_token(kernel, elem)
         configs = [(B, c) for B in batches for c in contexts if B * c <= cap_tokens]
         if not configs:
             continue
         pages = max(B * c for B, c in configs) // args.page_size
         inner = (GQA["hkv"], GQA["d"]) if kernel == "gqa" else (MLA["dl"] + MLA["dr"],)
-        pools = [random_pool((pages, args.page_size, *inner))
+        pools = [random_pool((pages, args.page_size, *inner), KV_DTYPES[kv_dtype])
                  for _ in range(2 if kernel == "gqa" else 1)]
         for B, ctx in configs:
-            nbytes, flops = cost(kernel, B, ctx)
+            nbytes, flops = cost(kernel, B, ctx, elem)
             floor = max(nbytes / copy_bw, flops / mm) * 1e6
             for rec in bench_config(kernel, B, ctx, args.page_size, pools, flush, args):
                 rec.update(floor_us=floor, roofline_fraction=floor / rec["time_us"],
@@ -244,7 +269,8 @@ def main():
                 vs = (f"  {rec['sdpa_us'] / rec['time_us']:.3f}x sdpa speed"
                       if rec["sdpa_us"] else "")
                 what = f" s{rec['num_splits']:<3}" if "num_splits" in rec else ""
-                print(f"{rec['kernel']} B{B:<3} ctx {ctx:>7}{what}: {rec['time_us']:9.1f} us  "
+                print(f"{rec['kernel']} {kv_dtype} B{B:<3} ctx {ctx:>7}{what}: "
+                      f"{rec['time_us']:9.1f} us  "
                       f"floor {floor:9.1f} us  {100 * rec['roofline_fraction']:5.1f}% roofline  "
                       f"{rec['achieved_GBps']:6.0f} GB/s  sdpa {sdpa} us{vs}", flush=True)
                 with open(args.out, "w") as f:                # after every record: a kill

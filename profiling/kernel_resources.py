@@ -31,12 +31,16 @@ from triton.backends.compiler import GPUTarget
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from helix.attention import (triton_append, triton_decode, triton_merge, triton_mla,  # noqa: E402
-                             triton_splits)
+                             triton_mla_few, triton_prefill, triton_splits)
+from helix.kv.manager import LocalKVMeta  # noqa: E402
+from helix.layers import fused_mla, fused_qk_norm  # noqa: E402
 
 SM90_SMEM_LIMIT = 232448            # bytes of shared memory one block may use on H100 / H200
-_MODULES = (triton_splits, triton_decode, triton_mla, triton_append, triton_merge)
+_MODULES = (triton_splits, triton_decode, triton_mla, triton_mla_few, triton_append,
+            triton_merge, triton_prefill, fused_qk_norm, fused_mla)
 _PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
-        torch.int32: "*i32", torch.int64: "*i64", torch.int16: "*i16", torch.int8: "*i8"}
+        torch.int32: "*i32", torch.int64: "*i64", torch.int16: "*i16", torch.int8: "*i8",
+        torch.float8_e4m3fn: "*fp8e4nv"}
 
 
 @contextlib.contextmanager
@@ -158,13 +162,51 @@ def production_launches(name: str):
                 o = torch.empty(8, 64, 128, dtype=dt, **m)
                 send = triton_merge.pack_partials(o, torch.empty(8, 64, **m), 2)
                 triton_merge.merge_received(send, 128)
+        elif name == "fp8-kv":                 # bf16 queries over fp8 (e4m3) caches: the readers
+            f8, i32, i64 = torch.float8_e4m3fn, torch.int32, torch.int64   # and the writers
+            q = torch.empty(4, 64, 128, dtype=bf, **m)
+            kv = torch.empty(1024, 64, 8, 128, dtype=f8, **m)
+            triton_decode.gqa_decode(q, kv, kv, torch.empty(4, 64, dtype=i32, **m),
+                                     torch.empty(4, dtype=i32, **m), 0.088, num_splits=4)
+            for heads, decode in ((128, triton_mla.mla_decode),
+                                  (16, triton_mla_few.mla_decode_few)):
+                ql = torch.empty(4, heads, 512, dtype=bf, **m)
+                qr = torch.empty(4, heads, 64, dtype=bf, **m)
+                lat = torch.empty(1024, 64, 576, dtype=f8, **m)
+                decode(ql, qr, lat, torch.empty(4, 64, dtype=i32, **m),
+                       torch.empty(4, dtype=i32, **m), 0.072, num_splits=8)
+            rows = torch.empty(4, 8, 128, dtype=bf, **m)
+            triton_append.append_kv(kv, rows, torch.empty(4, dtype=i64, **m))
+            triton_append.append_kv_pair(kv, kv, rows, rows, torch.empty(4, dtype=i64, **m))
+            qkv = torch.empty(4, 48 * 128, dtype=bf, **m)              # Llama-3.1-8B: 32 q, 8 kv
+            qh, kh, vh = (t.view(4, -1, 128) for t in qkv.split([4096, 1024, 1024], 1))
+            rope = torch.empty(8192, 64, **m)
+            fused_qk_norm.rope_append(qh, kh, vh, None, None, 1e-6, rope, rope,
+                                      torch.empty(4, dtype=i64, **m), False, kv[:64], kv[:64],
+                                      torch.empty(4, dtype=i64, **m))
+            pre = LocalKVMeta(slots=torch.empty(512, dtype=i64, **m),        # 2 prompts' chunks
+                              block_tables=torch.empty(2, 64, dtype=i32, **m),
+                              kv_lens=torch.empty(2, dtype=i32, **m),
+                              cu_q=torch.empty(3, dtype=i32, **m),
+                              q_pos=torch.empty(512, dtype=i64, **m), kvp_rank=0, kvp=1,
+                              interleave=1, page_size=64, num_decode=0, max_q=512)
+            triton_prefill.gqa_prefill(torch.empty(512, 64, 128, dtype=bf, **m), kv, kv, pre,
+                                       0.088)
+            triton_prefill.mla_prefill(torch.empty(512, 16, 512, dtype=bf, **m),
+                                       torch.empty(512, 16, 64, dtype=bf, **m), lat, 512, pre,
+                                       0.072)
+            fused_mla.mla_kv_row_triton(torch.empty(4, 576, dtype=bf, **m),
+                                        torch.empty(512, dtype=bf, **m), 1e-6,
+                                        torch.empty(8192, 32, **m), torch.empty(8192, 32, **m),
+                                        torch.empty(4, dtype=i64, **m), True, cache=lat,
+                                        slots=torch.empty(4, dtype=i64, **m))
         else:
             raise ValueError(name)
     return launches
 
 
 CASES = ["gqa-llama70b", "gqa-mqa-d256-fp16", "gqa-fp32", "mla-deepseek-v3", "mla-deepseek-fp32",
-         "append-and-exchange"]
+         "append-and-exchange", "fp8-kv"]
 
 
 def main():

@@ -9,6 +9,7 @@ import torch
 from helix.attention.backend import AttentionBackend
 from helix.kv.manager import LocalKVMeta
 from helix.kv.ownership import local_to_global
+from helix.kv.quant import to_cache
 
 
 SCORE_BYTES = 1 << 28      # fp32 scores of one query block: 256 MB (prompts of any length fit)
@@ -36,7 +37,7 @@ def append_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) ->
     [T], slot -1 skipped."""
     keep = slots >= 0
     flat = cache.view(-1, *cache.shape[2:])
-    flat[slots[keep]] = rows[keep].to(cache.dtype)
+    flat[slots[keep]] = to_cache(rows[keep], cache.dtype)
 
 
 class TorchAttention(AttentionBackend):

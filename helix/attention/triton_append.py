@@ -1,7 +1,8 @@
 """KV append: write rows [T, ...] into a paged cache [P, page, ...] at flat slots [T] int64
 (slot = page * page_size + offset), skipping slot -1 (not the owner rank, or a padding row).
 One kernel for GQA caches [P, page, Hkv, d] and MLA caches [P, page, Dl + Dr]: a row is the
-R = prod(shape[2:]) contiguous elements of one position."""
+R = prod(shape[2:]) contiguous elements of one position, stored in the cache's dtype
+(triton_util.cache_cast: fp8 caches round and saturate)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from helix.triton_util import pdl_sync, run_kernel
+from helix.triton_util import cache_cast, pdl_sync, run_kernel
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -23,7 +24,8 @@ def _append_kernel(rows_ptr, slots_ptr, cache_ptr, stride_row, stride_slot, R,
     slot = tl.load(slots_ptr + t).to(tl.int64)           # int64: slot * R can pass 2^31
     mask = (col < R) & (tl.full([BLOCK], 0, tl.int64) + slot >= 0)   # slot -1: skip the row
     vals = tl.load(rows_ptr + t * stride_row + col, mask=mask, other=0.0)
-    tl.store(cache_ptr + slot * stride_slot + col, vals.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_ptr + slot * stride_slot + col, cache_cast(vals, cache_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -37,8 +39,10 @@ def _append_pair_kernel(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, strid
     mask = (col < R) & (tl.full([BLOCK], 0, tl.int64) + slot >= 0)
     k = tl.load(k_ptr + t * stride_k + col, mask=mask, other=0.0)
     v = tl.load(v_ptr + t * stride_v + col, mask=mask, other=0.0)
-    tl.store(k_cache_ptr + slot * stride_slot + col, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + slot * stride_slot + col, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + slot * stride_slot + col, cache_cast(k, k_cache_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(v_cache_ptr + slot * stride_slot + col, cache_cast(v, v_cache_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def _rows(rows: torch.Tensor, T: int, R: int) -> torch.Tensor:

@@ -66,7 +66,7 @@ def _gqa_split_kernel(
 
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dcol[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)           # [BLOCK_G, BLOCK_D]
-    q = q.to(k_ptr.dtype.element_ty)
+    # cached values (fp8 too) are converted to q's dtype before the products
 
     kv_len = tl.load(lens_ptr + b)
     start, end = split_range(kv_len, split, NUM_SPLITS, BLOCK_N)
@@ -80,7 +80,8 @@ def _gqa_split_kernel(
     for t0 in range(start, end, BLOCK_N):
         k_rows, tmask = token_rows(bt_row, t0, end, stride_kp, stride_kt, BLOCK_N, PAGE_SIZE)
         ld_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_base + k_rows[:, None] + dcol[None, :], mask=ld_mask, other=0.0)
+        k = tl.load(k_base + k_rows[:, None] + dcol[None, :], mask=ld_mask,
+                    other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2   # [G, N]
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))        # finite: every block has a token
@@ -91,7 +92,8 @@ def _gqa_split_kernel(
             v_rows = k_rows                                # K and V pools share strides
         else:
             v_rows, _ = token_rows(bt_row, t0, end, stride_vp, stride_vt, BLOCK_N, PAGE_SIZE)
-        v = tl.load(v_base + v_rows[:, None] + dcol[None, :], mask=ld_mask, other=0.0)
+        v = tl.load(v_base + v_rows[:, None] + dcol[None, :], mask=ld_mask,
+                    other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -223,7 +225,7 @@ def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     fused = merge_in_launch(group, num_splits, config["BLOCK_D"])
     o_ws, lse_ws, so, sl = split_workspace(o, lse, num_splits)   # 1 split: final O / LSE
     counters = arrival_counters(q.device, B * Hkv) if fused else lse
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"   # products in q's dtype
     run_kernel(
         _gqa_split_kernel, (Hkv, num_splits, B),
         q, k_cache, v_cache, block_tables, kv_lens, o_ws, lse_ws, scale * LOG2E,

@@ -146,7 +146,7 @@ def _mla_split_kernel(
     lmask = cl < D_LATENT
     cr = tl.arange(0, BLOCK_DR)
     rmask = cr < D_ROPE
-    kv_dtype = kv_ptr.dtype.element_ty
+    kv_dtype = ql_ptr.dtype.element_ty     # cached values (fp8 too) become the query's dtype
 
     ql = tl.load(ql_ptr + b * stride_qlb + heads[:, None] * stride_qlh + cl[None, :],
                  mask=hmask[:, None] & lmask[None, :], other=0.0).to(kv_dtype)   # [BH, DL]
@@ -182,9 +182,9 @@ def _mla_split_kernel(
             rows, tmask = page_rows(page, t0 + BLOCK_N, end, stride_kvp, stride_kvt,
                                     BLOCK_N, PAGE_SIZE)
             kr = tl.load(kv_ptr + rows[:, None] + D_LATENT + cr[None, :],
-                         mask=tmask[:, None] & rmask[None, :], other=0.0)
+                         mask=tmask[:, None] & rmask[None, :], other=0.0).to(kv_dtype)
             c = tl.load(kv_ptr + rows[:, None] + cl[None, :],
-                        mask=tmask[:, None] & lmask[None, :], other=0.0)
+                        mask=tmask[:, None] & lmask[None, :], other=0.0).to(kv_dtype)
             s_rope_next = tl.dot(qr, tl.trans(kr), input_precision=DOT_PRECISION) * scale_log2
             s_lat_next = tl.dot(ql, tl.trans(c), input_precision=DOT_PRECISION)
             # page ids one tile ahead, one load each (a chain of carried ids through two
@@ -196,7 +196,7 @@ def _mla_split_kernel(
             tmask = tmask & (t0 + tl.arange(0, BLOCK_N) >= start)
             s = tl.where(tmask[None, :], s_lat * scale_log2 + s_rope, float("-inf"))
             v = tl.load(kv_ptr + rows[:, None] + cl[None, :],
-                        mask=tmask[:, None] & lmask[None, :], other=0.0)
+                        mask=tmask[:, None] & lmask[None, :], other=0.0).to(kv_dtype)
             m_i, l_i, acc = _softmax_pv(s, v, m_i, l_i, acc, RESCALE_LOG2, DEFER_L,
                                         DOT_PRECISION)
             s_lat, s_rope = s_lat_next, s_rope_next
@@ -217,8 +217,8 @@ def _mla_split_kernel(
         for t0 in range(start, full_end, BLOCK_N):
             row0 = (page * PAGE_SIZE + t0 % PAGE_SIZE).to(tl.int32)
             page = next_page_id(bt_row, t0 + BLOCK_N, full_end, PAGE_SIZE)
-            c = desc_c.load([row0, 0])
-            kr = desc_r.load([row0, 0])
+            c = desc_c.load([row0, 0]).to(kv_dtype)
+            kr = desc_r.load([row0, 0]).to(kv_dtype)
             tmask = (t0 + tl.arange(0, BLOCK_N)) < end
             s = _scores(ql, qr, c, kr, tmask, t0, end, scale_log2, SPLIT_QK, DOT_PRECISION)
             m_i, l_i, acc = _softmax_pv(s, c, m_i, l_i, acc, RESCALE_LOG2, DEFER_L,
@@ -227,9 +227,9 @@ def _mla_split_kernel(
             rows, tmask = token_rows(bt_row, t0, end, stride_kvp, stride_kvt, BLOCK_N,
                                      PAGE_SIZE)
             c = tl.load(kv_ptr + rows[:, None] + cl[None, :],
-                        mask=tmask[:, None] & lmask[None, :], other=0.0)
+                        mask=tmask[:, None] & lmask[None, :], other=0.0).to(kv_dtype)
             kr = tl.load(kv_ptr + rows[:, None] + D_LATENT + cr[None, :],
-                         mask=tmask[:, None] & rmask[None, :], other=0.0)
+                         mask=tmask[:, None] & rmask[None, :], other=0.0).to(kv_dtype)
             s = _scores(ql, qr, c, kr, tmask, t0, end, scale_log2, SPLIT_QK, DOT_PRECISION)
             m_i, l_i, acc = _softmax_pv(s, c, m_i, l_i, acc, RESCALE_LOG2, DEFER_L,
                                         DOT_PRECISION)
@@ -245,9 +245,9 @@ def _mla_split_kernel(
                 rows, tmask = token_rows(bt_row, t0, end, stride_kvp, stride_kvt, BLOCK_N,
                                          PAGE_SIZE)
             c = tl.load(kv_ptr + rows[:, None] + cl[None, :],
-                        mask=tmask[:, None] & lmask[None, :], other=0.0)             # [N, DL]
+                        mask=tmask[:, None] & lmask[None, :], other=0.0).to(kv_dtype)   # [N, DL]
             kr = tl.load(kv_ptr + rows[:, None] + D_LATENT + cr[None, :],
-                         mask=tmask[:, None] & rmask[None, :], other=0.0)            # [N, DR]
+                         mask=tmask[:, None] & rmask[None, :], other=0.0).to(kv_dtype)   # [N, DR]
             s = _scores(ql, qr, c, kr, tmask, t0, end, scale_log2, SPLIT_QK, DOT_PRECISION)
             m_i, l_i, acc = _softmax_pv(s, c, m_i, l_i, acc, RESCALE_LOG2, DEFER_L,
                                         DOT_PRECISION)
@@ -280,7 +280,8 @@ def mla_launch_config(heads: int, d_latent: int, d_rope: int, dtype: torch.dtype
     registers, no spills, 224 KB of shared memory, 40 wgmma per 64-token tile (32 + 4
     m64n32k16 QK^T, 4 m64n256k16 PV) where the previous layout issued 144 (2 x 72 m64n16k16
     QK^T, both warpgroups computing the same S, + 4 m64n256k16) per 64 tokens.
-    Launcher choices: split_policy, how many KV splits when the caller gives none: "2waves"
+    `dtype` is the KV cache's. Launcher choices: split_policy, how many KV splits when the
+    caller gives none: "2waves"
     (choose_num_splits: ~2 waves of programs, splits rounded up to a power of two), "1wave"
     (rounded down: B * head blocks * splits <= #SMs) or "fill" (fill_num_splits: the fewest
     splits whose last wave is >= 90 % full; the kernel holds one program per SM);
@@ -298,8 +299,11 @@ def mla_launch_config(heads: int, d_latent: int, d_rope: int, dtype: torch.dtype
                 # TMA + "fill": the best of 9 configs on an H200 (tune_mla_h200_v2.json, geomean
                 # 38.0 % of the floor against 33.7 % for cp.async + "2waves"); the launcher
                 # falls back to cp.async where the pool or dims do not suit TMA (tma_ok)
-                # (16-bit KV only: with fp32 tiles the TMA kernel spills, 4.4 KB of stack)
-                USE_TMA=dtype != torch.float32, split_policy="fill", partial_dtype=None,
+                # (16-bit KV only: with fp32 tiles the TMA kernel spills, 4.4 KB of stack; with
+                # fp8 tiles converted to bf16 in registers, 464 B, where cp.async spills none:
+                # sm_90 compiles with triton 3.6, not yet timed)
+                USE_TMA=dtype in (torch.bfloat16, torch.float16), split_policy="fill",
+                partial_dtype=None,
                 BLOCK_DL=block_dl, BLOCK_DR=block_dr)
 
 
@@ -387,7 +391,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
                                               q_latent.device, config, num_splits)
     head_blocks = triton.cdiv(H, cfg["BLOCK_H"])
     o_ws, lse_ws, so, sl = split_workspace(o, lse, num_splits, partial_dtype)
-    precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+    precision = "ieee" if q_latent.dtype == torch.float32 else "tf32"   # products in q's dtype
     if cfg["PIPE_QK"] and page_size % cfg["BLOCK_N"]:
         cfg["PIPE_QK"] = False                  # the pipelined loop needs a page id per tile
     if cfg["PIPE_QK"]:

@@ -71,7 +71,7 @@ def _mla_few_kernel(
     lmask = cl < D_LATENT
     cr = tl.arange(0, BLOCK_DR)
     rmask = cr < D_ROPE
-    kv_dtype = kv_ptr.dtype.element_ty
+    kv_dtype = ql_ptr.dtype.element_ty     # cached values (fp8 too) become the query's dtype
     ql = tl.load(ql_ptr + b * stride_qlb + heads[:, None] * stride_qlh + cl[None, :],
                  mask=hmask[:, None] & lmask[None, :], other=0.0).to(kv_dtype)   # [BH, DL]
     qr = tl.load(qr_ptr + b * stride_qrb + heads[:, None] * stride_qrh + cr[None, :],
@@ -89,9 +89,9 @@ def _mla_few_kernel(
     for t0 in range(start, end, BLOCK_N):
         rows, tmask = token_rows(bt_row, t0, end, stride_kvp, stride_kvt, BLOCK_N, PAGE_SIZE)
         c = tl.load(kv_ptr + rows[:, None] + cl[None, :],
-                    mask=tmask[:, None] & lmask[None, :], other=0.0)                 # [N, DL]
+                    mask=tmask[:, None] & lmask[None, :], other=0.0).to(kv_dtype)    # [N, DL]
         kr = tl.load(kv_ptr + rows[:, None] + D_LATENT + cr[None, :],
-                     mask=tmask[:, None] & rmask[None, :], other=0.0)                # [N, DR]
+                     mask=tmask[:, None] & rmask[None, :], other=0.0).to(kv_dtype)   # [N, DR]
         if SWAP:
             s = tl.dot(c, tl.trans(ql), input_precision=DOT_PRECISION)
             s = tl.dot(kr, tl.trans(qr), acc=s, input_precision=DOT_PRECISION)       # [N, BH]
@@ -131,8 +131,10 @@ def _mla_few_kernel(
 def few_launch_config(heads: int, d_latent: int, d_rope: int, dtype: torch.dtype) -> dict:
     """Defaults before measuring. SWAP with 64-token tiles (wgmma M = 64), 4 warps (one
     warpgroup: O^T [512, 16] fp32 is 64 registers a thread), 2 stages (Q 18 KB + 2 x 72 KB of
-    smem at DeepSeek's widths), splits from the fill policy with >= 2 tiles a split."""
-    block_n = 64 if dtype != torch.float32 else 32
+    smem at DeepSeek's widths), splits from the fill policy with >= 2 tiles a split. `dtype`
+    is the KV cache's: fp32 and fp8 (its tiles converted in registers: 760 B of spills at 64
+    tokens, none at 32; sm_90 compiles with triton 3.6, not yet timed) take 32-token tiles."""
+    block_n = 64 if dtype in (torch.bfloat16, torch.float16) else 32
     return dict(SWAP=True, BLOCK_N=block_n, num_warps=4, num_stages=2, split_policy="fill",
                 min_tokens=2 * block_n, partial_dtype=None,
                 BLOCK_H=max(16, triton.next_power_of_2(heads)),
@@ -186,7 +188,7 @@ def mla_decode_few(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch
                                               block_tables.shape[1] * page_size,
                                               q_latent.device, config, num_splits)
     o_ws, lse_ws, so, sl = split_workspace(o, lse, num_splits, partial_dtype)
-    precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+    precision = "ieee" if q_latent.dtype == torch.float32 else "tf32"   # products in q's dtype
     run_kernel(
         _mla_few_kernel, (num_splits, B),
         q_latent, q_rope, kv_cache, block_tables, kv_lens, o_ws, lse_ws, scale * LOG2E,

@@ -91,10 +91,12 @@ def _tile(q1, q2, k1_base, k2_base, v_base, page, t0, limit, pos, m_i, l_i, acc,
     t = t0 + tl.arange(0, BLOCK_N)
     off = (t % PAGE_SIZE).to(tl.int64)
     tmask = t < limit
-    k1 = _load_tile(k1_base, page, off, stride_k1p, stride_k1t, tmask, D1, BLOCK_D1, MASKED)
+    k1 = _load_tile(k1_base, page, off, stride_k1p, stride_k1t, tmask, D1, BLOCK_D1,
+                    MASKED).to(q1.dtype)                  # cached values (fp8 too) in q's dtype
     s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
     if D2 > 0:
-        k2 = _load_tile(k2_base, page, off, stride_k2p, stride_k2t, tmask, D2, BLOCK_D2, MASKED)
+        k2 = _load_tile(k2_base, page, off, stride_k2p, stride_k2t, tmask, D2, BLOCK_D2,
+                        MASKED).to(q1.dtype)
         s = tl.dot(q2, tl.trans(k2), acc=s, input_precision=DOT_PRECISION)
     s = s * scale_log2
     if MASKED:
@@ -115,7 +117,8 @@ def _tile(q1, q2, k1_base, k2_base, v_base, page, t0, limit, pos, m_i, l_i, acc,
     if V_IS_K1:
         v = k1
     else:
-        v = _load_tile(v_base, page, off, stride_vp, stride_vt, tmask, DV, BLOCK_DV, MASKED)
+        v = _load_tile(v_base, page, off, stride_vp, stride_vt, tmask, DV, BLOCK_DV,
+                       MASKED).to(q1.dtype)
     acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -152,7 +155,7 @@ def _prefill_kernel(
     tok = (q_start + qi).to(tl.int64)
     head = (kvh * GROUP + g).to(tl.int64)
     pos = tl.load(pos_ptr + tok, mask=valid, other=-1)                 # global positions
-    kv_dtype = k1_ptr.dtype.element_ty
+    kv_dtype = q1_ptr.dtype.element_ty
     c1 = tl.arange(0, BLOCK_D1)
     q1 = tl.load(q1_ptr + tok[:, None] * stride_q1t + head[:, None] * stride_q1h + c1[None, :],
                  mask=valid[:, None] & (c1 < D1)[None, :], other=0.0).to(kv_dtype)
@@ -219,13 +222,15 @@ def prefill_config(group: int, d1: int, d2: int, dv: int, dtype: torch.dtype,
     two, at most M). 16-bit, head dims <= 128 + 64 (GQA, decompressed MLA): M = 128, 64-key
     tiles, 8 warps, 3 stages (the flash-attention shape for Hopper's wgmma). Latent width 512
     (absorbed MLA): M = 64 (the [64, 512] fp32 accumulator over 8 warps: 128 registers a
-    thread), 32-key tiles, 2 stages. fp32 (FMA units): small tiles. `config` overrides any of
-    TUNABLES."""
+    thread), 32-key tiles, 2 stages; over an fp8 cache (`dtype` is the cache's; its tiles
+    converted in registers) M = 32, which spills nothing on sm_90 where M = 64 spills 832 B
+    (compiled with triton 3.6, not yet timed). fp32 (FMA units): small tiles. `config`
+    overrides any of TUNABLES."""
     wide = max(d1 + d2, dv) > 256
     if dtype == torch.float32:
         rows, block_n, warps, stages = 32, 16, 4, 2
     elif wide:
-        rows, block_n, warps, stages = 64, 32, 8, 2
+        rows, block_n, warps, stages = 32 if dtype == torch.float8_e4m3fn else 64, 32, 8, 2
     else:
         rows, block_n, warps, stages = 128, 64, 8, 3
     block_h = min(pow2(group), rows)
@@ -271,7 +276,7 @@ def _launch(q1, q2, k1, k2, v, meta: LocalKVMeta, scale: float, group: int, d1: 
         GROUP=group, HEAD_BLOCKS=head_blocks, D1=d1, D2=d2, DV=dv,
         BLOCK_D1=max(16, pow2(d1)), BLOCK_D2=max(16, pow2(d2)), BLOCK_DV=max(16, pow2(dv)),
         PAGE_SIZE=page_size, SHARDED=meta.kvp > 1, V_IS_K1=v_is_k1,
-        DOT_PRECISION="ieee" if k1.dtype == torch.float32 else "tf32", **cfg)
+        DOT_PRECISION="ieee" if q1.dtype == torch.float32 else "tf32", **cfg)   # q's dtype
 
 
 def _split_dim(d: int) -> tuple[int, int]:

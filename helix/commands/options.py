@@ -8,6 +8,7 @@ import argparse
 
 from helix.config import ATTENTION_BACKENDS, Layout, RuntimeConfig
 from helix.errors import RequestError
+from helix.kv.quant import KV_CACHE_DTYPES
 from helix.runtime.sampling import SamplingParams
 
 
@@ -60,6 +61,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="default: cuda when a GPU is present, else cpu")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: bfloat16 on cuda, float32 on cpu")
+    g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=d.kv_cache_dtype,
+                   help="KV cache storage (auto: --dtype; fp8: e4m3, half of bf16's bytes, "
+                        "twice the positions per GPU)")
     g.add_argument("--page-size", type=int, default=d.page_size, help="KV positions per page")
     g.add_argument("--max-context", type=int, default=d.max_context,
                    help="prompt + generation cap (0: the model's, at most 8192)")
@@ -154,7 +158,8 @@ def configs(args) -> tuple[Layout, RuntimeConfig]:
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     layout = Layout(kvp=args.kvp, tpa=args.tpa, tpf=args.tpf, ep=args.ep,
                     kv_interleave=args.kv_interleave)
-    runtime = RuntimeConfig(device=device, dtype=dtype, page_size=args.page_size,
+    runtime = RuntimeConfig(device=device, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype,
+                            page_size=args.page_size,
                             max_context=args.max_context, max_batch=args.max_batch,
                             num_pages=args.num_pages, memory_utilization=args.memory_utilization,
                             max_prefill_tokens=args.max_prefill_tokens,

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from helix.config import parse_dtype
 from helix.errors import HelixError
+from helix.kv.quant import KV_CACHE_DTYPES, cache_dtype
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -41,6 +43,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--hopb", type=_ints, default=(1, 2, 4),
                    help="HOP-B depths to try (default 1,2,4)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="KV cache storage (auto: --dtype; fp8: one byte an element)")
     p.add_argument("--page-size", type=int, default=64, help="KV positions per page")
     p.add_argument("--top", type=int, default=20, help="rows shown (the TP baseline always is)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
@@ -63,7 +67,8 @@ def _model_line(cfg) -> str:
 def rows_for(cfg, args, hw):
     from helix.perf.planner import plan
     es = {"bfloat16": 2, "float16": 2, "float32": 4}[args.dtype]
-    rows = plan(cfg, args.gpus, args.batch, args.context, hw, args.hopb, es, args.page_size)
+    rows = plan(cfg, args.gpus, args.batch, args.context, hw, args.hopb, es, args.page_size,
+                kv_bytes=cache_dtype(args.kv_cache_dtype, parse_dtype(args.dtype)).itemsize)
     tp = [r for r in rows if r.layout.kvp == 1]
     best_tp = min((r.step_ms for r in tp), default=None)
     shown = rows[:args.top]
@@ -84,6 +89,7 @@ def run(args) -> int:
     if args.json:
         out = {"model": args.model, "layers": cfg.num_layers, "gpus": args.gpus,
                "batch": args.batch, "context": args.context, "dtype": args.dtype,
+               "kv_cache_dtype": args.kv_cache_dtype,
                "hardware": {"name": hw.name, "path": hw.path},
                "rows": [{"rank": rows.index(r) + 1, "tp_baseline": r.layout.kvp == 1,
                          "speedup_vs_tp": best_tp / r.step_ms if best_tp else None,
@@ -91,7 +97,8 @@ def run(args) -> int:
         print(json.dumps(out))
         return 0
     print(f"helix plan: {args.model} on {args.gpus} x {hw.name} ({hw.path}), batch {args.batch} "
-          f"x context {args.context}, {args.dtype}")
+          f"x context {args.context}, {args.dtype}"
+          + (", fp8 KV cache" if args.kv_cache_dtype == "fp8" else ""))
     print(f"  model: {_model_line(cfg)}")
     print(f"  {len(rows)} candidates (layouts x HOP-B depth); * = TP baseline, vs TP = fastest "
           f"TP-baseline step / this step")

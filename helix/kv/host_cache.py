@@ -8,10 +8,13 @@ from __future__ import annotations
 import torch
 
 from helix.errors import ConfigError
+from helix.kv.quant import as_bytes
 
 
 class HostCache:
     def __init__(self, caches: list[list[torch.Tensor]], slots: int, block_pages: int):
+        # fp8 caches as bytes (torch has no CPU index_copy_ for fp8)
+        caches = [[as_bytes(c) for c in layer] for layer in caches]
         self.caches, self.block_pages = caches, block_pages
         pin = caches[0][0].device.type == "cuda"
         n = slots * block_pages

@@ -160,7 +160,7 @@ def _check_file(path: str, cfg: ModelConfig) -> ImportedKV:
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-           "BF16": torch.bfloat16}
+           "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn}
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -25,7 +25,7 @@ import torch
 from helix.attention.torch_ref import append_rows
 from helix.layers.fused_ops import rms_norm_torch, rope_torch, use_triton
 from helix.layers.skinny_gemm import absorb_q, absorb_q_fits, absorb_q_launch
-from helix.triton_util import HAS_TRITON, pdl_sync, pow2, run_kernel, tl, triton
+from helix.triton_util import HAS_TRITON, cache_cast, pdl_sync, pow2, run_kernel, tl, triton
 
 FUSE_ABSORB = True        # mla_absorb_kv_row: one launch where it can (benches switch it)
 
@@ -86,9 +86,9 @@ if HAS_TRITON:
             ct = cache_ptr.dtype.element_ty
             lk = cmask & (c * 0 + slot >= 0)                      # slot -1: skip the row
             fk = fmask & (f * 0 + slot >= 0)
-            tl.store(kv + c, lat.to(ct), mask=lk)
-            tl.store(kv + D_LAT + f, ra.to(ct), mask=fk)
-            tl.store(kv + D_LAT + HALF + f, rb.to(ct), mask=fk)
+            tl.store(kv + c, cache_cast(lat, ct), mask=lk)
+            tl.store(kv + D_LAT + f, cache_cast(ra, ct), mask=fk)
+            tl.store(kv + D_LAT + HALF + f, cache_cast(rb, ct), mask=fk)
         if BLOCK_H > 0:
             hh = tl.arange(0, BLOCK_H).to(tl.int64)
             m = (hh < HQ)[:, None] & fmask[None, :]

@@ -111,6 +111,7 @@ def decompressed_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     pages = [-(-n // page) for n in kv_lens]
     flat = torch.cat([torch.arange(n) + s * width for s, n in enumerate(pages)])
     rows = kv_cache[pre.block_tables.reshape(-1)[upload(flat, kv_cache.device)].long()]
+    rows = rows.to(q_nope.dtype)                       # an fp8 cache's pages, dequantized
     table = torch.zeros((len(pages), max(pages + [1])), dtype=torch.int32)
     first = 0
     for s, n in enumerate(pages):

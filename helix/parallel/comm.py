@@ -12,6 +12,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from helix.kv.quant import as_bytes as _as_bytes   # fp8: gloo and older NCCL lack the type
 from helix.parallel.mesh import Mesh
 
 class Comm:
@@ -113,7 +114,8 @@ class TorchComm(Comm):
         if self.size(axis) == 1:
             return x
         out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=self.groups[axis])
+        dist.all_to_all_single(_as_bytes(out), _as_bytes(x.contiguous()),
+                               group=self.groups[axis])
         return out
 
     def all_gather(self, x, axis="world"):
@@ -123,7 +125,7 @@ class TorchComm(Comm):
         x = x.contiguous().view(1, *x.shape) if x.dim() == 0 else x.contiguous()
         out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, x, group=self.groups[axis])
+        gather(_as_bytes(out), _as_bytes(x), group=self.groups[axis])
         return out.view(n, *x.shape)
 
     def ring_shift(self, x, axis="kvp"):
@@ -134,8 +136,8 @@ class TorchComm(Comm):
         i = ranks.index(self.mesh.rank)
         x = x.contiguous()
         out = torch.empty_like(x)
-        ops = [dist.P2POp(dist.isend, x, ranks[(i + 1) % n], self.groups[axis]),
-               dist.P2POp(dist.irecv, out, ranks[(i - 1) % n], self.groups[axis])]
+        ops = [dist.P2POp(dist.isend, _as_bytes(x), ranks[(i + 1) % n], self.groups[axis]),
+               dist.P2POp(dist.irecv, _as_bytes(out), ranks[(i - 1) % n], self.groups[axis])]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         return out

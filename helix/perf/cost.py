@@ -122,9 +122,11 @@ def _world_comm(kind: str, n: int, nbytes: float) -> tuple[Collective, ...]:
     return (Collective(kind, n, nbytes),) if n > 1 else ()
 
 
-def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size: int):
+def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size: int,
+               kv_es: float):
     """-> (attn_proj, attention, o_proj) phases of one layer, KV bytes per local position and
-    the kernels of a layer's input add + norm (0: in the x projection's launch)."""
+    the kernels of a layer's input add + norm (0: in the x projection's launch). kv_es: bytes
+    of a cached KV element."""
     n, D, H = lay.world_size, cfg.hidden_size, cfg.num_heads
     hq, hm = H // lay.tpa, H // n                       # local query heads, merged heads
     t_local = KVSharding(lay.kvp, lay.kv_interleave, page_size).local_len(T, 0)
@@ -143,7 +145,7 @@ def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size
         norm_kernels = _norm_alone(B, (ql or hq * qk) + lora + rope, D)
         proj = Phase("attn_proj", cfg.num_layers, (D + norms + gemm) * es, 2 * B * gemm,
                      norm_kernels + 1 + (2 if ql else 0) + 1)
-        pos_bytes = (lora + rope) * es
+        pos_bytes = (lora + rope) * kv_es
         att_flops = 2 * B * hq * t_local * ((lora + rope) + lora)  # QK over lora+rope, PV over lora
         o_dim = lora
         o_w = hm * v * lora + hm * v * D                 # W_UV of the merged heads, o_proj shard
@@ -160,7 +162,7 @@ def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size
                      norm_kernels + 2)
         # (add + norm), QKV GEMM, rope and the KV append (Qwen3: the q / k norms in the same
         # launch, helix.layers.fused_qk_norm.rope_append)
-        pos_bytes = 2 * hkv * d * es
+        pos_bytes = 2 * hkv * d * kv_es
         att_flops = 2 * B * hq * t_local * (d + d)
         o_dim = d
         o_w = hm * d * D
@@ -212,13 +214,14 @@ def _ffn_phases(cfg: ModelConfig, lay: Layout, B: int, es: int) -> list[Phase]:
 
 
 def step_cost(cfg: ModelConfig, layout: Layout, batch: int, context: int, dtype_bytes: int = 2,
-              page_size: int = 16) -> StepCost:
+              page_size: int = 16, kv_bytes: int | None = None) -> StepCost:
     """Per-phase cost of one decode step on the busiest rank. `context`: KV positions each
-    request attends over; `page_size` only rounds capacity (bytes read are positions)."""
+    request attends over; `page_size` only rounds capacity (bytes read are positions);
+    `kv_bytes`: bytes of a cached KV element (None: dtype_bytes; 1 for an fp8 cache)."""
     es, n, D, V = dtype_bytes, layout.world_size, cfg.hidden_size, cfg.vocab_size
     B = batch
     (proj, att, o_proj), pos_bytes, norm_kernels = _attention(cfg, layout, B, context, es,
-                                                             page_size)
+                                                             page_size, kv_bytes or es)
     shard = -(-V // n)                                   # vocab rows per rank
     # token select, embedding rows (+ vocab-parallel mask and add), layer 0's input norm where
     # the other layers' ride in their GEMMs (attn_proj counts one a layer otherwise)
@@ -232,6 +235,7 @@ def step_cost(cfg: ModelConfig, layout: Layout, batch: int, context: int, dtype_
     return StepCost(phases=phases, weight_bytes=weight_bytes(cfg, layout, es),
                     kv_bytes_per_position=cfg.num_layers * pos_bytes,
                     meta={"batch": B, "context": context, "dtype_bytes": es,
+                          "kv_bytes": kv_bytes or es,
                           "layout": layout.as_dict()})
 
 

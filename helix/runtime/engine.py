@@ -37,6 +37,7 @@ from helix.runtime import faults, penalties
 from helix.runtime.decode_graphs import DecodeGraphs
 from helix.runtime.grammar import Grammars, Matcher, allowed, bitmask
 from helix.runtime.logprobs import TokenLogprob, from_host, score_prompts
+from helix.kv.quant import to_cache
 from helix.runtime.memory import plan_kv_pool
 from helix.runtime.prefill_graphs import DEFAULT_MAX_TOKENS, LOCAL, PASS_KV, PrefillGraphs
 from helix.tracing import nvtx_range
@@ -86,7 +87,7 @@ class Engine:
         self.pool = plan_kv_pool(self.model, cfg, layout, runtime, device, ranks_here,
                                  agree=lambda n: min(comm.gather_object(n)))
         num_pages = self.num_pages = self.pool.num_pages
-        self.caches = [[torch.zeros(s, dtype=dtype, device=device) for s in shapes]
+        self.caches = [[torch.zeros(s, dtype=runtime.torch_kv_dtype, device=device) for s in shapes]
                        for shapes in self.model.kv_cache_shapes(num_pages, runtime.page_size)]
         mesh = comm.mesh
         self.sharding = KVSharding(layout.kvp, layout.kv_interleave, runtime.page_size)
@@ -434,7 +435,7 @@ class Engine:
         heads = self._kv_heads()
         for layer, cache in enumerate(self.caches):
             for c, rows in zip(cache, kv.rows(layer, pos, heads)):
-                c.view(-1, *c.shape[2:])[slots] = rows.to(self.device, c.dtype)
+                c.view(-1, *c.shape[2:])[slots] = to_cache(rows.to(self.device), c.dtype)
 
     def export_kv(self, req_id: int, length: int) -> dict:
         """This rank's part of a sequence's KV, positions [0, length): the positions it owns [n],

@@ -93,7 +93,7 @@ def _mem_available() -> int:
 def plan_kv_pool(model, cfg: ModelConfig, layout: Layout, runtime: RuntimeConfig,
                  device: torch.device, ranks_here: int, agree=None) -> KVPool:
     """The pool this rank holds. agree(n) -> the minimum of n over ranks (None: one rank)."""
-    per_page = page_bytes(model, runtime.page_size, runtime.torch_dtype)
+    per_page = page_bytes(model, runtime.page_size, runtime.torch_kv_dtype)
     max_context = runtime.resolved_max_context(cfg)
     sharding = KVSharding(layout.kvp, layout.kv_interleave, runtime.page_size)
     needed = runtime.max_batch * sharding.max_pages(max_context)
