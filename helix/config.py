@@ -267,6 +267,10 @@ class RuntimeConfig:
                                    # first, preempting lower priorities (runtime/scheduler.py)
     host_cache_gb: float = 0.0     # host memory per rank for cached blocks evicted from the
                                    # device pool (0: they are dropped; helix/kv/host_cache.py)
+    speculative_tokens: int = 0    # speculative decoding: up to this many tokens guessed by
+                                   # n-gram lookup and verified per step for greedy requests
+                                   # (0: off; helix/runtime/speculative.py; no overlap then)
+    speculative_ngram: int = 3     # ... the longest suffix looked up (n-grams of 1 .. this)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -278,7 +282,8 @@ class RuntimeConfig:
         for name, lo in (("page_size", 1), ("max_batch", 1), ("max_context", 0), ("num_pages", 0),
                          ("layers", 0), ("seed", 0), ("max_prefill_tokens", 0),
                          ("idle_prefill_tokens", 0),
-                         ("cp_gather_mb", 0), ("hopb", 0)):
+                         ("cp_gather_mb", 0), ("hopb", 0), ("speculative_tokens", 0),
+                         ("speculative_ngram", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -331,6 +336,10 @@ class RuntimeConfig:
 
     @property
     def resolved_overlap(self) -> bool:
+        """Overlapped steps: on for cuda unless set; never with speculative decoding (a draft
+        needs the request's last token on the host)."""
+        if self.speculative_tokens:
+            return False
         return self.device == "cuda" if self.overlap is None else bool(self.overlap)
 
     @property

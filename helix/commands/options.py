@@ -102,6 +102,12 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-cache-gb", type=float, default=d.host_cache_gb,
                    help="host memory per rank that keeps cached KV blocks evicted from the "
                         "device (0: they are dropped)")
+    g.add_argument("--speculative-tokens", type=int, default=d.speculative_tokens, metavar="K",
+                   help="speculative decoding: up to K tokens guessed by n-gram lookup in the "
+                        "request's own tokens and verified per step, greedy requests (0: off; "
+                        "steps then do not overlap)")
+    g.add_argument("--speculative-ngram", type=int, default=d.speculative_ngram, metavar="N",
+                   help="... the longest suffix looked up (n-grams of 1 .. N tokens)")
     g = p.add_argument_group("CUDA graphs")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every step eagerly (decode and prefill)")
@@ -172,7 +178,9 @@ def configs(args) -> tuple[Layout, RuntimeConfig]:
                             prefill_graphs=args.prefill_graphs,
                             prefill_graph_buckets=tuple(args.prefill_graph_buckets),
                             prefix_caching=args.prefix_caching,
-                            host_cache_gb=args.host_cache_gb, scheduling=args.scheduling)
+                            host_cache_gb=args.host_cache_gb, scheduling=args.scheduling,
+                            speculative_tokens=args.speculative_tokens,
+                            speculative_ngram=args.speculative_ngram)
     return layout, runtime
 
 

@@ -39,6 +39,7 @@ from helix.runtime.grammar import Grammars, Matcher, allowed, bitmask
 from helix.runtime.logprobs import TokenLogprob, from_host, score_prompts
 from helix.kv.quant import to_cache
 from helix.runtime.memory import plan_kv_pool
+from helix.runtime.speculative import Drafter
 from helix.runtime.prefill_graphs import DEFAULT_MAX_TOKENS, LOCAL, PASS_KV, PrefillGraphs
 from helix.tracing import nvtx_range
 from helix.triton_util import MIN_COUNTERS, arrival_counters
@@ -58,11 +59,13 @@ class _Launched:
     logprobs: tuple | None = None   # host (lp, top_lp, top_ids) of its rows, when one asked
     prompt_logprobs: list | None = None   # (request, host (lp, top_lp, top_ids)) of prompt
                                           # rows scored, when one asked
+    verify: dict | None = None    # request id -> (its first row, its guesses): the rows of a
+                                  # chunk of guesses (speculative decoding)
 
 
 @dataclass
 class StepOutput:
-    tokens: dict[int, int]        # request id -> token generated this step
+    tokens: dict[int, int]        # request id -> token generated this step (the first one)
     finished: dict[int, str]      # request id -> finish reason, for requests that ended
     num_tokens: int               # tokens fed to the model this step
     seconds: float                # wall time of the step on this rank
@@ -73,6 +76,8 @@ class StepOutput:
                                      # positions scored this step, in order (prompt_logprobs)
     cached: dict[int, int] | None = None   # request id -> prompt positions its admission this
                                            # step found in the prefix cache (first admissions)
+    more: dict[int, list[int]] | None = None   # request id -> tokens after `tokens`' one, when
+                                           # a step verified guesses (speculative decoding)
 
 
 class Engine:
@@ -101,7 +106,10 @@ class Engine:
                                    runtime.resolved_max_prefill_tokens,
                                    runtime.resolved_idle_prefill_tokens,
                                    prefix_caching=runtime.prefix_caching, host_slots=slots,
-                                   policy=runtime.scheduling)
+                                   policy=runtime.scheduling,
+                                   drafter=Drafter(runtime.speculative_tokens,
+                                                   runtime.speculative_ngram)
+                                   if runtime.speculative_tokens else None)
         self.backend = get_backend(runtime.resolved_backend, runtime.device)
         self.backend.prepare(device, cfg.is_mla)
         self.seeds: dict[int, int] = {}       # request id -> sampling seed
@@ -122,6 +130,7 @@ class Engine:
         self.steps = 0                        # steps launched (fault injection counts them)
         self.wait_seconds = 0.0               # host time spent waiting for the device's tokens
         self.prefill_tokens = 0               # prompt tokens this rank projected
+        self.spec_drafted = self.spec_accepted = 0   # guesses verified, and kept (speculative)
         attn = self.model.model.layers[0].self_attn
         self._exchange_rows = attn.exchange_rows()
         self._layer_page_bytes = self.pool.page_bytes // cfg.num_layers
@@ -196,9 +205,9 @@ class Engine:
             raise EngineDeadError(self.dead)
         t0 = time.perf_counter()
         self.apply(commands)
-        tokens, logprobs, prompt_logprobs = {}, {}, {}
+        tokens, logprobs, prompt_logprobs, more = {}, {}, {}, {}
         if self.inflight is not None and self.matchers:   # constrained rows need their last
-            self._resolve_inflight(tokens, logprobs, prompt_logprobs)   # token on the host
+            self._resolve_inflight(tokens, logprobs, prompt_logprobs, more)   # token on host
         retired = self._retire()                      # aborted (or just ended) before running
         plan = self.scheduler.schedule()
         self.kv.apply_ops(self.scheduler.take_kv_ops(), self.host_cache)   # the preempted freed
@@ -207,18 +216,19 @@ class Engine:
                 self._write_imported(c.req, c.start)
         launched = self._launch_confined(plan) if plan else None
         if self.inflight is not None:
-            self._resolve_inflight(tokens, logprobs, prompt_logprobs)
+            self._resolve_inflight(tokens, logprobs, prompt_logprobs, more)
         self.inflight = launched
         if launched is not None and (not self.overlap or self.matchers):
-            self._resolve_inflight(tokens, logprobs, prompt_logprobs)
+            self._resolve_inflight(tokens, logprobs, prompt_logprobs, more)
         retired += self._retire()
         finished = {r.id: r.finish_reason for r in retired}
         errors = {r.id: r.error for r in retired if r.finish_reason == "error"}
         cached = {c.req.id: c.req.cached for c in plan.prefill
-                  if c.req.cached and c.start == c.req.cached and not c.req.preemptions}
+                  if c.req.cached and c.start == c.req.cached and not c.req.preemptions
+                  and not c.draft}
         return StepOutput(tokens, finished, launched.num_tokens if launched else 0,
                           time.perf_counter() - t0, errors or None, logprobs or None,
-                          prompt_logprobs or None, cached or None)
+                          prompt_logprobs or None, cached or None, more or None)
 
     # -- launching ----------------------------------------------------------------------------
     def _launch_confined(self, plan: StepPlan) -> _Launched | None:
@@ -267,13 +277,20 @@ class Engine:
             sampled.append(r)
             counters.append(pos + 1)            # the position of the token sampled
         last = list(range(len(plan.decode)))
+        verify = {}
         for c in plan.prefill:
             if self.kv.lengths.get(c.req.id, 0) < c.start:       # synthetic KV: no prefill
                 self.kv.assume_prefix(c.req.id, c.start)
             batch.append((c.req.id, c.start, len(c.ids)))
             ids += c.ids
             src += [-1] * len(c.ids)
-            if c.samples:
+            if c.draft:                           # every row yields a token to check
+                verify[c.req.id] = (len(sampled), c.ids[1:])
+                sampled += [c.req] * len(c.ids)
+                counters += range(c.start + 1, c.start + 1 + len(c.ids))
+                last += range(len(ids) - len(c.ids), len(ids))
+                self.spec_drafted += c.draft
+            elif c.samples:
                 sampled.append(c.req)
                 counters.append(c.start + len(c.ids))
                 last.append(len(ids) - 1)
@@ -306,7 +323,8 @@ class Engine:
                 if pass_kv:
                     meta.cp = plan_pass_kv(self.kv, batch, D, self._layer_page_bytes,
                                            self.runtime.cp_gather_mb << 20, self.device)
-                self.prefill_tokens += (meta.cp.host_rows.numel() if pass_kv else len(ids)) - D
+                self.prefill_tokens += ((meta.cp.host_rows.numel() if pass_kv else len(ids)) - D
+                                        - self._guess_rows(plan, pass_kv))
                 last_t = None if len(last) == len(ids) and key is None else upload(
                     torch.tensor(last, dtype=torch.long), self.device)
             if key is not None:
@@ -345,7 +363,16 @@ class Engine:
             r.pending += 1
             r.pending_row = i
         self.last_logits = logits
-        return _Launched(sampled, host, event, len(ids), lps, scored)
+        return _Launched(sampled, host, event, len(ids), lps, scored, verify or None)
+
+    def _guess_rows(self, plan: StepPlan, pass_kv: bool) -> int:
+        """Rows of the plan's chunks of guesses this rank projects (not prompt tokens)."""
+        rank, n = self.comm.mesh.kvp_rank, 0
+        for c in plan.prefill:
+            if c.draft:
+                n += (self.sharding.local_len(c.start + len(c.ids), rank)
+                      - self.sharding.local_len(c.start, rank)) if pass_kv else len(c.ids)
+        return n
 
     def _pending_tokens(self, sampled: list[Request], rows: list[int], ids: list[int],
                         src: list[int], D: int) -> torch.Tensor:
@@ -457,11 +484,13 @@ class Engine:
             raise self._die(f"reading back a step failed: {type(e).__name__}: {e}") from None
 
     def _resolve(self, step: _Launched, out: dict[int, int], logprobs: dict[int, TokenLogprob],
-                 prompt_logprobs: dict[int, list[TokenLogprob]]) -> None:
+                 prompt_logprobs: dict[int, list[TokenLogprob]],
+                 more: dict[int, list[int]]) -> None:
         """Wait for a queued step's tokens; append them to `out` (request id -> token, and
         their log-probabilities to `logprobs`, its prompt positions' to `prompt_logprobs`, for
-        requests that asked) and apply stop and length rules. Rows of requests that ended
-        meanwhile (a stop id one step earlier, an abort, an error) are dropped."""
+        requests that asked; a request's tokens after the first, when it verified guesses, to
+        `more`) and apply stop and length rules. Rows of requests that ended meanwhile (a stop
+        id one step earlier, an abort, an error) are dropped."""
         if step.event is not None:
             t = time.perf_counter()
             step.event.synchronize()
@@ -471,8 +500,19 @@ class Engine:
                 prompt_logprobs.setdefault(r.id, []).extend(from_host(*host))
         n = len(step.batch)
         rows = None if step.logprobs is None else from_host(*step.logprobs)
+        verify, skip = step.verify or {}, 0
         for i, (r, tok) in enumerate(zip(step.batch, step.host[:n].tolist())):
+            if skip:                              # the rest of a chunk of guesses
+                skip -= 1
+                continue
             r.pending -= 1
+            group = verify.get(r.id)
+            if group is not None and group[0] == i:
+                skip = len(group[1])
+                r.pending -= skip
+                if not r.finished:
+                    self._verified(r, group[1], step.host[i:i + skip + 1].tolist(), out, more)
+                continue
             if r.finished:
                 continue
             forced = r.params.forced_tokens
@@ -492,6 +532,31 @@ class Engine:
             elif (len(r.output) >= r.params.max_new_tokens
                   or r.num_tokens - r.pending >= r.max_len):
                 r.finish_reason = "length"
+
+    def _verified(self, r: Request, guesses: list[int], argmax: list[int],
+                  out: dict[int, int], more: dict[int, list[int]]) -> None:
+        """A chunk of r's last token and its guesses ran: argmax[j] is the model's token after
+        row j. Guess j is kept while every guess before it was and argmax[j] equals it; the
+        kept guesses and the token after them are r's new tokens (stop and length rules apply
+        to each in turn). The KV of rejected guesses' positions is dropped (pages released)."""
+        m = next((j for j, g in enumerate(guesses) if argmax[j] != g), len(guesses))
+        self.spec_accepted += m
+        stop = self._stop_ids(r.params)
+        for j, tok in enumerate(argmax[:m + 1]):
+            r.output.append(tok)
+            if j == 0:
+                out[r.id] = tok
+            else:
+                more.setdefault(r.id, []).append(tok)
+            if tok in stop:
+                r.finish_reason = "stop"
+            elif len(r.output) >= r.params.max_new_tokens or r.num_tokens >= r.max_len:
+                r.finish_reason = "length"
+            if r.finished:
+                break
+        r.computed = r.num_tokens - 1
+        self.kv.truncate(r.id, r.computed)
+        self.scheduler.verified(r)
 
     def _retire(self) -> list[Request]:
         done = self.scheduler.retire()
@@ -539,7 +604,9 @@ class Engine:
         holds included), and free ones (idle cached blocks' included: taken when needed)."""
         free = self.kv_pages_free()
         return dict(self.scheduler.stats(), kv_pages_used=self.num_pages - free,
-                    kv_pages_free=free, steps=self.steps, device_wait_s=self.wait_seconds)
+                    kv_pages_free=free, steps=self.steps, device_wait_s=self.wait_seconds,
+                    speculative_draft_tokens=self.spec_drafted,
+                    speculative_accepted_tokens=self.spec_accepted)
 
     def kv_pages_free(self) -> int:
         """Pages of this rank's pool no request holds (free, or idle cached blocks')."""

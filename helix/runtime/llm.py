@@ -366,6 +366,8 @@ class LLM:
             self._step_lock.release()
         for rid, tok in out.tokens.items():
             self.outputs[rid].append(tok)
+        for rid, toks in (out.more or {}).items():
+            self.outputs[rid] += toks
         for rid, lp in (out.logprobs or {}).items():
             self.logprobs[rid].append(lp)
         for rid, lps in (out.prompt_logprobs or {}).items():
@@ -420,7 +422,7 @@ class LLM:
         prefix-cache blocks (counted free) and the cache's prompt positions looked up and found
         (first admissions); rank 0's steps
         launched and the host seconds it spent waiting for the device's tokens (the rest of a
-        step's wall time is host work)."""
+        step's wall time is host work); speculative decoding's guesses verified and kept."""
         self._check_open()
         per_rank = self._gather("stats", self.engine.stats)
         s = per_rank[0]
@@ -432,7 +434,9 @@ class LLM:
                 "prefix_cache_hits": s["prefix_cache_hits"],
                 "prefix_cache_host_hits": s["prefix_cache_host_hits"],
                 "host_blocks_cached": s["host_blocks_cached"],
-                "engine_steps": s["steps"], "device_wait_s": s["device_wait_s"]}
+                "engine_steps": s["steps"], "device_wait_s": s["device_wait_s"],
+                "speculative_draft_tokens": s["speculative_draft_tokens"],
+                "speculative_accepted_tokens": s["speculative_accepted_tokens"]}
 
     # -- shutdown ------------------------------------------------------------------------------
     def close(self) -> None:

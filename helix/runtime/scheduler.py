@@ -23,6 +23,12 @@ KV). Pages of blocks some request holds count as used; idle cached blocks count 
 evicted (least recently used first) when the pages are taken: to host memory when the cache has
 a host tier, whence a hit loads them back into pages it takes like any request's.
 
+With speculative decoding (helix/runtime/speculative.py) a running request whose n-gram draft
+finds guesses runs them as a chunk of its last token and the guesses instead of a decode row
+(planned with the decode rows, before any prompt chunk, its pages held for every guess, the
+guesses counted against the step's max_prefill_tokens); the engine releases the pages of the
+guesses the model rejected (`verified`).
+
 Each step: one decode row per running request that has finished its prefill, then prefill chunks
 of at most `max_prefill_tokens` tokens in all (running requests still prefilling first, then
 newly admitted ones), or `idle_prefill_tokens` in a step without decode rows (no request waits
@@ -38,6 +44,7 @@ from dataclasses import dataclass, field
 from helix.kv.ownership import KVSharding
 from helix.kv.prefix_cache import PrefixCache
 from helix.runtime.request import Request
+from helix.runtime.speculative import Drafter
 
 MAX_OVERTAKES = 8
 
@@ -48,6 +55,8 @@ class Chunk:
     start: int                  # first position
     ids: list[int]              # token ids of positions [start, start + len(ids))
     samples: bool               # its last row yields the request's first generated token
+    draft: int = 0              # speculative: ids[1:] are this many guesses to verify (every
+                                # row yields a token; ids[0] is the request's last token)
 
 
 @dataclass
@@ -71,7 +80,8 @@ class StepPlan:
 class Scheduler:
     def __init__(self, num_pages: int, sharding: KVSharding, max_batch: int,
                  max_prefill_tokens: int, idle_prefill_tokens: int | None = None,
-                 prefix_caching: bool = False, host_slots: int = 0, policy: str = "fcfs"):
+                 prefix_caching: bool = False, host_slots: int = 0, policy: str = "fcfs",
+                 drafter: Drafter | None = None):
         self.num_pages, self.sharding = num_pages, sharding
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.idle_prefill_tokens = max(max_prefill_tokens, idle_prefill_tokens or 0)
@@ -90,6 +100,7 @@ class Scheduler:
         self._walks: dict[int, tuple[int, list]] = {}    # request id -> (forgotten, blocks)
         self._same_head: dict[int, dict[int, bool]] = {}  # request id -> running id -> equal
         self.policy = policy                  # fcfs | priority
+        self.drafter = drafter                # speculative decoding's guesses, or None
         self.preemptions = 0                  # requests preempted so far
         self.dropped: list[Request] = []      # finished while waiting (abort, error)
         self._admitted = 0
@@ -239,22 +250,29 @@ class Scheduler:
             self._register_due()
         if self.policy == "priority":
             self._room_for_priority(plan)
+        spare = self.max_prefill_tokens                 # guesses ride on the prompt budget
         for r in list(self.running):                    # decode rows, oldest first
             if r.finished or r.exhausted or r.prefilling or (plan.preempted
                                                              and r not in self.running):
                 continue
-            n = self.pages_for(r.num_tokens)
+            guess = self.drafter.draft(r)[:spare] if self.drafter is not None else []
+            n = self.pages_for(r.num_tokens + len(guess))
             need = n - self.pages.get(r.id, 0)
             while need > self.free_pages():
-                planned = set(map(id, plan.decode))     # (rows planned stay in the plan)
+                planned = {id(q) for q in plan.requests}   # (rows planned stay in the plan)
                 victim = self._victim([q for q in self.running if id(q) not in planned])
                 self._preempt(victim, plan)
                 if victim is r:
                     break
             if not plan.preempted or r in self.running:
                 self._hold(r, n)
-                plan.decode.append(r)
-        budget = self._plan_prefill(plan)
+                if guess:
+                    plan.prefill.append(Chunk(r, r.num_tokens - 1, [r.output[-1]] + guess,
+                                              True, len(guess)))
+                    spare -= len(guess)
+                else:
+                    plan.decode.append(r)
+        budget = self._plan_prefill(plan, spare)
         while not plan and len(self.running) > 1 and any(   # prompts blocked on pages
                 r.prefilling and not r.pending and not r.finished for r in self.running):
             self._preempt(self._victim(self.running), plan)     # make room
@@ -262,9 +280,12 @@ class Scheduler:
         self._admit(budget, plan)
         return plan
 
-    def _plan_prefill(self, plan: StepPlan) -> int:
-        """Chunks of running requests still prefilling, oldest first; returns the budget left."""
-        budget = self.max_prefill_tokens if plan.decode else self.idle_prefill_tokens
+    def _plan_prefill(self, plan: StepPlan, spare: int | None = None) -> int:
+        """Chunks of running requests still prefilling, oldest first; returns the budget left.
+        spare: the busy budget left by guesses to verify."""
+        busy = plan.decode or plan.prefill           # (decode rows, or guesses to verify)
+        budget = ((self.max_prefill_tokens if spare is None else spare) if busy
+                  else self.idle_prefill_tokens)
         for r in self.running:
             if budget <= 0:
                 break
@@ -362,6 +383,11 @@ class Scheduler:
         plan.preempted.append(r)
 
     # -- after a step -------------------------------------------------------------------------
+    def verified(self, r: Request) -> None:
+        """r's guesses were checked: its KV holds r.computed positions, the pages past them
+        (rejected guesses') are released."""
+        self._hold(r, self.pages_for(r.computed))
+
     def retire(self) -> list[Request]:
         """Drop finished requests from the batch and the queue, and release their pages."""
         done = [r for r in self.running if r.finished]
@@ -371,6 +397,9 @@ class Scheduler:
         for r in done:
             self._drop(r)
         done, self.dropped = self.dropped + done, []
+        if self.drafter is not None:
+            for r in done:
+                self.drafter.drop(r.id)
         return done
 
     def stats(self) -> dict:

@@ -139,6 +139,7 @@ class EngineLoop:
             out = llm.step()
             steps += 1
             tokens += sum(1 for i in out.tokens if i in mine)
+            tokens += sum(len(t) for i, t in (out.more or {}).items() if i in mine)
             if first is None and out.tokens:
                 first = time.perf_counter() - t0
         seconds = time.perf_counter() - t0
@@ -158,12 +159,13 @@ class EngineLoop:
         self.steps += 1
         keys, tokens, finished, logprobs = [], [], [], []
         asked = out.logprobs or {}
-        for rid, tok in out.tokens.items():       # at most one token per request and step
-            key = self.key.get(rid)
+        for rid, tok in out.tokens.items():       # a token per request and step, or more
+            key = self.key.get(rid)                 # when it verified guesses (no logprobs)
             if key is not None:
-                keys.append(key)
-                tokens.append(tok)
-                logprobs.append(asked.get(rid))
+                for t in [tok] + (out.more or {}).get(rid, []):
+                    keys.append(key)
+                    tokens.append(t)
+                    logprobs.append(asked.get(rid))
         scored = {self.key[rid]: lps for rid, lps in (out.prompt_logprobs or {}).items()
                   if rid in self.key}
         for rid, why in out.finished.items():

@@ -127,7 +127,11 @@ class Metrics:
                 ("helix_prefix_cache_host_hits_total", "prefix_cache_host_hits",
                  "of those, prompt tokens loaded back from host memory"),
                 ("helix_preemptions_total", "preemptions",
-                 "requests preempted for KV pages (recomputed when re-admitted)")):
+                 "requests preempted for KV pages (recomputed when re-admitted)"),
+                ("helix_speculative_draft_tokens_total", "speculative_draft_tokens",
+                 "tokens guessed by n-gram lookup and verified (speculative decoding)"),
+                ("helix_speculative_accepted_tokens_total", "speculative_accepted_tokens",
+                 "of those, guesses the model agreed with (kept)")):
             metric(name, "counter", doc, [f"{name} {e.get(key, 0)}"])
         metric("helix_requests_total", "counter", "finished requests by finish reason",
                [f'helix_requests_total{{finish_reason="{k}"}} {v}'

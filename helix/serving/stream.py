@@ -47,7 +47,7 @@ def stream(llm, request_ids: list[int], tokenizer=None,
             why = out.finished.get(r)
             if tok is None and why is None:
                 continue
-            ids = [] if tok is None else [tok]
+            ids = [] if tok is None else [tok] + (out.more or {}).get(r, [])
             text = detok[r].add(ids) if detok and ids else ""
             if why is not None:
                 left.discard(r)

@@ -1,0 +1,90 @@
+"""Speculative decoding by n-gram lookup (RuntimeConfig.speculative_tokens; vLLM's "ngram",
+a.k.a. prompt lookup): a greedy request's next tokens are guessed from its own tokens, where the
+longest suffix of up to `ngram` tokens occurred before, the tokens that followed it then; one
+step feeds the last token and the guesses (a chunk, attended causally like a prompt's) and
+keeps each guess the model's argmax at the row before agrees with, then that row's argmax.
+The tokens are exactly the ones one-token steps give (each kept token is the argmax after the
+ones before it); a step emits 1 to k + 1 of them for the KV read of one.
+
+Long contexts where the output quotes or edits its input (summaries, code changes, retrieval
+answers, structured extraction) repeat n-grams of the prompt; a decode step at long context
+reads the whole KV once whatever its row count, so rows that verify guesses cost little more
+than the one row they ride with.
+
+Drafting runs in the replicated scheduler (the same guesses on every rank), from an index per
+request of where each n-gram (n = 1 .. ngram) last ended, built at its first draft (one pass
+over the prompt) and extended as tokens arrive: a draft is O(ngram + k)."""
+
+from __future__ import annotations
+
+from helix.runtime.request import Request
+
+
+def speculates(r: Request) -> bool:
+    """Whether a request's steps may verify guesses: greedy and nothing per-token (logprobs,
+    penalties, biases, min_tokens, a grammar, forced tokens)."""
+    p = r.params
+    return p.greedy and not p.extras and not p.forced_tokens and p.grammar is None
+
+
+class NgramIndex:
+    """Where each n-gram of a sequence (n = 1 .. ngram) last ended, over positions before its
+    last one (the last n-gram is the one looked up). The sequence is read through
+    get(a, b) -> its tokens [a, b) (no copy of a long prompt per step)."""
+
+    def __init__(self, ngram: int):
+        self.ngram = ngram
+        self.last: list[dict[tuple, int]] = [{} for _ in range(ngram + 1)]
+        self.done = 0                # n-grams ending at positions < done are indexed
+
+    def extend(self, get, length: int) -> None:
+        """Index the n-grams ending before position length - 1 not indexed yet."""
+        if self.done >= length - 1:
+            return
+        lo = max(0, self.done - self.ngram + 1)
+        seg = get(lo, length - 1)
+        for p in range(self.done, length - 1):
+            i = p - lo
+            for n in range(1, min(self.ngram, p + 1) + 1):
+                self.last[n][tuple(seg[i - n + 1:i + 1])] = p
+        self.done = length - 1
+
+    def draft(self, get, length: int, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix (at
+        most ngram long) that occurred before; [] when none did."""
+        self.extend(get, length)
+        tail = get(max(0, length - self.ngram), length)
+        for n in range(len(tail), 0, -1):
+            end = self.last[n].get(tuple(tail[-n:]))
+            if end is not None:
+                return get(end + 1, min(end + 1 + k, length))
+        return []
+
+
+class Drafter:
+    """The n-gram drafts of the running requests (one index each, dropped when they end)."""
+
+    def __init__(self, k: int, ngram: int):
+        self.k, self.ngram = k, ngram
+        self.index: dict[int, NgramIndex] = {}
+
+    def draft(self, r: Request) -> list[int]:
+        """Guesses for r's next tokens: at most k, and no more than it may still generate
+        besides the token the step adds itself (max_new_tokens, max_len); none while a token
+        of it is still on the device."""
+        room = min(self.k, r.params.max_new_tokens - len(r.output) - 1,
+                   r.max_len - r.num_tokens - 1)
+        if room <= 0 or r.pending or not r.output or not speculates(r):
+            return []
+        return self.guess(r, room)
+
+    def guess(self, r: Request, room: int) -> list[int]:
+        """At most `room` guesses for r (its n-gram lookup; benchmarks substitute others)."""
+        index = self.index.get(r.id)
+        if index is None:
+            index = self.index[r.id] = NgramIndex(self.ngram)
+        return index.draft(lambda a, b: r.tokens(r.prefix + a, r.prefix + b),
+                           len(r.prompt) + len(r.output), room)
+
+    def drop(self, req_id: int) -> None:
+        self.index.pop(req_id, None)
