@@ -20,9 +20,13 @@ TTFT per turn and mode and their ratio; --out writes the records.
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from profiling import bench_args  # noqa: E402
 
 
 def conversation(llm, system: int, turns: int, question: int, answer: int, seed: int,
@@ -104,12 +108,7 @@ def table(records: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    import torch
-
-    from helix.perf.records import write_json
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--layers", type=int, default=0, help="first n decoder layers (0: all)")
+    ap = bench_args.parser(__doc__)
     ap.add_argument("--system", type=int, default=32768, help="system prompt tokens")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--question", type=int, default=256, help="new tokens a turn adds")
@@ -120,8 +119,6 @@ def main(argv=None) -> int:
     ap.add_argument("--num-pages", type=int, default=0, help="KV pages per rank (0: sized)")
     ap.add_argument("--host-cache-gb", type=float, default=0.0,
                     help="a third mode: the cache with this much host memory per rank")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     for name in ("system", "turns", "question", "answer", "kvp"):
         if getattr(args, name) < 1:
@@ -130,10 +127,7 @@ def main(argv=None) -> int:
     records = measure(args.model, args.layers, args.device, args.system, args.turns,
                       args.question, args.answer, args.kvp, distract=args.distract,
                       num_pages=args.num_pages, host_cache_gb=args.host_cache_gb)
-    if args.out:
-        write_json(records, args.out)
-    print(table(records))
-    return 0
+    return bench_args.finish(records, args.out, table(records))
 
 
 if __name__ == "__main__":

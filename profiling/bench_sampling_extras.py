@@ -13,8 +13,12 @@ plain step; --out writes the records (helix sweep's fields, plus "mode" and "sam
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from profiling import bench_args  # noqa: E402
 
 MODES = {"plain": {},
          "logprobs": {"logprobs": 5},
@@ -59,18 +63,11 @@ def table(records: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    import torch
-
-    from helix.perf.records import write_json
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--layers", type=int, default=None)
+    ap = bench_args.parser(__doc__)
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--contexts", default="8192")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps a point")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     bad = [m for m in modes if m not in MODES]
@@ -81,10 +78,7 @@ def main(argv=None) -> int:
     records = measure(args.model, args.layers, [int(b) for b in args.batches.split(",")],
                       [int(c) for c in args.contexts.split(",")], modes, args.device,
                       args.steps)
-    if args.out:
-        write_json(records, args.out)
-    print(table(records))
-    return 0
+    return bench_args.finish(records, args.out, table(records))
 
 
 if __name__ == "__main__":

@@ -18,12 +18,15 @@ context's KV taken as written) plus one token.
 
 from __future__ import annotations
 
-import argparse
+import os
 import statistics
 import sys
 import time
 
-from helix.runtime.speculative import Drafter
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from helix.runtime.speculative import Drafter  # noqa: E402
+from profiling import bench_args  # noqa: E402
 
 MODES = ("base", "kept", "rejected")
 
@@ -115,18 +118,11 @@ def table(records: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    import torch
-
-    from helix.perf.records import write_json
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--layers", type=int, default=0)
+    ap = bench_args.parser(__doc__)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--contexts", default="8192")
     ap.add_argument("--k", type=int, default=4, help="guesses a step")
     ap.add_argument("--new-tokens", type=int, default=41, help="tokens a request generates")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.k < 1 or args.new_tokens < 2:
         print("bench_speculative: --k must be >= 1 and --new-tokens >= 2", file=sys.stderr)
@@ -134,10 +130,7 @@ def main(argv=None) -> int:
     records = measure(args.model, args.layers, [int(b) for b in args.batches.split(",")],
                       [int(c) for c in args.contexts.split(",")], args.k, args.device,
                       args.new_tokens)
-    if args.out:
-        write_json(records, args.out)
-    print(table(records))
-    return 0
+    return bench_args.finish(records, args.out, table(records))
 
 
 if __name__ == "__main__":
