@@ -7,17 +7,24 @@ The tokens are exactly the ones one-token steps give (each kept token is the arg
 ones before it); a step emits 1 to k + 1 of them for the KV read of one.
 
 Long contexts where the output quotes or edits its input (summaries, code changes, retrieval
-answers, structured extraction) repeat n-grams of the prompt; a decode step at long context
-reads the whole KV once whatever its row count, so rows that verify guesses cost little more
-than the one row they ride with.
+answers, structured extraction) repeat n-grams of the prompt. A step at long context is
+bound by reading the KV, which the prefill kernel reads once for a sequence's few query rows,
+so rows that verify guesses should cost little more than the one row they ride with
+(profiling/bench_speculative.py measures both ends: every guess kept, every guess rejected).
 
 Drafting runs in the replicated scheduler (the same guesses on every rank), from an index per
-request of where each n-gram (n = 1 .. ngram) last ended, built at its first draft (one pass
-over the prompt) and extended as tokens arrive: a draft is O(ngram + k)."""
+request of where each n-gram (n = 1 .. ngram) last ended, extended as tokens arrive by at most
+INDEX_BUDGET positions a draft (a 128K-token prompt is indexed over its first 32 decode steps,
+~0.2 s of host time in all on this project's CPU machine, not in one step that would stall
+every request's next token; meanwhile its drafts search the part indexed): a draft is then
+O(ngram + k). The index holds a dict entry per position and n (tens of MB of host memory for
+a 128K-token request)."""
 
 from __future__ import annotations
 
 from helix.runtime.request import Request
+
+INDEX_BUDGET = 4096          # positions a draft may add to a request's index
 
 
 def speculates(r: Request) -> bool:
@@ -37,22 +44,25 @@ class NgramIndex:
         self.last: list[dict[tuple, int]] = [{} for _ in range(ngram + 1)]
         self.done = 0                # n-grams ending at positions < done are indexed
 
-    def extend(self, get, length: int) -> None:
-        """Index the n-grams ending before position length - 1 not indexed yet."""
-        if self.done >= length - 1:
+    def extend(self, get, length: int, budget: int | None = None) -> None:
+        """Index the n-grams ending before position length - 1 not indexed yet (at most
+        `budget` positions of them, the earliest)."""
+        end = length - 1 if budget is None else min(length - 1, self.done + budget)
+        if self.done >= end:
             return
         lo = max(0, self.done - self.ngram + 1)
-        seg = get(lo, length - 1)
-        for p in range(self.done, length - 1):
+        seg = get(lo, end)
+        for p in range(self.done, end):
             i = p - lo
             for n in range(1, min(self.ngram, p + 1) + 1):
                 self.last[n][tuple(seg[i - n + 1:i + 1])] = p
-        self.done = length - 1
+        self.done = end
 
-    def draft(self, get, length: int, k: int) -> list[int]:
+    def draft(self, get, length: int, k: int, budget: int | None = None) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest suffix (at
-        most ngram long) that occurred before; [] when none did."""
-        self.extend(get, length)
+        most ngram long) that occurred before (among the positions indexed, after indexing at
+        most `budget` more); [] when none did."""
+        self.extend(get, length, budget)
         tail = get(max(0, length - self.ngram), length)
         for n in range(len(tail), 0, -1):
             end = self.last[n].get(tuple(tail[-n:]))
@@ -84,7 +94,7 @@ class Drafter:
         if index is None:
             index = self.index[r.id] = NgramIndex(self.ngram)
         return index.draft(lambda a, b: r.tokens(r.prefix + a, r.prefix + b),
-                           len(r.prompt) + len(r.output), room)
+                           len(r.prompt) + len(r.output), room, INDEX_BUDGET)
 
     def drop(self, req_id: int) -> None:
         self.index.pop(req_id, None)
