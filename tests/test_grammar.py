@@ -176,6 +176,64 @@ def test_bad_grammars_are_refused_when_added(char_ckpt):
             choice_spec(bad)
 
 
+def test_a_grammar_compiles_in_the_background_while_the_others_step(char_ckpt, monkeypatch):
+    """The serving loop (EngineLoop, in this process over a pipe): a request whose grammar
+    takes 1.5 s to compile is held back while a running request keeps getting tokens, then
+    added and constrained as usual; a grammar that does not compile is refused after its
+    compile, and a request aborted while its grammar compiles never runs."""
+    import multiprocessing
+    import threading
+    import time
+
+    from helix.runtime.grammar import Grammars
+    from helix.serving.engine_loop import EngineLoop
+    path, _, tok = char_ckpt
+    slow = Grammars._compile
+
+    def compile_slowly(comp, spec):
+        time.sleep(1.5)
+        return slow(comp, spec)
+
+    monkeypatch.setattr(Grammars, "_compile", staticmethod(compile_slowly))
+    with _llm(path) as llm:
+        ours, theirs = multiprocessing.Pipe()
+        loop = EngineLoop(llm, theirs)
+        runner = threading.Thread(target=loop.run)
+        runner.start()
+        try:
+            ours.send(("add", 1, tok.encode("ab"), SamplingParams(max_new_tokens=60,
+                                                                  ignore_eos=True), None))
+            ours.send(("add", 2, tok.encode("x"), SamplingParams(max_new_tokens=20,
+                                                                 grammar=("regex", "o+k")), None))
+            ours.send(("add", 3, tok.encode("x"), SamplingParams(grammar=("regex", "(")), None))
+            ours.send(("add", 4, tok.encode("x"), SamplingParams(grammar=("regex", "z+")), None))
+            ours.send(("abort", 4))
+            events, text, t0 = [], {}, time.monotonic()
+            while (len([e for e in events if e[0] == "finished"]) < 2
+                   or not any(e[:2] == ("rejected", 3) for e in events)) and \
+                    time.monotonic() - t0 < 60:
+                if not ours.poll(1.0):
+                    continue
+                msg = ours.recv()
+                if msg[0] in ("added", "rejected"):
+                    events.append((msg[0], msg[1], time.monotonic() - t0))
+                elif msg[0] == "out":
+                    for key, t in zip(msg[1], msg[2]):
+                        text[key] = text.get(key, "") + tok.decode([t])
+                        events.append(("token", key, time.monotonic() - t0))
+                    events += [("finished", f[0], time.monotonic() - t0) for f in msg[3]]
+        finally:
+            ours.send(("shutdown",))
+            runner.join(30)
+        added = {k: t for kind, k, t in events if kind == "added"}
+        assert set(added) == {1, 2} and added[2] >= 1.4
+        before = [t for kind, k, t in events if kind == "token" and k == 1 and t < added[2]]
+        assert len(before) >= 5                      # request 1 stepped while 2 compiled
+        assert ("rejected", 3) in [(kind, k) for kind, k, _ in events]
+        assert 4 not in added and 4 not in text
+        assert text[2].startswith("o") and set(text[2]) <= {"o", "k"}
+
+
 def test_request_fields_give_grammars():
     schema = {"type": "object"}
     assert _grammar({"response_format": {"type": "json_object"}}) == ("json", "")

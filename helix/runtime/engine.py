@@ -184,6 +184,8 @@ class Engine:
                 self.scheduler.add(req)
             elif cmd[0] == "abort":
                 self.scheduler.abort(cmd[1])
+            elif cmd[0] == "grammar":           # compile it in the background (before its
+                self.grammars.prepare(cmd[1])   # request's "add", a step or more later)
             elif cmd[0] == "reset_cache":       # idle cached blocks evicted
                 self.scheduler.reset_cache()
             elif cmd[0] == "kv":                # the prompt's KV of the request just added
@@ -585,6 +587,7 @@ class Engine:
                 except Exception:
                     pass
         self.inflight = None
+        self.grammars.close()
         for graphs in (self.graphs, self.prefill_graphs):
             if graphs is not None:
                 graphs.close()

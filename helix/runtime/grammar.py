@@ -24,13 +24,21 @@ elsewhere, helix/runtime/sampler.py process_rows); after the step the row's toke
 by its matcher, and a matcher that has accepted a stop token (the language is complete) ends
 the request with finish reason "stop". A constrained row needs its previous token on the host
 to know its mask, so a step holding one does not overlap the step before it.
+
+Compiling a new schema takes from milliseconds to seconds (the tokenizer's vocabulary against
+the grammar). `Grammars.prepare` starts it on a background thread (xgrammar releases the GIL
+while it compiles); the serving loop holds such a request back until `ready`, so the other
+requests' steps go on meanwhile (and every rank is told to start its own compile at once).
+`compile` waits for a compile in flight, or compiles in place when none was started.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -76,6 +84,28 @@ class Grammars:
         self.model, self.vocab = model, vocab
         self._compiler = None
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._building: dict[tuple[str, str], Future] = {}   # compiles in flight
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()       # one compile at a time (and the compiler's set-up)
+
+    def prepare(self, spec: tuple[str, str]) -> None:
+        """Start compiling `spec` in the background (nothing when it is compiled or under
+        way); an error is raised by `compile`."""
+        if spec in self._cache or spec in self._building:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="helix-grammar")
+        self._building[spec] = self._pool.submit(self._build, spec)
+
+    def ready(self, spec: tuple[str, str]) -> bool:
+        """`compile(spec)` returns (or raises) without waiting."""
+        fut = self._building.get(spec)
+        return spec in self._cache or (fut is not None and fut.done())
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def compiler(self):
         if self._compiler is None:
@@ -97,7 +127,21 @@ class Grammars:
         if hit is not None:
             self._cache.move_to_end(spec)
             return hit
-        comp, (kind, text) = self.compiler(), spec
+        fut = self._building.pop(spec, None)
+        grammar = fut.result() if fut is not None else self._build(spec)
+        self._cache[spec] = grammar
+        if len(self._cache) > CACHE:
+            self._cache.popitem(last=False)
+        return grammar
+
+    def _build(self, spec: tuple[str, str]):
+        """Compile (on whichever thread calls it; one at a time)."""
+        with self._lock:
+            return self._compile(self.compiler(), spec)
+
+    @staticmethod
+    def _compile(comp, spec: tuple[str, str]):
+        kind, text = spec
         try:
             if kind == "json":
                 grammar = comp.compile_builtin_json_grammar()
@@ -116,9 +160,6 @@ class Grammars:
             why = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", why)      # xgrammar's time, file:line
             why = re.sub(r"^Check failed: .*? is false: ", "", why)
             raise RequestError(f"the {kind} grammar does not compile: {why}") from None
-        self._cache[spec] = grammar
-        if len(self._cache) > CACHE:
-            self._cache.popitem(last=False)
         return grammar
 
     def matcher(self, spec: tuple[str, str]) -> "Matcher":

@@ -36,6 +36,7 @@ from helix.loader import read_model_config
 from helix.parallel.comm import LocalComm
 from helix.parallel.mesh import Mesh
 from helix.runtime.engine import Engine, StepOutput
+from helix.runtime.grammar import check_spec
 from helix.runtime.launch import (free_port, init_distributed, process_state, rank_device,
                                   rendezvous, torchrun_world, worker_context, worker_main)
 from helix.runtime.logprobs import TokenLogprob
@@ -376,6 +377,20 @@ class LLM:
         self.errors.update(out.errors or {})
         self.cached_tokens.update(out.cached or {})
         return out
+
+    def prepare_grammar(self, grammar) -> None:
+        """Start compiling a grammar (SamplingParams.grammar) in the background, here and on
+        every rank (told with the next step): a request that uses it, added once
+        `grammar_ready`, does not hold the steps up while it compiles."""
+        self._check_open()
+        spec = check_spec(grammar)
+        self.engine.grammars.prepare(spec)
+        if self._multi:
+            self._pending.append(("grammar", spec))
+
+    def grammar_ready(self, grammar) -> bool:
+        """Whether adding a request with this grammar would not wait for its compile."""
+        return self.engine.grammars.ready(check_spec(grammar))
 
     def reset_prefix_cache(self) -> None:
         """Drop the prefix cache's idle blocks (their pages return to the pool) at the next

@@ -32,7 +32,9 @@ Messages (tuples, pickled by multiprocessing's Connection):
                      ("direct", key, result)   ("dead", message)   ("closed",)
 
 Keys are the server's request ids; the LLM's own ids never leave this process. A finished request
-is released from the LLM at once (a server runs for weeks).
+is released from the LLM at once (a server runs for weeks). A request whose grammar is not
+compiled yet waits here (parked) while it compiles in the background (LLM.prepare_grammar),
+and is added when it is ready: the other requests' steps go on meanwhile.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from helix.errors import CapacityError, EngineDeadError, HelixError, RequestErro
 from helix.serving.warmup import warm_up
 
 STATS_INTERVAL_S = 1.0      # engine stats pushed at least this often (also a liveness probe)
+PARKED_POLL_S = 0.002       # how often an idle loop looks at the grammars compiling
 
 
 class EngineLoop:
@@ -60,6 +63,7 @@ class EngineLoop:
         self.last_stats = 0.0
         self.last_end: float | None = None   # perf_counter when the previous step ended, None
                                              # when the loop waited for work since
+        self.parked: list[tuple] = []        # ("add" arguments) waiting for their grammar
 
     def run(self) -> None:
         """Serve until ("shutdown",), the server's end of the pipe closing, or a dead engine."""
@@ -68,12 +72,16 @@ class EngineLoop:
                 busy = self.llm.has_unfinished()
                 wait = 0 if busy else max(0.0, self.last_stats + STATS_INTERVAL_S
                                           - time.monotonic())
+                if self.parked:
+                    wait = min(wait, PARKED_POLL_S)
                 if not busy:
                     self.last_end = None
                 if self.conn.poll(wait):
                     self._drain()
                 if self.stopping:
                     break
+                if self.parked:
+                    self._unpark()
                 if self.llm.has_unfinished():
                     self._step()
                 if time.monotonic() - self.last_stats >= STATS_INTERVAL_S:
@@ -96,6 +104,10 @@ class EngineLoop:
 
     # -- commands ---------------------------------------------------------------------------
     def _on_add(self, key: int, prompt, params, kv) -> None:
+        grammar = getattr(params, "grammar", None)
+        if grammar is not None and not self._grammar_ready(grammar):
+            self.parked.append((key, prompt, params, kv))
+            return
         try:
             rid = self.llm.add_request(prompt, params, kv=kv)
         except CapacityError as e:
@@ -107,7 +119,28 @@ class EngineLoop:
         self.rid[key], self.key[rid] = rid, key
         self._send(("added", key))
 
+    def _grammar_ready(self, grammar) -> bool:
+        """Ready to add without waiting; else its compile is started (here and on every
+        rank). A spec that is not one is ready: add_request refuses it."""
+        try:
+            if self.llm.grammar_ready(grammar):
+                return True
+            self.llm.prepare_grammar(grammar)
+        except RequestError:
+            return True
+        return False
+
+    def _unpark(self) -> None:
+        """Add the parked requests whose grammar has compiled (or failed to), in order."""
+        waiting, ready = [], []
+        for p in self.parked:
+            (ready if self.llm.grammar_ready(p[2].grammar) else waiting).append(p)
+        self.parked = waiting
+        for p in ready:
+            self._on_add(*p)
+
     def _on_abort(self, key: int) -> None:
+        self.parked = [p for p in self.parked if p[0] != key]
         rid = self.rid.get(key)
         if rid is not None and rid not in self.llm.finish_reasons:
             self.llm.abort(rid)
