@@ -268,8 +268,8 @@ class RuntimeConfig:
     host_cache_gb: float = 0.0     # host memory per rank for cached blocks evicted from the
                                    # device pool (0: they are dropped; helix/kv/host_cache.py)
     speculative_tokens: int = 0    # speculative decoding: up to this many tokens guessed by
-                                   # n-gram lookup and verified per step for greedy requests
-                                   # (0: off; helix/runtime/speculative.py; no overlap then)
+                                   # n-gram lookup and verified per step (the same tokens; 0:
+                                   # off; helix/runtime/speculative.py; no overlap then)
     speculative_ngram: int = 3     # ... the longest suffix looked up (n-grams of 1 .. this)
 
     def __post_init__(self):

@@ -1,11 +1,12 @@
 """Speculative decoding by n-gram lookup (helix/runtime/speculative.py).
 
-The oracle is exact: a greedy request's tokens with guesses verified are the tokens of one-token
-steps (each kept guess is the argmax after the tokens before it), so every run here is compared
-token for token with the same run without speculation (and transformers' greedy tokens), on
-GQA and MLA models, over KVP ranks, with stop ids and length limits falling inside a step's
-kept guesses, a pool tight enough to preempt, the prefix cache, and requests that do not
-speculate (sampling, logprobs) beside ones that do. The page accounting must come back whole
+The oracle is exact: a request's tokens with guesses verified are the tokens of one-token
+steps (each kept guess is the token chosen after the tokens before it: the argmax, or the seeded
+draw of that position), so every run here is compared token for token with the same run without
+speculation (and transformers' greedy tokens), on GQA and MLA models, over KVP ranks, sampled
+requests included, with stop ids and length limits falling inside a step's kept guesses, a pool
+tight enough to preempt, the prefix cache, and requests that do not speculate (logprobs) beside
+ones that do. The page accounting must come back whole
 (rejected guesses' pages released). The index itself is checked against a brute-force search.
 """
 
@@ -118,13 +119,28 @@ def test_stop_ids_and_lengths_inside_the_kept_guesses(hf_checkpoint):
 
 
 def test_requests_that_do_not_speculate_run_beside_ones_that_do(hf_checkpoint):
-    """Sampling and logprobs requests take one-token steps in the same batches; every request's
-    tokens are those of the run without speculation (the seeded draw included)."""
+    """A logprobs request takes one-token steps in the same batches as speculating ones (a
+    sampled one among them); every request's tokens are those of the run without
+    speculation."""
     path, _ = hf_checkpoint("qwen3")               # (its greedy output loops: guesses kept)
     params = [SamplingParams(max_new_tokens=16, temperature=0.8, seed=3, ignore_eos=True),
               greedy(16), greedy(16, logprobs=2)]
     plain, _, _ = run(path, PROMPTS, params)
     spec, _, stats = run(path, PROMPTS, params, speculative_tokens=4)
+    assert spec == plain and stats["speculative_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("layout", [Layout(), Layout(kvp=2)], ids=["kvp1", "kvp2"])
+def test_sampled_requests_speculate_with_the_same_draws(hf_checkpoint, layout):
+    """A row's draw is a function of its logits, the seed and the position: with guesses
+    verified against the draws, sampled requests (temperature, top-k, top-p) give the tokens of
+    one-token steps, and keep guesses."""
+    path, _ = hf_checkpoint("qwen3")
+    params = [SamplingParams(max_new_tokens=24, temperature=t, top_k=k, top_p=p, seed=s,
+                             ignore_eos=True)
+              for t, k, p, s in ((0.7, 0, 1.0, 1), (1.0, 20, 0.9, 2), (0.3, 5, 1.0, 3))]
+    plain, _, _ = run(path, PROMPTS, params, layout)
+    spec, _, stats = run(path, PROMPTS, params, layout, speculative_tokens=4)
     assert spec == plain and stats["speculative_accepted_tokens"] > 0
 
 

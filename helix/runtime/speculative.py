@@ -1,10 +1,14 @@
 """Speculative decoding by n-gram lookup (RuntimeConfig.speculative_tokens; vLLM's "ngram",
-a.k.a. prompt lookup): a greedy request's next tokens are guessed from its own tokens, where the
+a.k.a. prompt lookup): a request's next tokens are guessed from its own tokens, where the
 longest suffix of up to `ngram` tokens occurred before, the tokens that followed it then; one
-step feeds the last token and the guesses (a chunk, attended causally like a prompt's) and
-keeps each guess the model's argmax at the row before agrees with, then that row's argmax.
-The tokens are exactly the ones one-token steps give (each kept token is the argmax after the
-ones before it); a step emits 1 to k + 1 of them for the KV read of one.
+step feeds the last token and the guesses (a chunk, attended causally like a prompt's), every
+row of it chooses a token as a decode row would, and each guess is kept while the token chosen
+at the row before equals it, then that row's token is added. The tokens are exactly the ones
+one-token steps give: a row's choice is the argmax, or a draw that is a function of its logits,
+the request's seed and the position (Gumbel noise hashed from them, sampling_ops.py), and each
+kept row's logits follow the same tokens as they would one step at a time. Sampled requests
+(temperature, top-k, top-p) speculate too, with the same tokens as without; a step emits 1 to
+k + 1 of them for the KV read of one.
 
 Long contexts where the output quotes or edits its input (summaries, code changes, retrieval
 answers, structured extraction) repeat n-grams of the prompt. A step at long context is
@@ -28,10 +32,11 @@ INDEX_BUDGET = 4096          # positions a draft may add to a request's index
 
 
 def speculates(r: Request) -> bool:
-    """Whether a request's steps may verify guesses: greedy and nothing per-token (logprobs,
-    penalties, biases, min_tokens, a grammar, forced tokens)."""
+    """Whether a request's steps may verify guesses: nothing per token but its choice (not
+    logprobs, penalties, biases, min_tokens, a grammar or forced tokens: their state would
+    follow each guess)."""
     p = r.params
-    return p.greedy and not p.extras and not p.forced_tokens and p.grammar is None
+    return not p.extras and not p.forced_tokens and p.grammar is None
 
 
 class NgramIndex:
