@@ -184,6 +184,35 @@ def test_rejected_guesses_give_back_their_pages_on_every_step(hf_checkpoint):
         assert checked > 20 and llm.stats()["speculative_accepted_tokens"] > 0
 
 
+def test_a_prompt_that_fails_its_step_fails_alone(hf_checkpoint):
+    """A long prompt joins a step where a request verifies guesses, and the step fails (out of
+    memory): the prompt's request ends with "error", the speculating one is run again in the
+    retry and keeps its tokens."""
+    import torch
+    path, _ = hf_checkpoint("qwen3")
+    (want,), _, _ = run(path, [PROMPTS[1]], [greedy(24)])
+    with LLM(path, Layout(), RuntimeConfig(**SMALL, speculative_tokens=4)) as llm:
+        real = llm.engine.model.hidden
+
+        def hidden(ids, *args, **kw):
+            if ids.shape[0] > 40:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32 GiB")
+            return real(ids, *args, **kw)
+        llm.engine.model.hidden = hidden
+        a = llm.add_request(PROMPTS[1], greedy(24))
+        for _ in range(3):
+            llm.step()
+        drafted = llm.stats()["speculative_draft_tokens"]
+        b = llm.add_request(list(range(1, 60)), greedy(4))
+        out = llm.step()
+        assert out.finished == {b: "error"} and "Tried to allocate" in out.errors[b]
+        assert a in out.tokens and llm.stats()["speculative_draft_tokens"] > drafted
+        while llm.has_unfinished():
+            llm.step()
+        assert llm.outputs[a] == want and llm.finish_reasons[a] == "length"
+        assert llm.engine.kv_pages_free() == llm.engine.num_pages
+
+
 def test_streams_carry_every_kept_token(hf_checkpoint):
     from helix.serving.stream import stream
     path, _ = hf_checkpoint("qwen3")

@@ -249,12 +249,14 @@ class Engine:
             self._failed_last = True
             self._undo(plan)
             message = f"{type(e).__name__}: {e}"
-            suspects = [c.req for c in plan.prefill] or plan.decode
+            guesses = [c for c in plan.prefill if c.draft]       # decode-like: retried too
+            prompts = [c for c in plan.prefill if not c.draft]
+            suspects = [c.req for c in prompts] or plan.decode + [c.req for c in guesses]
             for r in suspects:
                 r.finish_reason, r.error = "error", message
-            if not (plan.prefill and plan.decode):
+            if not (prompts and (plan.decode or guesses)):
                 return None
-            return self._launch_confined(StepPlan(decode=plan.decode))
+            return self._launch_confined(StepPlan(decode=plan.decode, prefill=guesses))
 
     def _undo(self, plan: StepPlan) -> None:
         """A step that failed while being queued: its KV growth rolled back on this rank (the
@@ -291,7 +293,6 @@ class Engine:
                 sampled += [c.req] * len(c.ids)
                 counters += range(c.start + 1, c.start + 1 + len(c.ids))
                 last += range(len(ids) - len(c.ids), len(ids))
-                self.spec_drafted += c.draft
             elif c.samples:
                 sampled.append(c.req)
                 counters.append(c.start + len(c.ids))
@@ -364,6 +365,7 @@ class Engine:
         for i, r in enumerate(sampled):
             r.pending += 1
             r.pending_row = i
+        self.spec_drafted += sum(c.draft for c in plan.prefill)
         self.last_logits = logits
         return _Launched(sampled, host, event, len(ids), lps, scored, verify or None)
 
