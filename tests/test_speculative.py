@@ -119,15 +119,38 @@ def test_stop_ids_and_lengths_inside_the_kept_guesses(hf_checkpoint):
 
 
 def test_requests_that_do_not_speculate_run_beside_ones_that_do(hf_checkpoint):
-    """A logprobs request takes one-token steps in the same batches as speculating ones (a
-    sampled one among them); every request's tokens are those of the run without
+    """Penalised and biased requests take one-token steps in the same batches as speculating
+    ones (a sampled one among them); every request's tokens are those of the run without
     speculation."""
     path, _ = hf_checkpoint("qwen3")               # (its greedy output loops: guesses kept)
     params = [SamplingParams(max_new_tokens=16, temperature=0.8, seed=3, ignore_eos=True),
-              greedy(16), greedy(16, logprobs=2)]
-    plain, _, _ = run(path, PROMPTS, params)
-    spec, _, stats = run(path, PROMPTS, params, speculative_tokens=4)
+              greedy(16), greedy(16, repetition_penalty=1.3),
+              greedy(16, logit_bias={5: 2.0}, min_tokens=3)]
+    prompts = PROMPTS + [PROMPTS[1]]
+    plain, _, _ = run(path, prompts, params)
+    spec, _, stats = run(path, prompts, params, speculative_tokens=4)
     assert spec == plain and stats["speculative_accepted_tokens"] > 0
+
+
+def test_logprobs_come_with_every_kept_token(hf_checkpoint):
+    """A logprobs request speculates: each token's log-probability and alternatives are the
+    ones its one-token steps give (rows of the same logits), in the LLM and in streams."""
+    from helix.serving.stream import stream
+    path, _ = hf_checkpoint("qwen3")
+    got = {}
+    for k in (0, 4):
+        rt = RuntimeConfig(**SMALL, speculative_tokens=k)
+        with LLM(path, Layout(), rt) as llm:
+            rid = llm.add_request(PROMPTS[1], greedy(20, logprobs=3))
+            deltas = list(stream(llm, [rid]))
+            got[k] = (llm.outputs[rid], llm.logprobs[rid],
+                      [lp for d in deltas for lp in d.logprobs],
+                      llm.stats()["speculative_accepted_tokens"])
+    (tok0, lp0, s0, _), (tok4, lp4, s4, kept) = got[0], got[4]
+    assert tok4 == tok0 and kept > 0 and len(lp4) == len(s4) == 20
+    for a, b in zip(lp4 + s4, lp0 + s0):
+        assert abs(a.logprob - b.logprob) < 1e-4
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
 @pytest.mark.parametrize("layout", [Layout(), Layout(kvp=2)], ids=["kvp1", "kvp2"])
@@ -232,14 +255,16 @@ def test_the_server_engine_sends_every_kept_token(hf_checkpoint):
     from helix.serving.async_engine import AsyncLLM
     path, _ = hf_checkpoint("qwen3")
     rt = RuntimeConfig(**SMALL, speculative_tokens=4)
-    want, _, _ = run(path, PROMPTS, [greedy(20)] * 3)
+    params = [greedy(20), greedy(20, logprobs=2), greedy(20)]
+    want, _, _ = run(path, PROMPTS, params)
     engine = AsyncLLM(path, Layout(), rt, warmup=False)
     try:
         async def main():
-            streams = [await engine.submit(p, greedy(20)) for p in PROMPTS]
-            return [(await s.result()).token_ids for s in streams], await engine.stats()
+            streams = [await engine.submit(p, sp) for p, sp in zip(PROMPTS, params)]
+            return [await s.result() for s in streams], await engine.stats()
         got, stats = asyncio.run(main())
-        assert got == want and stats["speculative_accepted_tokens"] > 0
+        assert [g.token_ids for g in got] == want and stats["speculative_accepted_tokens"] > 0
+        assert len(got[1].logprobs) == 20 and got[0].logprobs is None
     finally:
         engine.close()
 

@@ -78,6 +78,7 @@ class StepOutput:
                                            # step found in the prefix cache (first admissions)
     more: dict[int, list[int]] | None = None   # request id -> tokens after `tokens`' one, when
                                            # a step verified guesses (speculative decoding)
+    more_logprobs: dict[int, list[TokenLogprob]] | None = None   # ... their log-probabilities
 
 
 class Engine:
@@ -207,9 +208,10 @@ class Engine:
             raise EngineDeadError(self.dead)
         t0 = time.perf_counter()
         self.apply(commands)
-        tokens, logprobs, prompt_logprobs, more = {}, {}, {}, {}
+        tokens, logprobs, prompt_logprobs, more, more_lps = {}, {}, {}, {}, {}
         if self.inflight is not None and self.matchers:   # constrained rows need their last
-            self._resolve_inflight(tokens, logprobs, prompt_logprobs, more)   # token on host
+            self._resolve_inflight(tokens, logprobs, prompt_logprobs, more,   # token on host
+                                   more_lps)
         retired = self._retire()                      # aborted (or just ended) before running
         plan = self.scheduler.schedule()
         self.kv.apply_ops(self.scheduler.take_kv_ops(), self.host_cache)   # the preempted freed
@@ -218,10 +220,10 @@ class Engine:
                 self._write_imported(c.req, c.start)
         launched = self._launch_confined(plan) if plan else None
         if self.inflight is not None:
-            self._resolve_inflight(tokens, logprobs, prompt_logprobs, more)
+            self._resolve_inflight(tokens, logprobs, prompt_logprobs, more, more_lps)
         self.inflight = launched
         if launched is not None and (not self.overlap or self.matchers):
-            self._resolve_inflight(tokens, logprobs, prompt_logprobs, more)
+            self._resolve_inflight(tokens, logprobs, prompt_logprobs, more, more_lps)
         retired += self._retire()
         finished = {r.id: r.finish_reason for r in retired}
         errors = {r.id: r.error for r in retired if r.finish_reason == "error"}
@@ -230,7 +232,8 @@ class Engine:
                   and not c.draft}
         return StepOutput(tokens, finished, launched.num_tokens if launched else 0,
                           time.perf_counter() - t0, errors or None, logprobs or None,
-                          prompt_logprobs or None, cached or None, more or None)
+                          prompt_logprobs or None, cached or None, more or None,
+                          more_lps or None)
 
     # -- launching ----------------------------------------------------------------------------
     def _launch_confined(self, plan: StepPlan) -> _Launched | None:
@@ -489,12 +492,12 @@ class Engine:
 
     def _resolve(self, step: _Launched, out: dict[int, int], logprobs: dict[int, TokenLogprob],
                  prompt_logprobs: dict[int, list[TokenLogprob]],
-                 more: dict[int, list[int]]) -> None:
+                 more: dict[int, list[int]], more_lps: dict[int, list[TokenLogprob]]) -> None:
         """Wait for a queued step's tokens; append them to `out` (request id -> token, and
         their log-probabilities to `logprobs`, its prompt positions' to `prompt_logprobs`, for
         requests that asked; a request's tokens after the first, when it verified guesses, to
-        `more`) and apply stop and length rules. Rows of requests that ended meanwhile (a stop
-        id one step earlier, an abort, an error) are dropped."""
+        `more`, theirs to `more_lps`) and apply stop and length rules. Rows of requests that
+        ended meanwhile (a stop id one step earlier, an abort, an error) are dropped."""
         if step.event is not None:
             t = time.perf_counter()
             step.event.synchronize()
@@ -515,7 +518,9 @@ class Engine:
                 skip = len(group[1])
                 r.pending -= skip
                 if not r.finished:
-                    self._verified(r, group[1], step.host[i:i + skip + 1].tolist(), out, more)
+                    lps = None if rows is None else rows[i:i + skip + 1]
+                    self._verified(r, group[1], step.host[i:i + skip + 1].tolist(), lps,
+                                   (out, more, logprobs, more_lps))
                 continue
             if r.finished:
                 continue
@@ -537,21 +542,29 @@ class Engine:
                   or r.num_tokens - r.pending >= r.max_len):
                 r.finish_reason = "length"
 
-    def _verified(self, r: Request, guesses: list[int], argmax: list[int],
-                  out: dict[int, int], more: dict[int, list[int]]) -> None:
-        """A chunk of r's last token and its guesses ran: argmax[j] is the model's token after
-        row j. Guess j is kept while every guess before it was and argmax[j] equals it; the
-        kept guesses and the token after them are r's new tokens (stop and length rules apply
-        to each in turn). The KV of rejected guesses' positions is dropped (pages released)."""
-        m = next((j for j, g in enumerate(guesses) if argmax[j] != g), len(guesses))
+    def _verified(self, r: Request, guesses: list[int], chosen: list[int], lps: list | None,
+                  outs: tuple[dict, dict, dict, dict]) -> None:
+        """A chunk of r's last token and its guesses ran: chosen[j] is the token row j chose
+        (lps[j] its log-probabilities, when asked). Guess j is kept while every guess before it
+        was and chosen[j] equals it; the kept guesses and the token chosen after them are r's
+        new tokens (stop and length rules apply to each in turn), the first into outs' tokens
+        and logprobs, the rest into more and more_lps. The KV of rejected guesses' positions
+        is dropped (pages released)."""
+        out, more, logprobs, more_lps = outs
+        m = next((j for j, g in enumerate(guesses) if chosen[j] != g), len(guesses))
         self.spec_accepted += m
-        stop = self._stop_ids(r.params)
-        for j, tok in enumerate(argmax[:m + 1]):
+        stop, k = self._stop_ids(r.params), r.params.logprobs
+        for j, tok in enumerate(chosen[:m + 1]):
             r.output.append(tok)
+            lp = None if k is None else TokenLogprob(lps[j].logprob, lps[j].top[:k])
             if j == 0:
                 out[r.id] = tok
+                if lp is not None:
+                    logprobs[r.id] = lp
             else:
                 more.setdefault(r.id, []).append(tok)
+                if lp is not None:
+                    more_lps.setdefault(r.id, []).append(lp)
             if tok in stop:
                 r.finish_reason = "stop"
             elif len(r.output) >= r.params.max_new_tokens or r.num_tokens >= r.max_len:

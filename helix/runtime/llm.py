@@ -371,6 +371,8 @@ class LLM:
             self.outputs[rid] += toks
         for rid, lp in (out.logprobs or {}).items():
             self.logprobs[rid].append(lp)
+        for rid, lps in (out.more_logprobs or {}).items():
+            self.logprobs[rid] += lps
         for rid, lps in (out.prompt_logprobs or {}).items():
             self.prompt_logprobs[rid] += lps
         self.finish_reasons.update(out.finished)

@@ -32,11 +32,11 @@ INDEX_BUDGET = 4096          # positions a draft may add to a request's index
 
 
 def speculates(r: Request) -> bool:
-    """Whether a request's steps may verify guesses: nothing per token but its choice (not
-    logprobs, penalties, biases, min_tokens, a grammar or forced tokens: their state would
-    follow each guess)."""
+    """Whether a request's steps may verify guesses: its logits are not processed (penalties,
+    biases, min_tokens, a grammar: their state would follow each guess) and no token is
+    forced. Logprobs are read per row, as its tokens are."""
     p = r.params
-    return not p.extras and not p.forced_tokens and p.grammar is None
+    return not p.processed(0) and not p.forced_tokens
 
 
 class NgramIndex:

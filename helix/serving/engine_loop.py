@@ -195,10 +195,12 @@ class EngineLoop:
         for rid, tok in out.tokens.items():       # a token per request and step, or more
             key = self.key.get(rid)                 # when it verified guesses (no logprobs)
             if key is not None:
-                for t in [tok] + (out.more or {}).get(rid, []):
+                more = (out.more or {}).get(rid, [])
+                more_lps = (out.more_logprobs or {}).get(rid) or [None] * len(more)
+                for t, lp in zip([tok] + more, [asked.get(rid)] + more_lps):
                     keys.append(key)
                     tokens.append(t)
-                    logprobs.append(asked.get(rid))
+                    logprobs.append(lp)
         scored = {self.key[rid]: lps for rid, lps in (out.prompt_logprobs or {}).items()
                   if rid in self.key}
         for rid, why in out.finished.items():

@@ -52,5 +52,6 @@ def stream(llm, request_ids: list[int], tokenizer=None,
             if why is not None:
                 left.discard(r)
             lp = (out.logprobs or {}).get(r)
+            lps = [] if lp is None else [lp] + (out.more_logprobs or {}).get(r, [])
             yield Delta(r, ids, text, why, (out.errors or {}).get(r) if why else None,
-                        None if r not in llm.logprobs else [] if lp is None else [lp])
+                        None if r not in llm.logprobs else lps)
