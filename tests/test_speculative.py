@@ -118,15 +118,35 @@ def test_stop_ids_and_lengths_inside_the_kept_guesses(hf_checkpoint):
     assert why == "length" and len(LOOP) + len(a) == 60
 
 
-def test_requests_that_do_not_speculate_run_beside_ones_that_do(hf_checkpoint):
-    """Penalised and biased requests take one-token steps in the same batches as speculating
-    ones (a sampled one among them); every request's tokens are those of the run without
-    speculation."""
-    path, _ = hf_checkpoint("qwen3")               # (its greedy output loops: guesses kept)
-    params = [SamplingParams(max_new_tokens=16, temperature=0.8, seed=3, ignore_eos=True),
-              greedy(16), greedy(16, repetition_penalty=1.3),
-              greedy(16, logit_bias={5: 2.0}, min_tokens=3)]
-    prompts = PROMPTS + [PROMPTS[1]]
+def test_penalised_and_biased_requests_speculate_with_the_same_tokens(hf_checkpoint):
+    """Repetition / frequency / presence penalties, a logit bias and min_tokens (its stop ids
+    held back): each row's processed logits count the guesses before it as output. Checked
+    with an oracle that guesses the run's own tokens: every guess must be kept (a row that
+    miscounted would choose otherwise), and the tokens are those of one-token steps; then
+    with n-gram guesses among other requests."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from profiling.bench_speculative import Oracle
+    path, _ = hf_checkpoint("qwen3")
+    params = [SamplingParams(max_new_tokens=20, temperature=0.8, seed=3, ignore_eos=True,
+                             frequency_penalty=0.6),
+              greedy(20, repetition_penalty=1.3, presence_penalty=0.4),
+              greedy(20, logit_bias={5: 2.0, 57: -1.5}, frequency_penalty=0.2),
+              SamplingParams(max_new_tokens=20, min_tokens=7, stop_token_ids=[40, 64])]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[1]]
+    for p, sp in zip(prompts, params):
+        (want,), _, _ = run(path, [p], [sp])
+        rt = RuntimeConfig(**{**SMALL, "max_prefill_tokens": 16}, speculative_tokens=4)
+        with LLM(path, Layout(), rt) as llm:
+            llm.engine.scheduler.drafter = Oracle([want], 4, [p])
+            (got,) = llm.generate([p], sp)
+            stats = llm.stats()
+        assert got == want
+        assert stats["speculative_accepted_tokens"] == stats["speculative_draft_tokens"] > 4
+        if sp.min_tokens:                 # its stop id is first allowed inside a step
+            assert len(want) == 8 and want[-1] == 64
+    prompts, params = prompts + [PROMPTS[2]], params + [greedy(20)]
     plain, _, _ = run(path, prompts, params)
     spec, _, stats = run(path, prompts, params, speculative_tokens=4)
     assert spec == plain and stats["speculative_accepted_tokens"] > 0

@@ -285,6 +285,7 @@ class Engine:
             counters.append(pos + 1)            # the position of the token sampled
         last = list(range(len(plan.decode)))
         verify = {}
+        ahead = [()] * len(sampled)               # guesses before a row's token (verify rows)
         for c in plan.prefill:
             if self.kv.lengths.get(c.req.id, 0) < c.start:       # synthetic KV: no prefill
                 self.kv.assume_prefix(c.req.id, c.start)
@@ -294,17 +295,20 @@ class Engine:
             if c.draft:                           # every row yields a token to check
                 verify[c.req.id] = (len(sampled), c.ids[1:])
                 sampled += [c.req] * len(c.ids)
+                ahead += [tuple(c.ids[1:1 + j]) for j in range(len(c.ids))]
                 counters += range(c.start + 1, c.start + 1 + len(c.ids))
                 last += range(len(ids) - len(c.ids), len(ids))
             elif c.samples:
                 sampled.append(c.req)
                 counters.append(c.start + len(c.ids))
                 last.append(len(ids) - 1)
+                ahead.append(())
         params = [r.params for r in sampled]
         seeds = [self.seeds[r.id] for r in sampled]
         D = len(plan.decode)
         extras = any(p.extras for p in params)    # rows with logprobs, penalties, ...
-        produced = [len(r.output) + r.pending for r in sampled] if extras else []
+        produced = ([len(r.output) + r.pending + len(a) for r, a in zip(sampled, ahead)]
+                    if extras else [])
         processed = [i for i, (p, n) in enumerate(zip(params, produced)) if p.processed(n)]
         pending = self._pending_tokens(sampled, processed, ids, src, D) if processed else None
         pass_kv = self._pass_kv(batch[D:])
@@ -349,7 +353,8 @@ class Engine:
             with nvtx_range("helix.process_rows"):
                 self.sampler.process_rows(
                     logits, processed, [params[i] for i in processed],
-                    [sampled[i].output for i in processed], pending,
+                    [sampled[i].output + list(ahead[i]) if ahead[i] else sampled[i].output
+                     for i in processed], pending,
                     self._vocab_rows([sampled[i] for i in processed], logits.shape[1]),
                     [seeds[i] for i in processed], [counters[i] for i in processed],
                     [tuple(self._stop_ids(params[i])) if produced[i] < params[i].min_tokens

@@ -32,11 +32,11 @@ INDEX_BUDGET = 4096          # positions a draft may add to a request's index
 
 
 def speculates(r: Request) -> bool:
-    """Whether a request's steps may verify guesses: its logits are not processed (penalties,
-    biases, min_tokens, a grammar: their state would follow each guess) and no token is
-    forced. Logprobs are read per row, as its tokens are."""
+    """Whether a request's steps may verify guesses: no grammar (its matcher would have to
+    follow each guess) and no forced tokens. A row's penalties, bias and min_tokens count the
+    guesses before it as output (Engine._launch), its logprobs are read per row."""
     p = r.params
-    return not p.processed(0) and not p.forced_tokens
+    return p.grammar is None and not p.forced_tokens
 
 
 class NgramIndex:
