@@ -114,6 +114,26 @@ def test_constrained_tokens_are_the_argmax_over_the_grammars_ids(char_ckpt, over
     assert re.fullmatch("the (cat|dog)( and (cat|dog))?", text["ebnf"])
 
 
+def test_a_grammar_joining_overlapped_steps_loses_no_token(char_ckpt):
+    """Under overlap, the first step with a constrained request reads back the step in flight
+    and then its own: a running request gets two tokens in that call, and both reach the
+    LLM's outputs (the second had overwritten the first: 11 of 12 tokens)."""
+    path, _, tok = char_ckpt
+    runs = []
+    for overlap in (False, True):
+        with _llm(path, overlap=overlap) as llm:
+            a = llm.add_request(tok.encode("hello"), SamplingParams(max_new_tokens=12,
+                                                                    ignore_eos=True))
+            for _ in range(4):
+                llm.step()
+            b = llm.add_request(tok.encode("x"), SamplingParams(max_new_tokens=8,
+                                                                grammar=("regex", "o+k")))
+            while llm.has_unfinished():
+                llm.step()
+            runs.append((llm.outputs[a], llm.outputs[b]))
+    assert runs[0] == runs[1] and len(runs[1][0]) == 12
+
+
 def test_sampled_tokens_stay_in_the_language(char_ckpt):
     path, _, tok = char_ckpt
     with _llm(path) as llm:

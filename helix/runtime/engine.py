@@ -512,6 +512,7 @@ class Engine:
                 prompt_logprobs.setdefault(r.id, []).extend(from_host(*host))
         n = len(step.batch)
         rows = None if step.logprobs is None else from_host(*step.logprobs)
+        outs = (out, more, logprobs, more_lps)
         verify, skip = step.verify or {}, 0
         for i, (r, tok) in enumerate(zip(step.batch, step.host[:n].tolist())):
             if skip:                              # the rest of a chunk of guesses
@@ -523,57 +524,53 @@ class Engine:
                 skip = len(group[1])
                 r.pending -= skip
                 if not r.finished:
-                    lps = None if rows is None else rows[i:i + skip + 1]
-                    self._verified(r, group[1], step.host[i:i + skip + 1].tolist(), lps,
-                                   (out, more, logprobs, more_lps))
+                    self._verified(r, group[1], step.host[i:i + skip + 1].tolist(),
+                                   None if rows is None else rows[i:i + skip + 1], outs)
                 continue
             if r.finished:
                 continue
             forced = r.params.forced_tokens
             if len(r.output) < len(forced):
                 tok = forced[len(r.output)]
-            r.output.append(tok)
+            self._take(r, tok, None if rows is None else rows[i], outs)
+
+    def _take(self, r: Request, tok: int, row, outs: tuple[dict, dict, dict, dict]) -> None:
+        """r's next token (row: its row's log-probabilities, when read back): into outs'
+        tokens (and logprobs, when r asked), or their `more` when r has one there already;
+        then its grammar, stop ids and length limits."""
+        out, more, logprobs, more_lps = outs
+        r.output.append(tok)
+        k = r.params.logprobs
+        lp = None if k is None else TokenLogprob(row.logprob, row.top[:k])
+        if r.id not in out:
             out[r.id] = tok
-            k = r.params.logprobs
-            if k is not None:
-                logprobs[r.id] = TokenLogprob(rows[i].logprob, rows[i].top[:k])
-            matcher = self.matchers.get(r.id)
-            if matcher is not None and not matcher.accept(tok):
-                r.finish_reason = "error"
-                r.error = f"token {tok} is outside the request's grammar (no token was allowed)"
-            elif tok in self._stop_ids(r.params) or (matcher is not None and matcher.done):
-                r.finish_reason = "stop"
-            elif (len(r.output) >= r.params.max_new_tokens
-                  or r.num_tokens - r.pending >= r.max_len):
-                r.finish_reason = "length"
+            if lp is not None:
+                logprobs[r.id] = lp
+        else:
+            more.setdefault(r.id, []).append(tok)
+            if lp is not None:
+                more_lps.setdefault(r.id, []).append(lp)
+        matcher = self.matchers.get(r.id)
+        if matcher is not None and not matcher.accept(tok):
+            r.finish_reason = "error"
+            r.error = f"token {tok} is outside the request's grammar (no token was allowed)"
+        elif tok in self._stop_ids(r.params) or (matcher is not None and matcher.done):
+            r.finish_reason = "stop"
+        elif (len(r.output) >= r.params.max_new_tokens
+              or r.num_tokens - r.pending >= r.max_len):
+            r.finish_reason = "length"
 
     def _verified(self, r: Request, guesses: list[int], chosen: list[int], lps: list | None,
                   outs: tuple[dict, dict, dict, dict]) -> None:
         """A chunk of r's last token and its guesses ran: chosen[j] is the token row j chose
-        (lps[j] its log-probabilities, when asked). Guess j is kept while every guess before it
-        was and chosen[j] equals it; the kept guesses and the token chosen after them are r's
-        new tokens (stop and length rules apply to each in turn), the first into outs' tokens
-        and logprobs, the rest into more and more_lps. The KV of rejected guesses' positions
-        is dropped (pages released)."""
-        out, more, logprobs, more_lps = outs
+        (lps[j] its log-probabilities, when read back). Guess j is kept while every guess
+        before it was and chosen[j] equals it; the kept guesses and the token chosen after them
+        are r's new tokens, taken in turn (_take) until one ends it. The KV of rejected
+        guesses' positions is dropped (pages released)."""
         m = next((j for j, g in enumerate(guesses) if chosen[j] != g), len(guesses))
         self.spec_accepted += m
-        stop, k = self._stop_ids(r.params), r.params.logprobs
         for j, tok in enumerate(chosen[:m + 1]):
-            r.output.append(tok)
-            lp = None if k is None else TokenLogprob(lps[j].logprob, lps[j].top[:k])
-            if j == 0:
-                out[r.id] = tok
-                if lp is not None:
-                    logprobs[r.id] = lp
-            else:
-                more.setdefault(r.id, []).append(tok)
-                if lp is not None:
-                    more_lps.setdefault(r.id, []).append(lp)
-            if tok in stop:
-                r.finish_reason = "stop"
-            elif len(r.output) >= r.params.max_new_tokens or r.num_tokens >= r.max_len:
-                r.finish_reason = "length"
+            self._take(r, tok, None if lps is None else lps[j], outs)
             if r.finished:
                 break
         r.computed = r.num_tokens - 1
