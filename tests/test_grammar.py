@@ -114,6 +114,41 @@ def test_constrained_tokens_are_the_argmax_over_the_grammars_ids(char_ckpt, over
     assert re.fullmatch("the (cat|dog)( and (cat|dog))?", text["ebnf"])
 
 
+@pytest.mark.parametrize("guesses", ["ngram", "oracle", "wrong"])
+def test_speculating_constrained_requests_keep_their_tokens(char_ckpt, guesses):
+    """Speculative decoding over grammars: each row's mask is its grammar's after the guesses
+    before it (the matcher looks ahead and rolls back). With n-gram guesses, with an oracle's
+    (the run's own tokens: every one must be kept) and with guesses the grammars refuse (the
+    rows after them allow every id and are never kept), the tokens are the one-token steps'."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from profiling.bench_speculative import Oracle
+    path, _, tok = char_ckpt
+    specs = [spec for spec, _ in SPECS.values()] + [("regex", "(ab|ba){4}c")]
+    prompts = [tok.encode("the cat" + "." * i) for i in range(len(specs))]
+
+    def run(llm):
+        ids = [llm.add_request(p, SamplingParams(max_new_tokens=40, grammar=s))
+               for p, s in zip(prompts, specs)]
+        while llm.has_unfinished():
+            llm.step()
+        return [llm.outputs[i] for i in ids], llm.stats()
+
+    with _llm(path) as llm:
+        want, _ = run(llm)
+    with _llm(path, speculative_tokens=3) as llm:
+        if guesses != "ngram":
+            llm.engine.scheduler.drafter = Oracle(want, 3, prompts, wrong=guesses == "wrong",
+                                                  vocab=VOCAB)
+        got, stats = run(llm)
+    assert got == want and all(len(w) > 1 for w in want)
+    if guesses == "oracle":
+        assert stats["speculative_accepted_tokens"] == stats["speculative_draft_tokens"] > 10
+    if guesses == "wrong":
+        assert stats["speculative_accepted_tokens"] == 0 < stats["speculative_draft_tokens"]
+
+
 def test_a_grammar_joining_overlapped_steps_loses_no_token(char_ckpt):
     """Under overlap, the first step with a constrained request reads back the step in flight
     and then its own: a running request gets two tokens in that call, and both reach the

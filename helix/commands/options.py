@@ -104,8 +104,8 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                         "device (0: they are dropped)")
     g.add_argument("--speculative-tokens", type=int, default=d.speculative_tokens, metavar="K",
                    help="speculative decoding: up to K tokens guessed by n-gram lookup in the "
-                        "request's own tokens and verified per step (the same tokens; not for "
-                        "requests with a grammar; 0: off; steps then do not overlap)")
+                        "request's own tokens and verified per step (the same tokens; 0: off; "
+                        "steps then do not overlap)")
     g.add_argument("--speculative-ngram", type=int, default=d.speculative_ngram, metavar="N",
                    help="... the longest suffix looked up (n-grams of 1 .. N tokens)")
     g = p.add_argument_group("CUDA graphs")

@@ -181,7 +181,8 @@ class Engine:
                 self.seeds[req_id] = (params.seed if params.seed is not None
                                       else self.runtime.seed * 1000003 + req_id)
                 if params.grammar is not None:
-                    self.matchers[req_id] = self.grammars.matcher(params.grammar)
+                    self.matchers[req_id] = self.grammars.matcher(
+                        params.grammar, self.runtime.speculative_tokens)
                 self.scheduler.add(req)
             elif cmd[0] == "abort":
                 self.scheduler.abort(cmd[1])
@@ -359,7 +360,8 @@ class Engine:
                     [seeds[i] for i in processed], [counters[i] for i in processed],
                     [tuple(self._stop_ids(params[i])) if produced[i] < params[i].min_tokens
                      else () for i in processed],
-                    self._grammar_masks([sampled[i] for i in processed], logits.shape[1]))
+                    self._grammar_masks([sampled[i] for i in processed],
+                                        [ahead[i] for i in processed], logits.shape[1]))
         k = self._logprobs(params, produced, logits) if extras else None
         scored = None
         if h is not None and any(c.req.params.prompt_logprobs is not None for c in plan.prefill):
@@ -396,15 +398,25 @@ class Engine:
         t = torch.tensor([ids[i] if p else -1 for i, p in zip(rows, pend)], dtype=torch.long)
         return self.sampler.select(upload(s, self.device), upload(t, self.device))
 
-    def _grammar_masks(self, reqs: list[Request], vocab: int) -> torch.Tensor | None:
-        """[m, V] bool on the device: the ids each request's grammar allows next (every id for
-        a request without one); None when none of them has a grammar."""
-        rows = [(i, self.matchers[r.id]) for i, r in enumerate(reqs) if r.id in self.matchers]
-        if not rows:
+    def _grammar_masks(self, reqs: list[Request], ahead: list[tuple], vocab: int
+                       ) -> torch.Tensor | None:
+        """[m, V] bool on the device: the ids each row's grammar allows next (every id for a
+        request without one), a verify row's after the guesses ahead of it; None when none of
+        them has a grammar."""
+        if not any(r.id in self.matchers for r in reqs):
             return None
         mask = bitmask(len(reqs), vocab)
-        for i, m in rows:
-            m.fill(mask, i)
+        for i, r in enumerate(reqs):
+            m = self.matchers.get(r.id)
+            if m is None or ahead[i]:
+                continue                          # (a verify row: filled with its first)
+            last = i
+            while last + 1 < len(reqs) and reqs[last + 1] is r:
+                last += 1
+            if last > i:
+                m.fill_ahead(mask, i, ahead[last])
+            else:
+                m.fill(mask, i)
         return allowed(upload(mask, self.device), vocab)
 
     def _vocab_rows(self, reqs: list[Request], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

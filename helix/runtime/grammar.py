@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import warnings
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -162,8 +163,13 @@ class Grammars:
             raise RequestError(f"the {kind} grammar does not compile: {why}") from None
         return grammar
 
-    def matcher(self, spec: tuple[str, str]) -> "Matcher":
-        return Matcher(_xgrammar().GrammarMatcher(self.compile(spec)))
+    def matcher(self, spec: tuple[str, str], rollback: int = 0) -> "Matcher":
+        """A matcher at the start of the language; `rollback`: tokens it may look ahead by
+        (speculative decoding's guesses, Matcher.fill_ahead)."""
+        with warnings.catch_warnings():      # (newer xgrammar: always unlimited, deprecated)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return Matcher(_xgrammar().GrammarMatcher(self.compile(spec),
+                                                      max_rollback_tokens=rollback))
 
 
 class Matcher:
@@ -175,6 +181,22 @@ class Matcher:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of a host bitmask [m, ceil(V / 32)] int32: the ids allowed next."""
         self.m.fill_next_token_bitmask(bitmask, row)
+
+    def fill_ahead(self, bitmask: torch.Tensor, row: int, guesses) -> None:
+        """Rows row .. row + len(guesses) of a host bitmask: the ids allowed after guesses[:j]
+        for each j (speculative decoding's rows); rows past a guess the language refuses keep
+        every id (such a row's token is never kept). The matcher ends where it was."""
+        self.m.fill_next_token_bitmask(bitmask, row)
+        taken = 0
+        for g in guesses:
+            if not self.m.accept_token(g):
+                break
+            taken += 1
+            if self.m.is_terminated():           # a stop token: nothing follows it
+                break
+            self.m.fill_next_token_bitmask(bitmask, row + taken)
+        if taken:
+            self.m.rollback(taken)
 
     def accept(self, token: int) -> bool:
         return bool(self.m.accept_token(token))

@@ -32,11 +32,10 @@ INDEX_BUDGET = 4096          # positions a draft may add to a request's index
 
 
 def speculates(r: Request) -> bool:
-    """Whether a request's steps may verify guesses: no grammar (its matcher would have to
-    follow each guess) and no forced tokens. A row's penalties, bias and min_tokens count the
-    guesses before it as output (Engine._launch), its logprobs are read per row."""
-    p = r.params
-    return p.grammar is None and not p.forced_tokens
+    """Whether a request's steps may verify guesses: any but one with forced tokens. A row's
+    penalties, bias and min_tokens count the guesses before it as output, its grammar's mask
+    is the one after them (Engine._launch, _grammar_masks), its logprobs are read per row."""
+    return not r.params.forced_tokens
 
 
 class NgramIndex:
