@@ -346,9 +346,11 @@ def test_imported_kv_is_rounded_into_the_pool(hf_checkpoint, tmp_path):
         assert llm.prefill_tokens_per_rank() == [len(prompt) + 3]
 
 
-def test_the_pool_holds_twice_the_positions_in_the_same_bytes():
+def test_the_pool_holds_twice_the_positions_in_the_same_bytes(caplog):
+    import logging
     rt = RuntimeConfig(page_size=16, num_pages=8, kv_cache_dtype="fp8", dtype="bfloat16")
-    with LLM("tiny-llama", Layout(), rt) as llm:
+    with caplog.at_level(logging.INFO, logger="helix"), LLM("tiny-llama", Layout(), rt) as llm:
+        assert any("KV pool: 8 pages" in m and "float8_e4m3fn" in m for m in caplog.messages)
         model = llm.engine.model
         assert page_bytes(model, 16, FP8) * 2 == page_bytes(model, 16, torch.bfloat16)
         assert llm.engine.pool.page_bytes == page_bytes(model, 16, FP8)

@@ -107,7 +107,8 @@ class LLM:
                 self._closed = True
                 _open_multi_rank.remove(self)
                 raise
-        log.info(self.engine.pool.describe(runtime.page_size, self.max_context, layout.kvp))
+        log.info(self.engine.pool.describe(runtime.page_size, self.max_context, layout.kvp,
+                                           str(runtime.torch_kv_dtype).removeprefix("torch.")))
 
     # -- start-up ------------------------------------------------------------------------------
     def _start_torchrun(self, model, layout, runtime):

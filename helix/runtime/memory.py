@@ -31,10 +31,11 @@ class KVPool:
     def gib(self) -> float:
         return self.num_pages * self.page_bytes / 2**30
 
-    def describe(self, page_size: int, max_context: int, kvp: int) -> str:
+    def describe(self, page_size: int, max_context: int, kvp: int, dtype: str = "") -> str:
         tokens = self.num_pages * page_size
         return (f"KV pool: {self.num_pages} pages of {page_size} positions per rank "
-                f"({self.gib:.2f} GiB), {tokens} positions per rank; ~{tokens * kvp} tokens "
+                f"({self.gib:.2f} GiB{', ' + dtype if dtype else ''}), {tokens} positions per "
+                f"rank; ~{tokens * kvp} tokens "
                 f"over the {kvp} KVP rank(s), "
                 f"{self.num_pages / max(1, self.needed_pages) * 100:.0f}"
                 f" % of max_batch x max_context ({max_context})")
