@@ -200,13 +200,26 @@ def production_launches(name: str):
                                         torch.empty(8192, 32, **m), torch.empty(8192, 32, **m),
                                         torch.empty(4, dtype=i64, **m), True, cache=lat,
                                         slots=torch.empty(4, dtype=i64, **m))
+        elif name == "prefill-short-chunk":      # 5 query rows over 128K keys (speculative
+            i32, i64 = torch.int32, torch.int64   # guesses, a follow-up turn): KV splits
+            pre = LocalKVMeta(slots=torch.empty(5, dtype=i64, **m),
+                              block_tables=torch.empty(1, 2048, dtype=i32, **m),
+                              kv_lens=torch.empty(1, dtype=i32, **m),
+                              cu_q=torch.empty(2, dtype=i32, **m),
+                              q_pos=torch.empty(5, dtype=i64, **m), kvp_rank=0, kvp=1,
+                              interleave=1, page_size=64, num_decode=0, max_q=5)
+            with mock.patch.object(triton_prefill, "sm_count_of", lambda device: 132):
+                triton_prefill.gqa_prefill(torch.empty(5, 32, 128, dtype=bf, **m),
+                                           torch.empty(2048, 64, 8, 128, dtype=bf, **m),
+                                           torch.empty(2048, 64, 8, 128, dtype=bf, **m), pre,
+                                           0.088)
         else:
             raise ValueError(name)
     return launches
 
 
 CASES = ["gqa-llama70b", "gqa-mqa-d256-fp16", "gqa-fp32", "mla-deepseek-v3", "mla-deepseek-fp32",
-         "append-and-exchange", "fp8-kv"]
+         "append-and-exchange", "fp8-kv", "prefill-short-chunk"]
 
 
 def main():

@@ -787,6 +787,9 @@ def test_kernels_compile_for_sm90(tmp_path):
     gqa = [r for r in records
            if r["case"] == "gqa-llama70b" and r["kernel"] == "_gqa_split_kernel"]
     assert gqa and gqa[0]["constexprs"]["FUSED"] and gqa[0]["registers"] <= 128, gqa
+    short = [r for r in records if r["case"] == "prefill-short-chunk"]
+    assert [r["kernel"] for r in short] == ["_prefill_kernel", "_reduce_splits_kernel"]
+    assert short[0]["constexprs"]["NUM_SPLITS"] > 1               # KV split, then merged
     mla = [r for r in records
            if r["case"] == "mla-deepseek-v3" and r["kernel"] == "_mla_split_kernel"]
     assert mla and mla[0]["hgmma"] > 0, mla                # tensor cores through wgmma

@@ -130,6 +130,44 @@ def test_mla_prefill(layout, shape):
     _check(o, lse, *TorchAttention().prefill_mla(ql, qr, kv, dl, meta, 0.3), dtype)
 
 
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_kv_splits_merge_to_the_same_attention(layout, splits):
+    """Keys split across programs (num_splits: a short chunk over a long context), partials
+    merged by LSE: GQA and absorbed MLA equal the reference, with splits that hold no key (a
+    sequence shorter than the splits' tiles) and rows that see none."""
+    chunks, page, kvp, rank, inter = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(splits * 17 + len(layout))
+    meta = _meta(chunks, page, kvp, rank, inter)
+    T = meta.q_pos.shape[0]
+    dtype = DTYPES[splits % len(DTYPES)]
+    k, v = _pool(meta, (2, 16), dtype, gen), _pool(meta, (2, 16), dtype, gen)
+    q = torch.randn(T, 8, 16, generator=gen).to(DEV, dtype)
+    cfg = dict(num_splits=splits, BLOCK_N=16, BLOCK_Q=4, BLOCK_H=4)
+    _check(*triton_prefill.gqa_prefill(q, k, v, meta, 0.25, config=cfg),
+           *TorchAttention().prefill_gqa(q, k, v, meta, 0.25), dtype)
+    kv = _pool(meta, (32 + 8,), dtype, gen)
+    q = torch.randn(T, 4, 40, generator=gen).to(DEV, dtype)
+    ql, qr = q.split([32, 8], dim=-1)
+    _check(*triton_prefill.mla_prefill(ql, qr, kv, 32, meta, 0.3, config=cfg),
+           *TorchAttention().prefill_mla(ql, qr, kv, 32, meta, 0.3), dtype)
+
+
+def test_a_short_chunk_over_many_keys_splits_them():
+    """The split choice from static sizes: one query block over 128K keys on a 132-SM GPU splits
+    (a handful of programs otherwise); a long prompt, or few keys, does not."""
+    gpu = torch.device("meta")
+    real = triton_prefill.sm_count_of
+    try:
+        triton_prefill.sm_count_of = lambda device: 132
+        assert triton_prefill.num_splits(1, 8, 131072, gpu) >= 16
+        assert triton_prefill.num_splits(64 * 4, 8, 131072, gpu) == 1
+        assert triton_prefill.num_splits(1, 8, 1024, gpu) == 1
+        assert triton_prefill.num_splits(1, 8, 131072, gpu, {"num_splits": 3}) == 3
+    finally:
+        triton_prefill.sm_count_of = real
+
+
 def test_prefill_config_validated():
     cfg = triton_prefill.prefill_config(4, 128, 0, 128, torch.bfloat16)
     assert cfg["BLOCK_Q"] * cfg["BLOCK_H"] == 128 and cfg["BLOCK_H"] == 4

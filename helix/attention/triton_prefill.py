@@ -24,6 +24,12 @@ with the local keys (other ranks own other positions; a prefix may be cached; co
 sources hold a rank's own queries against another rank's shard). A row that sees no key gives
 O = 0, LSE = -inf (a safe running max keeps exp2 away from -inf - -inf).
 
+A few query rows over a long context (a short chunk after a cached prefix, speculative
+decoding's guesses) would be a handful of programs streaming the whole KV: the keys are then
+split across NUM_SPLITS programs (`num_splits`: choose_num_splits' rule over the launch's
+static sizes, 1 for a long prompt), each writing an fp32 partial (O, LSE) that
+triton_splits.reduce_splits merges exactly, the decode kernels' scheme.
+
 Page ids are widened to int64 before they multiply a stride (pools over 2^31 elements). Nothing
 asks the host: the grid comes from static sizes (meta.max_q, the head and sequence counts), the
 lengths are read on the device, so a launch is CUDA-graph capturable. Query blocks run latest
@@ -36,11 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
-from helix.attention.triton_splits import LN2, LOG2E
+from helix.attention.triton_splits import (LN2, LOG2E, choose_num_splits, reduce_splits,
+                                           sm_count_of, split_workspace)
 from helix.kv.manager import LocalKVMeta
 from helix.triton_util import pow2, run_kernel
 
-TUNABLES = ("BLOCK_Q", "BLOCK_H", "BLOCK_N", "num_warps", "num_stages")
+TUNABLES = ("BLOCK_Q", "BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "num_splits")
+MIN_SPLIT = 1024             # keys a KV split keeps at least (num_splits)
 
 
 @triton.jit
@@ -132,17 +140,19 @@ def _prefill_kernel(
     stride_k2p, stride_k2t, stride_k2h,
     stride_vp, stride_vt, stride_vh,                     # v [P, page, Hkv, DV]
     stride_btb, stride_ot, stride_oh, stride_lt,         # block_tables [S, W]; o [T, Hq, DV]
+    stride_os, stride_lh,            # NUM_SPLITS > 1: o [T, Hq, NS, DV], lse [T, Hq, NS] (fp32)
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SHARDED: tl.constexpr, V_IS_K1: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr = 1,
 ):
     qb = tl.num_programs(0) - 1 - tl.program_id(0)       # latest (longest) query blocks first
     kvh = tl.program_id(1) // HEAD_BLOCKS
     hb = tl.program_id(1) % HEAD_BLOCKS
-    s = tl.program_id(2).to(tl.int64)
+    s = (tl.program_id(2) // NUM_SPLITS).to(tl.int64)
+    split = tl.program_id(2) % NUM_SPLITS
     q_start = tl.load(cu_ptr + s)
     n_q = tl.load(cu_ptr + s + 1) - q_start
     if qb * BLOCK_Q >= n_q:
@@ -179,6 +189,12 @@ def _prefill_kernel(
     n_full = tl.minimum(n_full, kv_len).to(tl.int32)      # keys every row of the block sees
     n_vis = tl.minimum(n_vis, kv_len).to(tl.int32)        # keys some row sees
     full_end = (n_full // BLOCK_N) * BLOCK_N
+    # this program's keys: its split's share of [0, n_vis), whole tiles
+    chunk = tl.cdiv(tl.cdiv(n_vis, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(n_vis, lo + chunk)
+    full_hi = tl.minimum(hi, full_end)
+    tail_lo = tl.maximum(lo, full_end)
 
     bt_row = bt_ptr + s * stride_btb
     kvh64 = kvh.to(tl.int64)
@@ -188,19 +204,19 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    page = _page_ids(bt_row, 0, full_end, BLOCK_N, PAGE_SIZE)
-    for t0 in range(0, full_end, BLOCK_N):
-        page_next = _page_ids(bt_row, t0 + BLOCK_N, full_end, BLOCK_N, PAGE_SIZE)
-        m_i, l_i, acc = _tile(q1, q2, k1_base, k2_base, v_base, page, t0, full_end, pos,
+    page = _page_ids(bt_row, lo, full_hi, BLOCK_N, PAGE_SIZE)
+    for t0 in range(lo, full_hi, BLOCK_N):
+        page_next = _page_ids(bt_row, t0 + BLOCK_N, full_hi, BLOCK_N, PAGE_SIZE)
+        m_i, l_i, acc = _tile(q1, q2, k1_base, k2_base, v_base, page, t0, full_hi, pos,
                               m_i, l_i, acc, scale_log2, kvp_rank, kvp, interleave,
                               stride_k1p, stride_k1t, stride_k2p, stride_k2t,
                               stride_vp, stride_vt, D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2,
                               BLOCK_DV, PAGE_SIZE, SHARDED, V_IS_K1, False, DOT_PRECISION)
         page = page_next
-    page = _page_ids(bt_row, full_end, n_vis, BLOCK_N, PAGE_SIZE)
-    for t0 in range(full_end, n_vis, BLOCK_N):
-        page_next = _page_ids(bt_row, t0 + BLOCK_N, n_vis, BLOCK_N, PAGE_SIZE)
-        m_i, l_i, acc = _tile(q1, q2, k1_base, k2_base, v_base, page, t0, n_vis, pos,
+    page = _page_ids(bt_row, tail_lo, hi, BLOCK_N, PAGE_SIZE)
+    for t0 in range(tail_lo, hi, BLOCK_N):
+        page_next = _page_ids(bt_row, t0 + BLOCK_N, hi, BLOCK_N, PAGE_SIZE)
+        m_i, l_i, acc = _tile(q1, q2, k1_base, k2_base, v_base, page, t0, hi, pos,
                               m_i, l_i, acc, scale_log2, kvp_rank, kvp, interleave,
                               stride_k1p, stride_k1t, stride_k2p, stride_k2t,
                               stride_vp, stride_vt, D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2,
@@ -211,9 +227,10 @@ def _prefill_kernel(
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
     cv = tl.arange(0, BLOCK_DV)
-    tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + cv[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=valid[:, None] & (cv < DV)[None, :])
-    tl.store(lse_ptr + tok * stride_lt + head, lse, mask=valid)
+    tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os
+             + cv[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=valid[:, None] & (cv < DV)[None, :])
+    tl.store(lse_ptr + tok * stride_lt + head * stride_lh + split, lse, mask=valid)
 
 
 def prefill_config(group: int, d1: int, d2: int, dv: int, dtype: torch.dtype,
@@ -239,7 +256,7 @@ def prefill_config(group: int, d1: int, d2: int, dv: int, dtype: torch.dtype,
     unknown = set(config or {}) - set(TUNABLES)
     if unknown:
         raise ValueError(f"unknown prefill tunables {sorted(unknown)}: use {TUNABLES}")
-    cfg.update(config or {})
+    cfg.update({k: v for k, v in (config or {}).items() if k != "num_splits"})
     return cfg
 
 
@@ -263,20 +280,38 @@ def _launch(q1, q2, k1, k2, v, meta: LocalKVMeta, scale: float, group: int, d1: 
         return
     cfg = prefill_config(group, d1, d2, dv, k1.dtype, config)
     head_blocks = triton.cdiv(group, cfg["BLOCK_H"])
-    grid = (triton.cdiv(meta.max_q, cfg["BLOCK_Q"]), hkv * head_blocks, S)
+    q_blocks = triton.cdiv(meta.max_q, cfg["BLOCK_Q"])
     bt = meta.block_tables
+    splits = num_splits(q_blocks * S, hkv * head_blocks, bt.shape[1] * page_size, q1.device,
+                        config) if lse.stride(0) == hq and lse.stride(1) == 1 else 1
+    o_ws, lse_ws, (sot, soh, sos), (slt, slh) = split_workspace(o, lse, splits)
     run_kernel(
-        _prefill_kernel, grid,
-        q1, q2, k1, k2, v, bt, meta.kv_lens, meta.cu_q, meta.q_pos, o, lse, scale * LOG2E,
-        meta.kvp_rank, meta.kvp, meta.interleave,
+        _prefill_kernel, (q_blocks, hkv * head_blocks, S * splits),
+        q1, q2, k1, k2, v, bt, meta.kv_lens, meta.cu_q, meta.q_pos, o_ws, lse_ws,
+        scale * LOG2E, meta.kvp_rank, meta.kvp, meta.interleave,
         q1.stride(0), q1.stride(1), q2.stride(0), q2.stride(1),
         k1.stride(0), k1.stride(1), k1.stride(2), k2.stride(0), k2.stride(1), k2.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), bt.stride(0), o.stride(0), o.stride(1),
-        lse.stride(0),
+        v.stride(0), v.stride(1), v.stride(2), bt.stride(0), sot, soh, slt, sos, slh,
         GROUP=group, HEAD_BLOCKS=head_blocks, D1=d1, D2=d2, DV=dv,
         BLOCK_D1=max(16, pow2(d1)), BLOCK_D2=max(16, pow2(d2)), BLOCK_DV=max(16, pow2(dv)),
         PAGE_SIZE=page_size, SHARDED=meta.kvp > 1, V_IS_K1=v_is_k1,
-        DOT_PRECISION="ieee" if q1.dtype == torch.float32 else "tf32", **cfg)   # q's dtype
+        DOT_PRECISION="ieee" if q1.dtype == torch.float32 else "tf32",   # q's dtype
+        NUM_SPLITS=splits, **cfg)
+    if splits > 1:
+        reduce_splits(o_ws, lse_ws, o, lse)
+
+
+def num_splits(programs: int, heads: int, keys: int, device: torch.device,
+               config: dict | None = None) -> int:
+    """KV splits per (query block, head block, sequence): 1 for a prompt of many query blocks
+    (its programs fill the GPU), more for a few query rows over many keys (a short chunk, or
+    speculative decoding's guesses, on a long cached context: without splits a handful of
+    programs would stream the whole KV). choose_num_splits' rule over the launch's static
+    sizes: `programs` x `heads` programs, `keys` the most keys a sequence can hold. config
+    "num_splits" forces it."""
+    if config and "num_splits" in config:
+        return config["num_splits"]
+    return choose_num_splits(programs, heads, keys, sm_count_of(device), min_tokens=MIN_SPLIT)
 
 
 def _split_dim(d: int) -> tuple[int, int]:
