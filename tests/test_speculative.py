@@ -99,6 +99,18 @@ def test_kvp_ranks_verify_the_same_guesses(hf_checkpoint, family, layout):
     assert spec == plain and stats["speculative_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_an_fp8_cache_speculates_as_it_decodes(hf_checkpoint, family):
+    """Guesses written into an fp8 KV cache (rounded as any token's KV) and truncated when
+    rejected: the tokens of one-token steps over the same cache, on the Triton kernels."""
+    path, _ = hf_checkpoint(family)
+    params = [greedy(10)] * len(PROMPTS)
+    kw = dict(kv_cache_dtype="fp8", attention_backend="triton")
+    plain, _, _ = run(path, PROMPTS, params, **kw)
+    spec, _, stats = run(path, PROMPTS, params, speculative_tokens=3, **kw)
+    assert spec == plain and stats["speculative_draft_tokens"] > 0    # chunks of guesses ran
+
+
 def test_stop_ids_and_lengths_inside_the_kept_guesses(hf_checkpoint):
     """A stop id or max_new_tokens reached part-way through a step's kept tokens ends the
     request there, as one-token steps end it."""
