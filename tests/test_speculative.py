@@ -268,6 +268,21 @@ def test_a_prompt_that_fails_its_step_fails_alone(hf_checkpoint):
         assert llm.engine.kv_pages_free() == llm.engine.num_pages
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_random_workload_gives_the_same_tokens(hf_checkpoint, seed):
+    """Requests from shared stems joining at random steps, some aborted, in a 16-page pool with
+    the prefix cache (test_prefix_cache's workload): every request aborted in neither run (a
+    run with fewer steps draws fewer aborts) ends as it does without speculation, and the pool
+    comes back whole (checked inside)."""
+    from test_prefix_cache import _random_workload
+    path, _ = hf_checkpoint("qwen3")
+    plain, _ = _random_workload(path, seed)
+    spec, stats = _random_workload(path, seed, speculative_tokens=3)
+    kept = [i for i in plain if "aborted" not in (plain[i], spec[i])]
+    assert len(kept) >= 8 and all(spec[i] == plain[i] for i in kept)
+    assert stats["speculative_draft_tokens"] > 0
+
+
 def test_streams_carry_every_kept_token(hf_checkpoint):
     from helix.serving.stream import stream
     path, _ = hf_checkpoint("qwen3")
