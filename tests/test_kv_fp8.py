@@ -291,7 +291,7 @@ def test_the_triton_backend_gives_the_torch_backends_tokens(hf_checkpoint, famil
     outs = []
     for backend in ("torch", "triton"):
         rt = RuntimeConfig(**{**SMALL, "max_prefill_tokens": 16}, kv_cache_dtype="fp8",
-                           attention_backend=backend)
+                           attention_backend=backend, device=DEV)       # (cuda on a GPU)
         with LLM(path, Layout(), rt) as llm:
             outs.append(llm.generate(PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True)))
     assert outs[0] == outs[1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from hf_fixtures import SMALL, VOCAB, hf_greedy
 
 from helix import LLM, Layout, RuntimeConfig, SamplingParams
@@ -105,7 +106,8 @@ def test_an_fp8_cache_speculates_as_it_decodes(hf_checkpoint, family):
     rejected: the tokens of one-token steps over the same cache, on the Triton kernels."""
     path, _ = hf_checkpoint(family)
     params = [greedy(10)] * len(PROMPTS)
-    kw = dict(kv_cache_dtype="fp8", attention_backend="triton")
+    kw = dict(kv_cache_dtype="fp8", attention_backend="triton",
+              device="cuda" if torch.cuda.is_available() else "cpu")
     plain, _, _ = run(path, PROMPTS, params, **kw)
     spec, _, stats = run(path, PROMPTS, params, speculative_tokens=3, **kw)
     assert spec == plain and stats["speculative_draft_tokens"] > 0    # chunks of guesses ran
@@ -243,7 +245,6 @@ def test_a_prompt_that_fails_its_step_fails_alone(hf_checkpoint):
     """A long prompt joins a step where a request verifies guesses, and the step fails (out of
     memory): the prompt's request ends with "error", the speculating one is run again in the
     retry and keeps its tokens."""
-    import torch
     path, _ = hf_checkpoint("qwen3")
     (want,), _, _ = run(path, [PROMPTS[1]], [greedy(24)])
     with LLM(path, Layout(), RuntimeConfig(**SMALL, speculative_tokens=4)) as llm:
@@ -333,10 +334,11 @@ def test_bench_speculative_brackets_what_verification_gives(tmp_path):
     assert recs["kept"]["tokens_per_step"] == 2 * 4 and recs["kept"]["steps"] == 3
     assert recs["kept"]["accepted_tokens"] == recs["kept"]["draft_tokens"] == 2 * 3 * 3
     assert recs["rejected"]["tokens_per_step"] == 2 and recs["rejected"]["accepted_tokens"] == 0
+    assert all(r["tokens_match"] == 1.0 for r in recs.values())          # fp32: exact
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-deepseek-v3"])
 def test_captured_steps_verify_as_eager_steps_do(model):
     """On CUDA (fp32): chunks of guesses through the prefill graphs (and eagerly) give the

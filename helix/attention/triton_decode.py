@@ -66,7 +66,10 @@ def _gqa_split_kernel(
 
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dcol[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)           # [BLOCK_G, BLOCK_D]
-    # cached values (fp8 too) are converted to q's dtype before the products
+    # cached values are converted to q's dtype before the products; fp8 ones under a bf16 q to
+    # fp16, q too (e4m3 -> fp16 is one cvt per pair on sm_90, -> bf16 a chain of them)
+    if k_ptr.dtype.element_ty == tl.float8e4nv and q_ptr.dtype.element_ty == tl.bfloat16:
+        q = q.to(tl.float16)
 
     kv_len = tl.load(lens_ptr + b)
     start, end = split_range(kv_len, split, NUM_SPLITS, BLOCK_N)

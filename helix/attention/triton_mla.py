@@ -146,7 +146,9 @@ def _mla_split_kernel(
     lmask = cl < D_LATENT
     cr = tl.arange(0, BLOCK_DR)
     rmask = cr < D_ROPE
-    kv_dtype = ql_ptr.dtype.element_ty     # cached values (fp8 too) become the query's dtype
+    # cached values become the query's dtype (fp8 ones too: in fp16, as the other kernels take
+    # them under a bf16 query, this kernel spills 160 B on sm_90, in bf16 nothing)
+    kv_dtype = ql_ptr.dtype.element_ty
 
     ql = tl.load(ql_ptr + b * stride_qlb + heads[:, None] * stride_qlh + cl[None, :],
                  mask=hmask[:, None] & lmask[None, :], other=0.0).to(kv_dtype)   # [BH, DL]

@@ -71,7 +71,9 @@ def _mla_few_kernel(
     lmask = cl < D_LATENT
     cr = tl.arange(0, BLOCK_DR)
     rmask = cr < D_ROPE
-    kv_dtype = ql_ptr.dtype.element_ty     # cached values (fp8 too) become the query's dtype
+    kv_dtype = ql_ptr.dtype.element_ty     # cached values become the query's dtype; fp8 ones
+    if kv_ptr.dtype.element_ty == tl.float8e4nv and kv_dtype == tl.bfloat16:   # under bf16:
+        kv_dtype = tl.float16              # fp16, q too (one cvt per pair on sm_90)
     ql = tl.load(ql_ptr + b * stride_qlb + heads[:, None] * stride_qlh + cl[None, :],
                  mask=hmask[:, None] & lmask[None, :], other=0.0).to(kv_dtype)   # [BH, DL]
     qr = tl.load(qr_ptr + b * stride_qrb + heads[:, None] * stride_qrh + cr[None, :],

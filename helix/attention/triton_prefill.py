@@ -165,7 +165,9 @@ def _prefill_kernel(
     tok = (q_start + qi).to(tl.int64)
     head = (kvh * GROUP + g).to(tl.int64)
     pos = tl.load(pos_ptr + tok, mask=valid, other=-1)                 # global positions
-    kv_dtype = q1_ptr.dtype.element_ty
+    kv_dtype = q1_ptr.dtype.element_ty          # products in q's dtype; a bf16 q over an fp8
+    if k1_ptr.dtype.element_ty == tl.float8e4nv and kv_dtype == tl.bfloat16:   # cache: fp16
+        kv_dtype = tl.float16                   # (one cvt per pair on sm_90)
     c1 = tl.arange(0, BLOCK_D1)
     q1 = tl.load(q1_ptr + tok[:, None] * stride_q1t + head[:, None] * stride_q1h + c1[None, :],
                  mask=valid[:, None] & (c1 < D1)[None, :], other=0.0).to(kv_dtype)
