@@ -6,9 +6,10 @@ row of it chooses a token as a decode row would, and each guess is kept while th
 at the row before equals it, then that row's token is added. The tokens are exactly the ones
 one-token steps give: a row's choice is the argmax, or a draw that is a function of its logits,
 the request's seed and the position (Gumbel noise hashed from them, sampling_ops.py), and each
-kept row's logits follow the same tokens as they would one step at a time. Sampled requests
-(temperature, top-k, top-p) speculate too, with the same tokens as without; a step emits 1 to
-k + 1 of them for the KV read of one.
+kept row's logits follow the same tokens as they would one step at a time (exactly in fp32; in
+bf16 a chunk's kernels round differently from the decode kernel's, so a near-tie may differ).
+Sampled requests (temperature, top-k, top-p) speculate too, with the same tokens as without; a
+step emits 1 to k + 1 of them for the KV read of one.
 
 Long contexts where the output quotes or edits its input (summaries, code changes, retrieval
 answers, structured extraction) repeat n-grams of the prompt. A step at long context is
