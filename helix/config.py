@@ -24,6 +24,8 @@ SUPPORTED_ARCHS = {
 }
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+# weights in memory: the checkpoint's own (auto), fp8 (quantized at load) or none (dequantized)
+QUANTIZATIONS = ("auto", "fp8", "none")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,6 +98,8 @@ class ModelConfig:
     v_head_dim: int = 0                    # per-head value dims
     bos_token_id: int | None = None        # begin-of-sequence id
     eos_token_ids: tuple[int, ...] = ()    # ids that end a request unless ignore_eos
+    quantization: str | None = None        # the checkpoint's weights: None (16/32-bit) | fp8
+                                           # (e4m3, 128x128 block scales: helix/layers/fp8.py)
 
     @property
     def is_mla(self) -> bool:
@@ -222,6 +226,9 @@ class RuntimeConfig:
     dtype: str = "float32"         # weights, activations and KV: float32 | bfloat16 | float16
     kv_cache_dtype: str = "auto"   # KV pool storage: auto (the dtype above) | fp8 (e4m3: half
                                    # of bf16's bytes, twice the positions; helix/kv/quant.py)
+    quantization: str = "auto"     # weights: auto (the checkpoint's: fp8 checkpoints stay fp8)
+                                   # | fp8 (16-bit weights quantized at load, 128x128 blocks)
+                                   # | none (fp8 checkpoints dequantized; helix/layers/fp8.py)
     page_size: int = 16            # KV positions per page (per rank)
     max_context: int = 0           # longest prompt + generation per request (0: model max, <= 8192)
     max_batch: int = 64            # most requests running at once
@@ -276,6 +283,9 @@ class RuntimeConfig:
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         parse_dtype(self.dtype)
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                              f"got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")

@@ -105,6 +105,25 @@ class _Fields:
         return tuple(ids)
 
 
+def _quantization(cfg: dict) -> str | None:
+    """config.json's quantization_config -> None (16/32-bit weights) or "fp8" (e4m3 with
+    128x128 block scales, DeepSeek-V3's format); other formats are refused, naming the fix."""
+    q = cfg.get("quantization_config")
+    if q is None:
+        return None
+    fix = ("Helix reads 16/32-bit checkpoints and fp8 ones with 128x128 block scales "
+           "(quant_method fp8, weight_block_size [128, 128]): dequantize this one first")
+    if not isinstance(q, dict):
+        raise CheckpointError(f"config.json: quantization_config must be an object: {fix}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(f"config.json: quantization {method!r} is not supported: {fix}")
+    if q.get("fmt", "e4m3") != "e4m3" or list(q.get("weight_block_size") or []) != [128, 128]:
+        raise CheckpointError(f"config.json: fp8 with fmt {q.get('fmt', 'e4m3')!r} and "
+                              f"weight_block_size {q.get('weight_block_size')!r}: {fix}")
+    return "fp8"
+
+
 def model_config_from_hf(cfg) -> ModelConfig:
     if not isinstance(cfg, dict):
         raise CheckpointError(f"config.json must hold a JSON object, got {type(cfg).__name__}: "
@@ -127,7 +146,8 @@ def model_config_from_hf(cfg) -> ModelConfig:
         num_heads=heads, intermediate_size=f.int("intermediate_size"),
         rms_eps=f.float("rms_norm_eps", 1e-6), max_position=f.int("max_position_embeddings", 4096),
         tie_embeddings=f.bool("tie_word_embeddings"), rope=_rope(f, arch),
-        bos_token_id=bos[0] if bos else None, eos_token_ids=f.token_ids("eos_token_id"))
+        bos_token_id=bos[0] if bos else None, eos_token_ids=f.token_ids("eos_token_id"),
+        quantization=_quantization(cfg))
     act = f.str("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"unsupported activation {act!r}: Helix supports silu")

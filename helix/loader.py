@@ -1,10 +1,13 @@
 """Model construction and weights: a Hugging Face checkpoint directory (config.json + safetensors,
 single file or sharded index) or a preset YAML with random weights. Each rank reads only the
-slices its layout gives it; missing or mis-shaped tensors fail with the tensor's name."""
+slices its layout gives it; missing or mis-shaped tensors fail with the tensor's name. A tensor
+with a `<name>_scale_inv` beside it is block fp8 (helix.layers.fp8.Blocked): kept as fp8 by the
+layers converted to fp8 (`to_fp8`, RuntimeConfig.quantization), dequantized for the others."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
@@ -15,9 +18,12 @@ import torch
 
 from helix.config import ModelConfig
 from helix.errors import CheckpointError, ConfigError
+from helix.layers import fp8
 from helix.layers.moe import PROJS, LocalExperts
 from helix.models import build_model
 from helix.yamlio import load_yaml
+
+log = logging.getLogger("helix")
 
 PRESET_DIR = os.environ.get("HELIX_PRESETS") or os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
@@ -73,19 +79,26 @@ def _read_model_config(model: str) -> tuple[ModelConfig, str | None]:
 
 
 def expected_tensors(model: torch.nn.Module) -> Iterator[tuple[str, tuple[int, ...], object]]:
-    """(checkpoint name, full shape, loader(full, name)) for every tensor this rank needs."""
+    """(checkpoint name, full shape, loader(full, name)) for every tensor this rank needs;
+    `full` may be an fp8 checkpoint's Blocked tensor (dequantized here for 16-bit parameters)."""
+    def call(f, p):
+        if fp8.is_fp8(p):
+            return lambda t, n: f(p, t, n)
+        return lambda t, n: f(p, fp8.dense(t, p.dtype), n)
+
     for name, p in model.named_parameters():
         if ".experts." in name and isinstance(_owner(model, name), LocalExperts):
+            continue
+        if getattr(p, "with_weight", False):   # an fp8 weight's block scales: loaded with it
             continue
         parts = getattr(p, "checkpoint_parts", None)
         if parts:  # fused parameter: one checkpoint tensor per part, `<parent>.<part>.<leaf>`
             parent, _, leaf = name.rsplit(".", 2)
             for part, f in parts:
-                yield f"{parent}.{part}.{leaf}", f.full_shape, (lambda t, n, p=p, f=f: f(p, t, n))
+                yield f"{parent}.{part}.{leaf}", f.full_shape, call(f, p)
             continue
         loader = p.weight_loader
-        yield (name, getattr(loader, "full_shape", tuple(p.shape)),
-               (lambda t, n, p=p, f=loader: f(p, t, n)))
+        yield name, getattr(loader, "full_shape", tuple(p.shape)), call(loader, p)
     for prefix, mod in model.named_modules():
         if isinstance(mod, LocalExperts):
             for e in range(mod.first, mod.first + mod.n_local):
@@ -160,7 +173,8 @@ def load_checkpoint(model: torch.nn.Module, path: str, show: bool = False) -> No
         t = files.get(name)
         if t is None:
             raise CheckpointError(f"checkpoint {path} lacks tensor {name!r}")
-        load(t, name)
+        scale = files.get(f"{name}_scale_inv") if name.endswith(".weight") else None
+        load(fp8.checkpoint_tensor(t, scale, name), name)
 
 
 def _seed(name: str, seed: int) -> int:
@@ -183,13 +197,36 @@ def init_random(model: torch.nn.Module, seed: int, device, show: bool = False) -
         load(full, name)
 
 
+def to_fp8(model: torch.nn.Module) -> tuple[int, int]:
+    """Convert the layers that can hold block fp8 (the linear layers and routed experts) ->
+    (converted, kept in 16 bits: a shard cutting a 128-block, helix.layers.fp8.keeps_blocks)."""
+    done = kept = 0
+    for mod in list(model.modules()):
+        if hasattr(mod, "to_fp8"):
+            if mod.to_fp8():
+                done += 1
+            else:
+                kept += 1
+    return done, kept
+
+
 def build_and_load(model_ref: str, comm, dtype: torch.dtype, device, max_position: int, seed: int,
-                   cfg: ModelConfig | None = None, ckpt: str | None = None):
+                   cfg: ModelConfig | None = None, ckpt: str | None = None,
+                   quantization: str = "auto"):
+    """The model with its weights; quantization: RuntimeConfig.quantization (auto: the
+    checkpoint's own format, fp8, none)."""
     if cfg is None:
         cfg, ckpt = read_model_config(model_ref)
     with torch.device(device):
         model = build_model(cfg, comm, dtype, max_position)
     show = comm.mesh.rank == 0
+    if fp8.resolve(quantization, cfg.quantization) == "fp8":
+        fp8.check_device(torch.device(device))
+        done, kept = to_fp8(model)
+        if show:
+            log.info("fp8 weights (128x128 block scales): %d layers%s", done,
+                     f", {kept} kept in {str(dtype).replace('torch.', '')} (a slice they hold "
+                     f"cuts a 128x128 block: helix/layers/fp8.py keeps_blocks)" if kept else "")
     if ckpt is not None:
         load_checkpoint(model, ckpt, show)
     else:

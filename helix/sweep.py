@@ -6,6 +6,7 @@
     device: cuda                  # cpu | cuda (default: cuda when present)
     dtype: bfloat16               # default: bfloat16 on cuda, float32 on cpu
     kv_cache_dtype: fp8           # KV pool storage: auto (dtype) | fp8 (e4m3)
+    quantization: fp8             # weights: auto (the checkpoint's) | fp8 (block fp8) | none
     layouts:                      # Layout fields; every layout must hold for every model
       - {kvp: 1, tpa: 4}
       - {kvp: 4, tpa: 1, kv_interleave: 16}
@@ -48,13 +49,14 @@ import yaml
 from helix.config import Layout, RuntimeConfig
 from helix.errors import ConfigError
 from helix.kv.ownership import KVSharding
+from helix.layers import fp8
 from helix.perf.cost import step_cost
 from helix.perf.records import record_key
 from helix.perf.rates import Rates, measure
 
 _KEYS = {"name", "model", "models", "layers", "device", "dtype", "layouts", "batches", "contexts",
          "decode_steps", "warmup_steps", "cuda_graphs", "attention_backend", "page_size", "seed",
-         "prefill", "max_batch_tokens", "kv_cache_dtype"}
+         "prefill", "max_batch_tokens", "kv_cache_dtype", "quantization"}
 # HOP-B depth, once the runtime has it
 _OPTIONAL_RUNTIME = {"hopb"} & {f.name for f in dataclasses.fields(RuntimeConfig)}
 _KEYS |= _OPTIONAL_RUNTIME
@@ -122,6 +124,7 @@ def load_sweep(path: str) -> Sweep:
     runtime = dict(device=device,
                    dtype=spec.get("dtype") or ("bfloat16" if device == "cuda" else "float32"),
                    kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
+                   quantization=spec.get("quantization", "auto"),
                    layers=spec.get("layers", 0), cuda_graphs=spec.get("cuda_graphs", True),
                    attention_backend=spec.get("attention_backend", "auto"),
                    page_size=spec.get("page_size", 16), seed=spec.get("seed", 0),
@@ -213,7 +216,9 @@ def floor_fields(llm, layout: Layout, batch: int, context: int, step_ms: float,
     rt = llm.runtime
     es = rt.torch_dtype.itemsize
     cost = step_cost(llm.cfg, layout, batch, context, es, rt.page_size,
-                     kv_bytes=rt.torch_kv_dtype.itemsize)
+                     kv_bytes=rt.torch_kv_dtype.itemsize,
+                     weight_es=fp8.element_bytes(fp8.resolve(rt.quantization,
+                                                             llm.cfg.quantization), es))
     floor = 1e3 * cost.floor_s(rates.hbm_bps, rates.matmul_flops)
     return {"floor_ms": floor, "floor_ratio": step_ms / floor if floor > 0 else None,
             "rates": rates.as_record()}
@@ -250,7 +255,7 @@ def run_point(sweep: Sweep, llm, model: str, layout: Layout, batch: int, context
     world = layout.world_size
     return {"sweep": sweep.name, "model": model, "layout": layout.as_dict(), "world_size": world,
             "batch": batch, "context": context, "device": rt.device, "dtype": rt.dtype,
-            "kv_cache_dtype": rt.kv_cache_dtype,
+            "kv_cache_dtype": rt.kv_cache_dtype, "quantization": rt.quantization,
             "layers": rt.layers, **what_ran(llm, batch), "prefill": sweep.prefill,
             "first_step_ms": 1e3 * (stamps[0] - t0), "step_ms_median": step_ms,
             "step_ms_p90": 1e3 * times[int(0.9 * (len(times) - 1))],

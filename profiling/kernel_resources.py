@@ -33,11 +33,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helix.attention import (triton_append, triton_decode, triton_merge, triton_mla,  # noqa: E402
                              triton_mla_few, triton_prefill, triton_splits)
 from helix.kv.manager import LocalKVMeta  # noqa: E402
-from helix.layers import fused_mla, fused_qk_norm  # noqa: E402
+from helix.layers import fp8, fused_mla, fused_moe, fused_qk_norm  # noqa: E402
 
 SM90_SMEM_LIMIT = 232448            # bytes of shared memory one block may use on H100 / H200
 _MODULES = (triton_splits, triton_decode, triton_mla, triton_mla_few, triton_append,
-            triton_merge, triton_prefill, fused_qk_norm, fused_mla)
+            triton_merge, triton_prefill, fused_qk_norm, fused_mla, fp8, fused_moe)
 _PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
         torch.int32: "*i32", torch.int64: "*i64", torch.int16: "*i16", torch.int8: "*i8",
         torch.float8_e4m3fn: "*fp8e4nv"}
@@ -213,13 +213,27 @@ def production_launches(name: str):
                                            torch.empty(2048, 64, 8, 128, dtype=bf, **m),
                                            torch.empty(2048, 64, 8, 128, dtype=bf, **m), pre,
                                            0.088)
+        elif name == "fp8-weights":             # block-fp8 projections (DeepSeek-V3's x projection:
+            f8 = torch.float8_e4m3fn               # q_a + kv_a, 2112 x 7168) and experts
+            w = torch.empty(2112, 7168, dtype=f8, **m)
+            s = torch.empty(fp8.blocks(2112), fp8.blocks(7168), **m)
+            for rows in (1, 8, 512):               # decode tiles, prefill tiles
+                fp8.linear_triton(torch.empty(rows, 7168, dtype=bf, **m), w, s)
+            e, inter, dim = 8, 256, 7168            # 8 local experts, a tpf = 8 shard
+            gate = torch.empty(e, inter, dim, dtype=f8, **m)
+            down = torch.empty(e, dim, inter, dtype=f8, **m)
+            gs = torch.empty(e, fp8.blocks(inter), fp8.blocks(dim), **m)
+            ds = torch.empty(e, fp8.blocks(dim), fp8.blocks(inter), **m)
+            fused_moe.fused_moe(torch.empty(4, dim, dtype=bf, **m), gate, gate, down,
+                                torch.empty(4, 8, **m), torch.zeros(4, 8, dtype=torch.int64, **m),
+                                0, scales=(gs, gs, ds))
         else:
             raise ValueError(name)
     return launches
 
 
 CASES = ["gqa-llama70b", "gqa-mqa-d256-fp16", "gqa-fp32", "mla-deepseek-v3", "mla-deepseek-fp32",
-         "append-and-exchange", "fp8-kv", "prefill-short-chunk"]
+         "append-and-exchange", "fp8-kv", "prefill-short-chunk", "fp8-weights"]
 
 
 def main():

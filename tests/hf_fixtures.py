@@ -33,12 +33,12 @@ def llama_config(**kw):
     """Llama 3.x GQA with llama3 RoPE scaling. head_dim 16 -> wavelengths 6..20k positions, so with
     original context 256 the three llama3 regions (kept, smoothed, divided by factor) all occur."""
     from transformers import LlamaConfig
-    return LlamaConfig(**_common(num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                                 rope_parameters=dict(rope_type="llama3", rope_theta=10000.0,
-                                                      factor=8.0, low_freq_factor=1.0,
-                                                      high_freq_factor=4.0,
-                                                      original_max_position_embeddings=256),
-                                 **kw))
+    return LlamaConfig(**_common(**{
+        **dict(num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+               rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
+                                    low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=256)),
+        **kw}))
 
 
 def qwen2_config(**kw):
@@ -59,12 +59,12 @@ def qwen3_config(**kw):
 
 def qwen3_moe_config(**kw):
     from transformers import Qwen3MoeConfig
-    return Qwen3MoeConfig(**_common(num_key_value_heads=2, head_dim=16,
-                                    max_position_embeddings=1024,
-                                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    norm_topk_prob=True, decoder_sparse_step=1,
-                                    rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-                                    **kw))
+    return Qwen3MoeConfig(**_common(**{
+        **dict(num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, num_experts=8,
+               num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+               decoder_sparse_step=1,
+               rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+        **kw}))
 
 
 def deepseek_v2_config(**kw):
@@ -84,16 +84,16 @@ def deepseek_v3_config(**kw):
     """DeepSeek-V3: q_lora, YaRN (factor 4, mscale != mscale_all_dim, so both the cos/sin factor
     and the softmax-scale correction differ from 1), sigmoid routing with groups."""
     from transformers import DeepseekV3Config
-    return DeepseekV3Config(**_common(
-        num_key_value_heads=4, max_position_embeddings=1024, q_lora_rank=48, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
-        n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
-        first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
-        routed_scaling_factor=2.5,
-        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                             original_max_position_embeddings=256, beta_fast=32.0, beta_slow=1.0,
-                             mscale=1.0, mscale_all_dim=0.707),
-        **kw))
+    return DeepseekV3Config(**_common(**{
+        **dict(num_key_value_heads=4, max_position_embeddings=1024, q_lora_rank=48,
+               kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+               n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+               moe_intermediate_size=32, first_k_dense_replace=1, n_group=4, topk_group=2,
+               norm_topk_prob=True, routed_scaling_factor=2.5,
+               rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                    original_max_position_embeddings=256, beta_fast=32.0,
+                                    beta_slow=1.0, mscale=1.0, mscale_all_dim=0.707)),
+        **kw}))
 
 
 FAMILIES = {

@@ -83,6 +83,7 @@ def run_batch(model: str, prompts: list[list[int]], args, tokenizer=None, on_del
             "world_size": layout.world_size,
             "device": runtime.device,
             "dtype": runtime.dtype, "kv_cache_dtype": runtime.kv_cache_dtype,
+            "quantization": runtime.quantization,
             "kv_tokens_per_rank": kv,
             "prefill_tokens_per_rank": projected,
             "step_ms": [round(s * 1e3, 3) for s in steps],

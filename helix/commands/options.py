@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from helix.config import ATTENTION_BACKENDS, Layout, RuntimeConfig
+from helix.config import ATTENTION_BACKENDS, QUANTIZATIONS, Layout, RuntimeConfig
 from helix.errors import RequestError
 from helix.kv.quant import KV_CACHE_DTYPES
 from helix.runtime.sampling import SamplingParams
@@ -64,6 +64,10 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=d.kv_cache_dtype,
                    help="KV cache storage (auto: --dtype; fp8: e4m3, half of bf16's bytes, "
                         "twice the positions per GPU)")
+    g.add_argument("--quantization", choices=list(QUANTIZATIONS), default=d.quantization,
+                   help="weights in memory (auto: the checkpoint's, fp8 checkpoints stay fp8; "
+                        "fp8: 16-bit weights quantized at load, 128x128 block scales; none: fp8 "
+                        "checkpoints dequantized to --dtype)")
     g.add_argument("--page-size", type=int, default=d.page_size, help="KV positions per page")
     g.add_argument("--max-context", type=int, default=d.max_context,
                    help="prompt + generation cap (0: the model's, at most 8192)")
@@ -165,6 +169,7 @@ def configs(args) -> tuple[Layout, RuntimeConfig]:
     layout = Layout(kvp=args.kvp, tpa=args.tpa, tpf=args.tpf, ep=args.ep,
                     kv_interleave=args.kv_interleave)
     runtime = RuntimeConfig(device=device, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype,
+                            quantization=args.quantization,
                             page_size=args.page_size,
                             max_context=args.max_context, max_batch=args.max_batch,
                             num_pages=args.num_pages, memory_utilization=args.memory_utilization,

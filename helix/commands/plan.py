@@ -45,6 +45,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                    help="KV cache storage (auto: --dtype; fp8: one byte an element)")
+    p.add_argument("--quantization", choices=["auto", "none", "fp8"], default="auto",
+                   help="weights: fp8 (one byte an element, 128x128 block scales: a fp8 "
+                        "checkpoint or --quantization fp8) or none (--dtype); default: the "
+                        "checkpoint's")
     p.add_argument("--page-size", type=int, default=64, help="KV positions per page")
     p.add_argument("--top", type=int, default=20, help="rows shown (the TP baseline always is)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
@@ -67,14 +71,22 @@ def _model_line(cfg) -> str:
 def rows_for(cfg, args, hw):
     from helix.perf.planner import plan
     es = {"bfloat16": 2, "float16": 2, "float32": 4}[args.dtype]
+    from helix.layers import fp8
     rows = plan(cfg, args.gpus, args.batch, args.context, hw, args.hopb, es, args.page_size,
-                kv_bytes=cache_dtype(args.kv_cache_dtype, parse_dtype(args.dtype)).itemsize)
+                kv_bytes=cache_dtype(args.kv_cache_dtype, parse_dtype(args.dtype)).itemsize,
+                weight_es=fp8.element_bytes(weights(cfg, args), es))
     tp = [r for r in rows if r.layout.kvp == 1]
     best_tp = min((r.step_ms for r in tp), default=None)
     shown = rows[:args.top]
     if tp and not any(r.layout.kvp == 1 for r in shown):
         shown.append(min(tp, key=lambda r: r.step_ms))
     return rows, shown, best_tp
+
+
+def weights(cfg, args) -> str | None:
+    """-> "fp8" where the plan's weights are fp8 (the flag, else the checkpoint's), else None."""
+    q = args.quantization
+    return cfg.quantization if q == "auto" else ("fp8" if q == "fp8" else None)
 
 
 def run(args) -> int:
@@ -89,7 +101,7 @@ def run(args) -> int:
     if args.json:
         out = {"model": args.model, "layers": cfg.num_layers, "gpus": args.gpus,
                "batch": args.batch, "context": args.context, "dtype": args.dtype,
-               "kv_cache_dtype": args.kv_cache_dtype,
+               "kv_cache_dtype": args.kv_cache_dtype, "weights": weights(cfg, args) or args.dtype,
                "hardware": {"name": hw.name, "path": hw.path},
                "rows": [{"rank": rows.index(r) + 1, "tp_baseline": r.layout.kvp == 1,
                          "speedup_vs_tp": best_tp / r.step_ms if best_tp else None,
@@ -98,7 +110,8 @@ def run(args) -> int:
         return 0
     print(f"helix plan: {args.model} on {args.gpus} x {hw.name} ({hw.path}), batch {args.batch} "
           f"x context {args.context}, {args.dtype}"
-          + (", fp8 KV cache" if args.kv_cache_dtype == "fp8" else ""))
+          + (", fp8 KV cache" if args.kv_cache_dtype == "fp8" else "")
+          + (", fp8 weights" if weights(cfg, args) == "fp8" else ""))
     print(f"  model: {_model_line(cfg)}")
     print(f"  {len(rows)} candidates (layouts x HOP-B depth); * = TP baseline, vs TP = fastest "
           f"TP-baseline step / this step")

@@ -25,8 +25,20 @@ Decode batches (T*k <= moe_decode.MAX_PAIRS) take helix.layers.moe_decode instea
 contract in two weight-streaming launches, no sort. HELIX_MOE_KERNEL=v1|decode|auto (default
 auto) or the `variant` argument picks; v1 is the sorted path above for every batch.
 
+Float8 expert weights (the DeepSeek-V3 checkpoint format): gate, up [E, I, D] and down [E, D, I]
+in torch.float8_e4m3fn with float32 block scales gate_s, up_s [E, cdiv(I, 128), cdiv(D, 128)]
+and down_s [E, cdiv(D, 128), cdiv(I, 128)], passed as scales=(gate_s, up_s, down_s); the weight
+is w[e, n, k] = w8[e, n, k] * s[e, n // 128, k // 128] (helix.layers.fp8.dequantize; the
+last block of either axis may be partial). With scales, fused_moe always takes the v1 kernels (never
+moe_decode, whatever the variant; no `shared`), compiled with SCALED: each fp8 weight tile is
+converted to x.dtype and its product scaled per output feature in fp32,
+acc += dot(x_tile, w_tile) * s[e, n // 128, k0 // 128] (BLOCK_K divides 128, so a K tile never
+straddles two scale blocks). h stays in x.dtype; without scales the kernels compile as before.
+fp32 activations (a checking dtype: ieee FMA products) compile for sm_90 but spill there (the
+e4m3 -> fp32 tile conversion); bf16 / fp16 ones run on mma / wgmma without spills.
+
 fused_moe_torch is the plain-torch fallback (same signature, graph safe, reads every local
-expert) for devices without Triton.
+expert; it dequantizes fp8 experts one at a time) for devices without Triton.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from helix.layers import fp8
 from helix.triton_util import HAS_TRITON, pow2, run_kernel, tl, triton
 
 __all__ = ["fused_moe", "fused_moe_torch", "decode_kernels", "moe_routing", "moe_launch_config",
@@ -72,6 +85,16 @@ def moe_routing(ids: torch.Tensor, first: int, n_local: int) -> tuple[torch.Tens
     return order, bounds
 
 
+def _check_scales(gate, up, down, scales) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scales = (gate_s, up_s, down_s), each of the block shape of its weight stack."""
+    if len(scales) != 3:
+        raise ValueError("scales: (gate_s, up_s, down_s)")
+    for name, w, s in zip(("gate", "up", "down"), (gate, up, down), scales):
+        E, n, k = w.shape
+        want = (E, fp8.blocks(n), fp8.blocks(k))
+        if tuple(s.shape) != want:
+            raise ValueError(f"{name} scales {tuple(s.shape)}: want {want} for {tuple(w.shape)}")
+    return tuple(scales)
 
 
 def _block_n(width: int, experts_hit: int, target: int = 256) -> int:
@@ -100,21 +123,22 @@ def moe_launch_config(N: int, n_local: int, inter: int, dim: int, dtype: torch.d
                   num_warps=4, num_stages=stages))
 
 
-
-
 if HAS_TRITON:
     from helix.layers import moe_decode
 
     @triton.jit
     def _gate_up_kernel(
-        x_ptr, g_ptr, u_ptr, order_ptr, bounds_ptr, h_ptr,
+        x_ptr, g_ptr, u_ptr, order_ptr, bounds_ptr, h_ptr, gs_ptr, us_ptr,
         D, I,
         stride_xt, stride_xd,                  # x [T, D]
         stride_ge, stride_gi, stride_gd,       # gate [E, I, D]
         stride_ue, stride_ui, stride_ud,       # up [E, I, D]
         stride_hr,                             # h [N, I], unit stride along I
+        stride_gse, stride_gsi, stride_gsd,    # SCALED: gate_s [E, cdiv(I, 128), cdiv(D, 128)]
+        stride_use, stride_usi, stride_usd,    # SCALED: up_s, the same shape
         TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, M_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        SCALED: tl.constexpr,
     ):
         e = tl.program_id(0)
         start = tl.load(bounds_ptr + e)
@@ -127,6 +151,9 @@ if HAS_TRITON:
         e64 = e.to(tl.int64)
         g_base = g_ptr + e64 * stride_ge + n[None, :].to(tl.int64) * stride_gi   # [1, BN]
         u_base = u_ptr + e64 * stride_ue + n[None, :].to(tl.int64) * stride_ui
+        if SCALED:                             # [BN] scale rows of the features' 128-blocks
+            gs_base = gs_ptr + e64 * stride_gse + (n // 128) * stride_gsi
+            us_base = us_ptr + e64 * stride_use + (n // 128) * stride_usi
         for m0 in range(first_row, end, BLOCK_M * M_SPLITS):
             r = m0 + tl.arange(0, BLOCK_M)                               # [BM] sorted rows
             rmask = r < end
@@ -143,22 +170,31 @@ if HAS_TRITON:
                 wmask = kmask[:, None] & nmask[None, :]
                 wg = tl.load(g_base + kk[:, None] * stride_gd, mask=wmask, other=0.0)  # [BK, BN]
                 wu = tl.load(u_base + kk[:, None] * stride_ud, mask=wmask, other=0.0)
-                xt = xt.to(wg.dtype)
-                acc_g = tl.dot(xt, wg, acc=acc_g, input_precision=DOT_PRECISION)
-                acc_u = tl.dot(xt, wu, acc=acc_u, input_precision=DOT_PRECISION)
+                if SCALED:                     # fp8 tile -> x.dtype, product scaled per feature
+                    sg = tl.load(gs_base + (k0 // 128) * stride_gsd, mask=nmask, other=0.0)
+                    su = tl.load(us_base + (k0 // 128) * stride_usd, mask=nmask, other=0.0)
+                    acc_g = acc_g + tl.dot(xt, wg.to(xt.dtype),
+                                           input_precision=DOT_PRECISION) * sg[None, :]
+                    acc_u = acc_u + tl.dot(xt, wu.to(xt.dtype),
+                                           input_precision=DOT_PRECISION) * su[None, :]
+                else:
+                    xt = xt.to(wg.dtype)
+                    acc_g = tl.dot(xt, wg, acc=acc_g, input_precision=DOT_PRECISION)
+                    acc_u = tl.dot(xt, wu, acc=acc_u, input_precision=DOT_PRECISION)
             h = acc_g * tl.sigmoid(acc_g) * acc_u                        # silu(g) * u, fp32
             tl.store(h_ptr + r[:, None].to(tl.int64) * stride_hr + n[None, :],
                      h.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
     @triton.jit
     def _down_kernel(
-        h_ptr, d_ptr, w_ptr, order_ptr, bounds_ptr, y_ptr,
+        h_ptr, d_ptr, w_ptr, order_ptr, bounds_ptr, y_ptr, ds_ptr,
         D, I, E,
         stride_hr,                             # h [N, I], unit stride along I
         stride_de, stride_dd, stride_di,       # down [E, D, I]
         stride_yr,                             # y [N, D] fp32 per pair, unit stride along D
+        stride_dse, stride_dsd, stride_dsi,    # SCALED: down_s [E, cdiv(D, 128), cdiv(I, 128)]
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        M_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        M_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr,
     ):
         e = tl.program_id(0)                   # e == E: the dropped pairs, written as zeros
         start = tl.load(bounds_ptr + e)
@@ -171,6 +207,8 @@ if HAS_TRITON:
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)          # [BN] features of D
         nmask = n < D
         d_base = d_ptr + e.to(tl.int64) * stride_de + n[None, :].to(tl.int64) * stride_dd
+        if SCALED:                             # read only inside the K loop (e < E)
+            ds_base = ds_ptr + e.to(tl.int64) * stride_dse + (n // 128) * stride_dsd   # [BN]
         for m0 in range(first_row, end, BLOCK_M * M_SPLITS):
             r = m0 + tl.arange(0, BLOCK_M)
             rmask = r < end
@@ -184,7 +222,12 @@ if HAS_TRITON:
                              other=0.0)                                  # [BM, BK]
                 wd = tl.load(d_base + kk[:, None] * stride_di,
                              mask=kmask[:, None] & nmask[None, :], other=0.0)   # [BK, BN]
-                acc = tl.dot(hk.to(wd.dtype), wd, acc=acc, input_precision=DOT_PRECISION)
+                if SCALED:                     # fp8 tile -> h's dtype (x.dtype), scaled
+                    sd = tl.load(ds_base + (k0 // 128) * stride_dsi, mask=nmask, other=0.0)
+                    acc = acc + tl.dot(hk, wd.to(hk.dtype),
+                                       input_precision=DOT_PRECISION) * sd[None, :]
+                else:
+                    acc = tl.dot(hk.to(wd.dtype), wd, acc=acc, input_precision=DOT_PRECISION)
             w = tl.load(w_ptr + pair, mask=rmask, other=0.0).to(tl.float32)           # [BM]
             acc = tl.where(keep, acc * w[:, None], 0.0)
             tl.store(y_ptr + pair[:, None] * stride_yr + n[None, :], acc,
@@ -193,16 +236,24 @@ if HAS_TRITON:
 
 def fused_moe(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
               weights: torch.Tensor, ids: torch.Tensor, first: int, variant: str | None = None,
-              config: dict | None = None, shared=None) -> torch.Tensor:
+              config: dict | None = None, shared=None, scales=None) -> torch.Tensor:
     """x [T, D]; gate, up [E, I, D]; down [E, D, I]; weights [T, k]; ids [T, k] global expert
     ids (int64) -> [T, D] in x.dtype: this rank's experts' weighted sum (fp32 accumulation).
     variant: None (VARIANT), "v1", "decode" or "auto"; config: moe_decode's tunables;
-    shared: moe_decode's shared-expert shard, only where decode_kernels(T * k, variant)."""
+    shared: moe_decode's shared-expert shard, only where decode_kernels(T * k, variant).
+    scales: None, or (gate_s, up_s, down_s) float32 128 x 128 block scales of float8_e4m3fn
+    stacks (module doc): then always the v1 kernels, whatever the variant, and no `shared`."""
     T, D = x.shape
     E, I, _ = gate.shape
     k = ids.shape[1]
     N = T * k
-    if decode_kernels(N, variant) and E:
+    decode = decode_kernels(N, variant)                  # also validates the variant
+    if scales is not None:
+        if shared is not None:
+            raise ValueError("fused_moe: shared experts ride only on the decode kernels, "
+                             "which take no fp8 scales")
+        scales = _check_scales(gate, up, down, scales)
+    elif decode and E:
         return moe_decode.moe_decode(x, gate, up, down, weights, ids, first, config, shared)
     if shared is not None:
         raise ValueError("fused_moe: shared experts ride only on the decode kernels")
@@ -210,36 +261,54 @@ def fused_moe(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch
         return torch.zeros_like(x)
     order, bounds = moe_routing(ids, first, E)                       # [N], [E + 2]
     w_flat = weights.reshape(-1)                                     # [N]
-    cfg = moe_launch_config(N, E, I, D, gate.dtype)
+    scaled = scales is not None
+    wdtype = x.dtype if scaled else gate.dtype            # the dtype the products run in
+    cfg = moe_launch_config(N, E, I, D, wdtype)
     bm, splits = cfg["BLOCK_M"], cfg["M_SPLITS"]
-    precision = "ieee" if gate.dtype == torch.float32 else "tf32"
+    precision = "ieee" if wdtype == torch.float32 else "tf32"
+    c1, c2 = cfg["up"], cfg["down"]
+    if scaled:                   # a K tile within one scale block: a power of two <= 128
+        gs, us, ds = scales
+        for c in (c1, c2):
+            c["BLOCK_K"] = min(c["BLOCK_K"], fp8.BLOCK)
+            assert fp8.BLOCK % c["BLOCK_K"] == 0, c
+    else:                        # unused (SCALED=False): any tensor, zero strides
+        gs = us = ds = gate
+    s_strides = lambda s: s.stride() if scaled else (0, 0, 0)  # noqa: E731
     h = torch.empty((N, I), dtype=x.dtype, device=x.device)           # sorted rows
-    c1 = cfg["up"]
     run_kernel(
         _gate_up_kernel, (E, triton.cdiv(I, c1["BLOCK_N"]), splits),
-        x, gate, up, order, bounds, h, D, I,
+        x, gate, up, order, bounds, h, gs, us, D, I,
         x.stride(0), x.stride(1), *gate.stride(), *up.stride(), h.stride(0),
-        TOPK=k, BLOCK_M=bm, M_SPLITS=splits, DOT_PRECISION=precision, **c1)
+        *s_strides(gs), *s_strides(us),
+        TOPK=k, BLOCK_M=bm, M_SPLITS=splits, DOT_PRECISION=precision, SCALED=scaled, **c1)
     y = torch.empty((N, D), dtype=torch.float32, device=x.device)     # per pair (t*k + j)
-    c2 = cfg["down"]
     run_kernel(
         _down_kernel, (E + 1, triton.cdiv(D, c2["BLOCK_N"]), splits),
-        h, down, w_flat, order, bounds, y, D, I, E,
-        h.stride(0), *down.stride(), y.stride(0),
-        BLOCK_M=bm, M_SPLITS=splits, DOT_PRECISION=precision, **c2)
+        h, down, w_flat, order, bounds, y, ds, D, I, E,
+        h.stride(0), *down.stride(), y.stride(0), *s_strides(ds),
+        BLOCK_M=bm, M_SPLITS=splits, DOT_PRECISION=precision, SCALED=scaled, **c2)
     return y.view(T, k, D).sum(1).to(x.dtype)                         # deterministic k-sum
 
 
 def fused_moe_torch(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                    weights: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor:
+                    weights: torch.Tensor, ids: torch.Tensor, first: int,
+                    scales=None) -> torch.Tensor:
     """Same contract as fused_moe in plain fixed-shape torch: every local expert runs on all T
-    tokens with its per-token weight (0 where unrouted). Graph safe; reads all local experts."""
+    tokens with its per-token weight (0 where unrouted). Graph safe; reads all local experts.
+    scales: as fused_moe's; each expert is dequantized to x.dtype (fp8.dequantize) in turn."""
     T, D = x.shape
     local = ids - first                                              # [T, k]
     w32 = weights.float()
     out = torch.zeros((T, D), dtype=torch.float32, device=x.device)
+    if scales is not None:
+        scales = _check_scales(gate, up, down, scales)
     for e in range(gate.shape[0]):
         w_e = torch.where(local == e, w32, torch.zeros_like(w32)).sum(-1)   # [T]
-        h = F.silu(x @ gate[e].t()) * (x @ up[e].t())                       # [T, I]
-        out += (h @ down[e].t()).float() * w_e[:, None]
+        g, u, d = gate[e], up[e], down[e]
+        if scales is not None:
+            g, u, d = (fp8.dequantize(w[e], s[e], x.dtype)
+                       for w, s in zip((gate, up, down), scales))
+        h = F.silu(x @ g.t()) * (x @ u.t())                                 # [T, I]
+        out += (h @ d.t()).float() * w_e[:, None]
     return out.to(x.dtype)

@@ -6,7 +6,8 @@ RowShard:    this rank holds input features [start, stop); the partial products 
 MergedColumn: several column shards (or whole weights) of one input in ONE GEMM; no comm;
              add_norm_joint takes the RMS norm before it (and its residual add) in the launch.
 The product is helix.layers.skinny_gemm.linear: F.linear, or one PDL Triton launch for
-decode-sized rows on CUDA.
+decode-sized rows on CUDA. A layer converted by `to_fp8` holds its weight in block fp8 with
+`weight_scale` beside it and takes helix.layers.fp8.linear instead.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from helix.layers import fp8
+from helix.layers.fused_ops import add_rms_norm
 from helix.layers.skinny_gemm import add_norm_linear, linear
 from helix.layers.weights import load_full, sliced_loader
 from helix.parallel.comm import Comm
@@ -25,7 +28,39 @@ def _param(shape, dtype, loader) -> nn.Parameter:
     return p
 
 
-class ColumnShardLinear(nn.Module):
+class _Projection(nn.Module):
+    """A weight [out, in] (16-bit, or block fp8 with its weight_scale after to_fp8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_parameter("weight_scale", None)
+
+    def product(self, x, bias=None):
+        if self.weight_scale is not None:
+            return fp8.linear(x, self.weight, self.weight_scale, bias)
+        return linear(x, self.weight, bias)
+
+    def to_fp8(self) -> bool:
+        """Hold the weight in block fp8 (helix.layers.fp8) where every checkpoint slice this
+        rank keeps is made of whole 128-blocks -> whether it was converted."""
+        w = self.weight
+        parts = getattr(w, "checkpoint_parts", None)
+        loaders = [f for _, f in parts] if parts else [w.weight_loader]
+        if not all(fp8.keeps_blocks(f, w.shape[f.dim]) for f in loaders):
+            return False
+        q = nn.Parameter(torch.zeros(w.shape, dtype=fp8.DTYPE, device=w.device),
+                         requires_grad=False)
+        self.weight_scale = fp8.scale_param(*w.shape, device=w.device)
+        if parts:
+            q.checkpoint_parts = [(name, fp8.block_loader(f, self.weight_scale))
+                                  for name, f in parts]
+        else:
+            q.weight_loader = fp8.block_loader(w.weight_loader, self.weight_scale)
+        self.weight = q
+        return True
+
+
+class ColumnShardLinear(_Projection):
     """x [T, in] (replicated) -> [T, stop - start]: output features [start, stop) of [out, in]."""
 
     def __init__(self, in_f: int, out_f: int, start: int, stop: int, bias: bool = False,
@@ -37,10 +72,10 @@ class ColumnShardLinear(nn.Module):
                      if bias else None)
 
     def forward(self, x):
-        return linear(x, self.weight, self.bias)
+        return self.product(x, self.bias)
 
 
-class MergedColumnLinear(nn.Module):
+class MergedColumnLinear(_Projection):
     """Several column shards in ONE GEMM: x [T, in] -> [T, sum of parts].
 
     parts: (checkpoint name, full out features, start, stop); part i's rows [start, stop) of the
@@ -69,11 +104,14 @@ class MergedColumnLinear(nn.Module):
 
     def joint(self, x):
         """-> [T, sum of parts]: the parts side by side, as one tensor."""
-        return linear(x, self.weight, self.bias)
+        return self.product(x, self.bias)
 
     def add_norm_joint(self, a, residual, norm):
         """-> (joint(norm(residual + a)), residual + a) for an RMSNorm `norm`: the residual add
         and the norm in the GEMM's launch where skinny_gemm.add_norm_linear can."""
+        if self.weight_scale is not None:
+            x, residual = add_rms_norm(a, residual, norm.weight, norm.eps)
+            return self.product(x, self.bias), residual
         return add_norm_linear(a, residual, norm.weight, norm.eps, self.weight, self.bias)
 
     def forward(self, x):
@@ -81,7 +119,7 @@ class MergedColumnLinear(nn.Module):
         return self.joint(x).split(self.sizes, dim=-1)
 
 
-class RowShardLinear(nn.Module):
+class RowShardLinear(_Projection):
     """x [T, stop - start] (this rank's input features) -> [T, out], all-reduced over `axis`."""
 
     def __init__(self, in_f: int, out_f: int, start: int, stop: int, comm: Comm,
@@ -94,7 +132,7 @@ class RowShardLinear(nn.Module):
         self.comm, self.axis, self.reduce = comm, axis, reduce
 
     def forward(self, x):
-        y = linear(x, self.weight)
+        y = self.product(x)
         if not self.reduce:  # partial sum: the caller reduces; bias counted once, on rank 0
             return y + self.bias if self.bias is not None and self.comm.mesh.rank == 0 else y
         y = self.comm.all_reduce(y, self.axis)

@@ -24,8 +24,10 @@ class ParallelMLP(nn.Module):
 
     def shards(self):
         """-> (gate [I/n, dim], up [I/n, dim], down [dim, I/n]): this rank's weight shards,
-        views (moe_decode streams the shared experts from them); None with biases."""
-        if self.gate_up_proj.bias is not None or self.down_proj.bias is not None:
+        views (moe_decode streams the shared experts from them); None with biases or fp8."""
+        if (self.gate_up_proj.bias is not None or self.down_proj.bias is not None
+                or self.gate_up_proj.weight_scale is not None
+                or self.down_proj.weight_scale is not None):
             return None
         gate, up = self.gate_up_proj.weight.split(self.gate_up_proj.sizes, dim=0)
         return gate, up, self.down_proj.weight

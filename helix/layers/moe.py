@@ -5,7 +5,8 @@ columns) across the tpf ranks of that EP group. Every rank sees all T tokens (h 
 runs the replicated router, computes its experts' partial outputs for the tokens routed to them,
 adds its shard of the shared experts (at decode, in the experts' own two launches:
 helix.layers.moe_decode), and ONE all-reduce over all N ranks sums experts and TP_F
-partials. Only experts that received tokens are read.
+partials. Only experts that received tokens are read. Experts in block fp8
+(LocalExperts.to_fp8, helix.layers.fp8) run fused_moe's sorted kernels with their scales.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helix.config import ModelConfig
+from helix.layers import fp8
 from helix.layers import fused_moe as fm
 from helix.layers import gluon_moe, moe_decode
 from helix.layers.fused_moe import HAS_TRITON, fused_moe
@@ -53,20 +55,53 @@ class LocalExperts(nn.Module):
         self.loaders = {"gate_proj": sliced_loader((width, dim), 0, a, b),
                         "up_proj": sliced_loader((width, dim), 0, a, b),
                         "down_proj": sliced_loader((dim, width), 1, a, b)}
+        for proj in PROJS:                  # block scales of fp8 stacks (to_fp8)
+            self.register_parameter(f"{proj}_scale", None)
+
+    @property
+    def fp8(self) -> bool:
+        return fp8.is_fp8(self.gate_proj)
+
+    def scales(self):
+        """-> (gate, up, down) block scales [E_local, rows / 128, cols / 128], or None."""
+        return tuple(getattr(self, f"{p}_scale") for p in PROJS) if self.fp8 else None
+
+    def to_fp8(self) -> bool:
+        """Hold the stacks in block fp8 where this rank's expert slices keep whole 128-blocks
+        (helix.layers.fp8.keeps_blocks) -> whether they were converted."""
+        if not all(fp8.keeps_blocks(f, getattr(self, p).shape[1 + f.dim])
+                   for p, f in self.loaders.items()):
+            return False
+        for proj in PROJS:
+            w = getattr(self, proj)
+            setattr(self, proj, nn.Parameter(torch.zeros(w.shape, dtype=fp8.DTYPE,
+                                                         device=w.device), requires_grad=False))
+            setattr(self, f"{proj}_scale",
+                    fp8.scale_param(*w.shape[1:], lead=w.shape[:1], device=w.device))
+        return True
 
     @property
     def graph_safe(self) -> bool:
         return HAS_TRITON and self.gate_proj.is_cuda
 
     def load_expert(self, expert: int, proj: str, full: torch.Tensor, name: str) -> None:
-        stack = getattr(self, proj)
-        self.loaders[proj](stack[expert - self.first], full, name)
+        stack, e = getattr(self, proj), expert - self.first
+        if self.fp8:
+            scale = getattr(self, f"{proj}_scale")[e]
+            fp8.block_loader(self.loaders[proj], scale)(stack[e], full, name)
+        else:
+            self.loaders[proj](stack[e], fp8.dense(full, stack.dtype), name)
+
+    def expert(self, proj: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Local expert e's `proj` weight in dtype (fp8 stacks dequantized)."""
+        w = getattr(self, proj)[e]
+        return fp8.dequantize(w, getattr(self, f"{proj}_scale")[e], dtype) if self.fp8 else w
 
     def takes_shared(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
         """Whether forward can add the shared experts' shard in its own launches (the decode
         kernels)."""
         return (self.graph_safe and fm.FOLD_SHARED and fm.decode_kernels(ids.numel())
-                and x.dtype == self.gate_proj.dtype)
+                and x.dtype == self.gate_proj.dtype and not self.fp8)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 shared=None) -> torch.Tensor:
@@ -74,7 +109,7 @@ class LocalExperts(nn.Module):
         shared experts' shard (gate, up, down) where given (only if takes_shared)."""
         if self.graph_safe:
             return fused_moe(x, self.gate_proj, self.up_proj, self.down_proj, weights, ids,
-                             self.first, shared=shared)
+                             self.first, shared=shared, scales=self.scales())
         assert shared is None
         out = torch.zeros_like(x)
         local = ids - self.first
@@ -82,8 +117,9 @@ class LocalExperts(nn.Module):
         for e in torch.unique(local[hit]).tolist():
             tok, slot = torch.nonzero(local == e, as_tuple=True)
             h = x[tok]
-            y = F.silu(h @ self.gate_proj[e].t()) * (h @ self.up_proj[e].t())
-            y = (y @ self.down_proj[e].t()) * weights[tok, slot].unsqueeze(-1)
+            gate, up, down = (self.expert(p, e, x.dtype) for p in PROJS)
+            y = F.silu(h @ gate.t()) * (h @ up.t())
+            y = (y @ down.t()) * weights[tok, slot].unsqueeze(-1)
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 
@@ -122,6 +158,7 @@ class MoE(nn.Module):
         gluon_moe.route_unsupported); module flag gluon_moe.ROUTED."""
         ex, gate, mlp = self.experts, self.gate, self.shared_experts
         if not (gluon_moe.ROUTED and a.shape[0] == 1 and ex.graph_safe and use_triton(a)
+                and not ex.fp8
                 and gate.path(a) == "fused" and (mlp is None or fm.FOLD_SHARED)):
             return None
         shared = mlp.shards() if mlp is not None else None

@@ -30,4 +30,5 @@ def sliced_loader(full_shape: tuple[int, ...], dim: int, start: int, stop: int, 
         block.zero_()
         block.narrow(dim, 0, stop_ - start).copy_(full.narrow(dim, start, stop_ - start))
     load.full_shape = tuple(full_shape)
+    load.dim, load.start, load.stop, load.dst = dim, start, stop, dst
     return load

@@ -123,10 +123,10 @@ def _world_comm(kind: str, n: int, nbytes: float) -> tuple[Collective, ...]:
 
 
 def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size: int,
-               kv_es: float):
+               kv_es: float, w_es: float):
     """-> (attn_proj, attention, o_proj) phases of one layer, KV bytes per local position and
     the kernels of a layer's input add + norm (0: in the x projection's launch). kv_es: bytes
-    of a cached KV element."""
+    of a cached KV element; w_es: of a projection's weight element (fp8: ~1)."""
     n, D, H = lay.world_size, cfg.hidden_size, cfg.num_heads
     hq, hm = H // lay.tpa, H // n                       # local query heads, merged heads
     t_local = KVSharding(lay.kvp, lay.kv_interleave, page_size).local_len(T, 0)
@@ -138,17 +138,20 @@ def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size
         ql = cfg.q_lora_rank or 0
         # GEMM weights: q_a (replicated) + q_b shard, or q shard; W_UK absorbs q_nope into the
         # latent space; kv_a (replicated) makes the new latent row and rope key
-        gemm = (D * ql + ql * hq * qk if ql else D * hq * qk) + hq * nope * lora + D * (lora + rope)
+        projs = (D * ql + ql * hq * qk if ql else D * hq * qk) + D * (lora + rope)
+        gemm = projs + hq * nope * lora                  # W_UK: kv_b_proj, never fp8
         norms = ql + lora                                # q_a and latent RMSNorm weights
         # (add + norm), the x projection (q or q_a, and kv_a: one GEMM), (q_a norm, q_b), the
         # latent row (kv_a norm, rope k, the append) with W_UK's absorption and rope q
         norm_kernels = _norm_alone(B, (ql or hq * qk) + lora + rope, D)
-        proj = Phase("attn_proj", cfg.num_layers, (D + norms + gemm) * es, 2 * B * gemm,
+        proj = Phase("attn_proj", cfg.num_layers,
+                     (D + norms + hq * nope * lora) * es + projs * w_es, 2 * B * gemm,
                      norm_kernels + 1 + (2 if ql else 0) + 1)
         pos_bytes = (lora + rope) * kv_es
         att_flops = 2 * B * hq * t_local * ((lora + rope) + lora)  # QK over lora+rope, PV over lora
         o_dim = lora
         o_w = hm * v * lora + hm * v * D                 # W_UV of the merged heads, o_proj shard
+        o_bytes = hm * v * lora * es + hm * v * D * w_es
         o_kern = 2                                       # W_UV absorption, GEMM
         att_kern = 2                                     # splits, merge
     else:
@@ -158,14 +161,15 @@ def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size
         proj_w = D * (hq + 2 * hkv) * d
         extra = 2 * d if cfg.qk_norm else 0
         norm_kernels = _norm_alone(B, (hq + 2 * hkv) * d, D)
-        proj = Phase("attn_proj", cfg.num_layers, norm + (proj_w + extra) * es, 2 * B * proj_w,
-                     norm_kernels + 2)
+        proj = Phase("attn_proj", cfg.num_layers, norm + proj_w * w_es + extra * es,
+                     2 * B * proj_w, norm_kernels + 2)
         # (add + norm), QKV GEMM, rope and the KV append (Qwen3: the q / k norms in the same
         # launch, helix.layers.fused_qk_norm.rope_append)
         pos_bytes = 2 * hkv * d * kv_es
         att_flops = 2 * B * hq * t_local * (d + d)
         o_dim = d
         o_w = hm * d * D
+        o_bytes = o_w * w_es
         o_kern = 1                                       # GEMM (split-K summed in it)
         att_kern = gqa_launches(B, hq, hkv, d, t_local, SM_COUNT)   # splits (+ their merge)
     exchange = ((Collective("all_to_all", lay.kvp, B * hq * (o_dim * es + LSE_BYTES)),)
@@ -175,12 +179,12 @@ def _attention(cfg: ModelConfig, lay: Layout, B: int, T: int, es: int, page_size
     # a block table as wide as the context (the benches' engines)
     att = Phase("attention", cfg.num_layers, B * t_local * pos_bytes, att_flops,
                 att_kern + (2 if lay.kvp > 1 else 0), exchange)
-    o_proj = Phase("o_proj", cfg.num_layers, o_w * es, 2 * B * o_w, o_kern,
+    o_proj = Phase("o_proj", cfg.num_layers, o_bytes, 2 * B * o_w, o_kern,
                    _world_comm("all_reduce", n, B * D * es))
     return (proj, att, o_proj), pos_bytes, norm_kernels
 
 
-def _ffn_phases(cfg: ModelConfig, lay: Layout, B: int, es: int) -> list[Phase]:
+def _ffn_phases(cfg: ModelConfig, lay: Layout, B: int, es: int, w_es: float) -> list[Phase]:
     n, D = lay.world_size, cfg.hidden_size
     moe_layers = sum(cfg.moe_layers) if cfg.is_moe else 0
     dense_layers = cfg.num_layers - moe_layers
@@ -190,7 +194,7 @@ def _ffn_phases(cfg: ModelConfig, lay: Layout, B: int, es: int) -> list[Phase]:
         w = 3 * D * (cfg.intermediate_size // n)
         # (post-attention add + norm), gate_up GEMM, silu_mul, down GEMM
         kernels = _norm_alone(B, 2 * (cfg.intermediate_size // n), D) + 3
-        out.append(Phase("ffn", dense_layers, (D + w) * es, 2 * B * w, kernels, reduce))
+        out.append(Phase("ffn", dense_layers, D * es + w * w_es, 2 * B * w, kernels, reduce))
     if moe_layers:
         E, k = cfg.num_experts, cfg.experts_per_token
         router_es = 4 if cfg.arch.startswith("deepseek") else es     # DeepSeek's router is fp32
@@ -199,7 +203,7 @@ def _ffn_phases(cfg: ModelConfig, lay: Layout, B: int, es: int) -> list[Phase]:
         pairs = B * k / lay.ep                                       # expected (token, expert)
                                                                      # pairs
         shared_w = 3 * D * (cfg.moe_intermediate_size * cfg.num_shared_experts // n)
-        nbytes = D * es + E * D * router_es + hit * expert_w * es + shared_w * es
+        nbytes = D * es + E * D * router_es + (hit * expert_w + shared_w) * w_es
         flops = 2 * B * D * E + 2 * pairs * expert_w + 2 * B * shared_w
         # decode (moe_decode): the router with the add + norm, gate/up, down (the shared
         # experts and the top-k sum in them); at one row all of it in one launch (gluon_moe,
@@ -214,14 +218,18 @@ def _ffn_phases(cfg: ModelConfig, lay: Layout, B: int, es: int) -> list[Phase]:
 
 
 def step_cost(cfg: ModelConfig, layout: Layout, batch: int, context: int, dtype_bytes: int = 2,
-              page_size: int = 16, kv_bytes: int | None = None) -> StepCost:
+              page_size: int = 16, kv_bytes: int | None = None,
+              weight_es: float | None = None) -> StepCost:
     """Per-phase cost of one decode step on the busiest rank. `context`: KV positions each
     request attends over; `page_size` only rounds capacity (bytes read are positions);
-    `kv_bytes`: bytes of a cached KV element (None: dtype_bytes; 1 for an fp8 cache)."""
+    `kv_bytes`: bytes of a cached KV element (None: dtype_bytes; 1 for an fp8 cache);
+    `weight_es`: of a projection's or expert's weight element (None: dtype_bytes; fp8 weights:
+    helix.layers.fp8.element_bytes)."""
     es, n, D, V = dtype_bytes, layout.world_size, cfg.hidden_size, cfg.vocab_size
+    w_es = weight_es or es
     B = batch
     (proj, att, o_proj), pos_bytes, norm_kernels = _attention(cfg, layout, B, context, es,
-                                                             page_size, kv_bytes or es)
+                                                             page_size, kv_bytes or es, w_es)
     shard = -(-V // n)                                   # vocab rows per rank
     # token select, embedding rows (+ vocab-parallel mask and add), layer 0's input norm where
     # the other layers' ride in their GEMMs (attn_proj counts one a layer otherwise)
@@ -231,44 +239,47 @@ def step_cost(cfg: ModelConfig, layout: Layout, batch: int, context: int, dtype_
     # final norm, LM-head GEMM, fp32 cast, (all-gather re-layout), argmax over B x V fp32 logits
     lm = Phase("lm_head", 1, D * es + shard * D * es + B * V * 4, 2 * B * D * shard,
                4 if n == 1 else 5, _world_comm("all_gather", n, B * shard * 4))
-    phases = (embed, proj, att, o_proj, *_ffn_phases(cfg, layout, B, es), lm)
-    return StepCost(phases=phases, weight_bytes=weight_bytes(cfg, layout, es),
+    phases = (embed, proj, att, o_proj, *_ffn_phases(cfg, layout, B, es, w_es), lm)
+    return StepCost(phases=phases, weight_bytes=weight_bytes(cfg, layout, es, w_es),
                     kv_bytes_per_position=cfg.num_layers * pos_bytes,
                     meta={"batch": B, "context": context, "dtype_bytes": es,
-                          "kv_bytes": kv_bytes or es,
+                          "kv_bytes": kv_bytes or es, "weight_bytes": w_es,
                           "layout": layout.as_dict()})
 
 
-def weight_bytes(cfg: ModelConfig, layout: Layout, dtype_bytes: int = 2) -> float:
+def weight_bytes(cfg: ModelConfig, layout: Layout, dtype_bytes: int = 2,
+                 weight_es: float | None = None) -> float:
     """Bytes of weights one rank holds (every expert it owns, read by a step or not). Biases
-    other than the QKV bias (o_proj, MLP: a few KB, in no preset) are left out."""
+    other than the QKV bias (o_proj, MLP: a few KB, in no preset) are left out. weight_es: bytes
+    of a projection's or expert's element (step_cost's)."""
     es, n, D, H = dtype_bytes, layout.world_size, cfg.hidden_size, cfg.num_heads
+    w_es = weight_es or es
     hq = H // layout.tpa
     if cfg.is_mla:
         lora, rope, nope, v = (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
                                cfg.v_head_dim)
         qk = nope + rope
-        q = (D * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * hq * qk
-             if cfg.q_lora_rank else D * hq * qk)
-        attn = q + D * (lora + rope) + lora + hq * (nope + v) * lora + (H // n) * v * D
+        ql = cfg.q_lora_rank or 0
+        projs = ((D * ql + ql * hq * qk if ql else D * hq * qk) + D * (lora + rope)
+                 + (H // n) * v * D)
+        attn = (ql + lora + hq * (nope + v) * lora) * es + projs * w_es
     else:
         d = cfg.head_dim
         kv0, kv1 = kv_head_range(cfg, layout.tpa, 0)
         qkv_cols = (hq + 2 * (kv1 - kv0)) * d
-        attn = D * qkv_cols + (H // n) * d * D + (2 * d if cfg.qk_norm else 0)
-        attn += qkv_cols if cfg.qkv_bias else 0
-    attn += 2 * D                                        # input and post-attention norms
+        attn = ((D * qkv_cols + (H // n) * d * D) * w_es
+                + ((2 * d if cfg.qk_norm else 0) + (qkv_cols if cfg.qkv_bias else 0)) * es)
+    attn += 2 * D * es                                   # input and post-attention norms
     moe_layers = sum(cfg.moe_layers) if cfg.is_moe else 0
     dense = 3 * D * (cfg.intermediate_size // n)
-    total = cfg.num_layers * attn + (cfg.num_layers - moe_layers) * dense
-    total_bytes = total * es
+    total_bytes = cfg.num_layers * attn + (cfg.num_layers - moe_layers) * dense * w_es
     if moe_layers:
         E = cfg.num_experts
         experts = (E // layout.ep) * 3 * D * (cfg.moe_intermediate_size // layout.tpf)
         shared = 3 * D * (cfg.moe_intermediate_size * cfg.num_shared_experts // n)
         router = E * D * (4 if cfg.arch.startswith("deepseek") else es)
         router += E * 4 if cfg.scoring == "sigmoid" else 0   # fp32 correction bias
-        total_bytes += moe_layers * ((experts + shared) * es + router)
+        total_bytes += moe_layers * ((experts + shared) * w_es + router)
     shard = -(-cfg.vocab_size // n)
     heads = 1 if cfg.tie_embeddings else 2
     return total_bytes + (heads * shard * D + D) * es    # embedding, LM head, final norm

@@ -123,13 +123,15 @@ def _max_context(cost: StepCost, layout: Layout, batch: int, free: float, page_s
 
 def predict(cfg: ModelConfig, layout: Layout, batch: int, context: int, hw: Hardware,
             hopb: int = 1, dtype_bytes: int = 2, page_size: int = 64,
-            context_limit: int = 1 << 24, kv_bytes: int | None = None) -> Prediction:
+            context_limit: int = 1 << 24, kv_bytes: int | None = None,
+            weight_es: float | None = None) -> Prediction:
     """Predicted graphed decode step of `batch` requests of `context` tokens (see module doc);
-    kv_bytes: bytes of a cached KV element (None: dtype_bytes)."""
+    kv_bytes: bytes of a cached KV element (None: dtype_bytes); weight_es: of a projection's or
+    expert's weight element (None: dtype_bytes; fp8 weights: helix.layers.fp8.element_bytes)."""
     layout.validate(cfg)
     if hopb < 1 or batch < hopb:
         raise ConfigError(f"hopb={hopb} needs at least {hopb} requests in the batch (got {batch})")
-    cost = step_cost(cfg, layout, batch, context, dtype_bytes, page_size, kv_bytes)
+    cost = step_cost(cfg, layout, batch, context, dtype_bytes, page_size, kv_bytes, weight_es)
     kern = comm = 0.0
     phases = {}
     for p in cost.phases:
@@ -174,7 +176,8 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, page_size: int = 64) -> list[
 
 def plan(cfg: ModelConfig, gpus: int, batch: int, context: int, hw: Hardware,
          hopbs: tuple[int, ...] = (1, 2, 4), dtype_bytes: int = 2,
-         page_size: int = 64, kv_bytes: int | None = None) -> list[Prediction]:
+         page_size: int = 64, kv_bytes: int | None = None,
+         weight_es: float | None = None) -> list[Prediction]:
     """Predictions for every valid layout (x HOP-B depth where it has an exchange to hide and
     the batch splits), ranked: layouts that fit first, then by predicted step time.
 
@@ -190,7 +193,7 @@ def plan(cfg: ModelConfig, gpus: int, batch: int, context: int, hw: Hardware,
             if batch < m:
                 continue
             p = predict(cfg, lay, batch, context, hw, m, dtype_bytes, page_size,
-                        kv_bytes=kv_bytes)
+                        kv_bytes=kv_bytes, weight_es=weight_es)
             key = (lay.kvp, lay.tpa, m, round(p.step_ms, 9), round(p.weight_gib, 9))
             rows.setdefault(key, p)
     return sorted(rows.values(), key=lambda r: (not r.fits, r.step_ms))

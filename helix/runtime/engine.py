@@ -89,7 +89,8 @@ class Engine:
         self.max_context = runtime.resolved_max_context(cfg)
         dtype = runtime.torch_dtype
         self.model = build_and_load(model_ref, comm, dtype, device, self.max_context,
-                                    runtime.seed, cfg=cfg, ckpt=ckpt)
+                                    runtime.seed, cfg=cfg, ckpt=ckpt,
+                                    quantization=runtime.quantization)
         self.pool = plan_kv_pool(self.model, cfg, layout, runtime, device, ranks_here,
                                  agree=lambda n: min(comm.gather_object(n)))
         num_pages = self.num_pages = self.pool.num_pages

@@ -1,0 +1,311 @@
+"""fp8 (e4m3) expert weights with 128 x 128 block scales (the DeepSeek-V3 checkpoint format) in
+fused_moe's sorted v1 kernels (`scales=`) and fused_moe_torch, against a pair-by-pair fp32
+reference over the dequantized weights: partial scale blocks, K tiles of every width up to the
+128-block, pairs of other ranks' experts, the decode variant falling back to v1, the launch
+parameters, and the launches compile for sm_90 (no GPU needed).
+
+Without CUDA the kernels run through Triton's interpreter (TRITON_INTERPRET=1, set by
+triton_mode before triton is imported). The interpreter's dot takes bf16 operands as their raw
+16-bit integers and truncates fp32 -> bf16 casts, so bf16 activations run there under
+`_bf16_interpreter`, which widens bf16 dot operands to fp32 (exact, as tensor cores multiply) and
+rounds like the GPU (triton_mode.gpu_rounding); on a GPU both are no-ops."""
+
+import contextlib
+import json
+import textwrap
+
+import torch
+
+from triton_mode import DEV, ON_GPU, gpu_rounding  # first: chooses the interpreter before triton
+
+import sm90_compile  # noqa: E402
+
+from unittest import mock  # noqa: E402
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from helix.layers import fp8  # noqa: E402
+from helix.layers import fused_moe as fm  # noqa: E402
+from helix.layers import moe_decode as md  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+B = 128
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2}      # against the fp32 reference, x max|ref|
+
+SHAPES = [  # E_local, I, D, first, n_global
+    (4, 200, 136, 4, 12),     # partial last blocks along both axes of every stack
+    (3, 256, 128, 0, 5),      # whole blocks; experts 3, 4 are another rank's
+]
+
+
+def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, n, k] float -> (w8 [E, n, k] e4m3, s [E, cdiv(n, 128), cdiv(k, 128)] fp32), one
+    scale per 128 x 128 block (the last ones partial): s = amax / 448, w8 = w / s saturated."""
+    E, n, k = w.shape
+    nb, kb = -(-n // B), -(-k // B)
+    padded = torch.zeros(E, nb * B, kb * B)
+    padded[:, :n, :k] = w.float()
+    blocks = padded.view(E, nb, B, kb, B)
+    s = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / FP8_MAX          # [E, nb, kb]
+    q = (blocks / s[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(E, nb * B, kb * B)
+    return q[:, :n, :k].to(FP8).contiguous(), s.float().contiguous()
+
+
+def _dequantize(w8: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The reference dequantization, by index: w8[e, i, j] * s[e, i // 128, j // 128] (fp32)."""
+    _, n, k = w8.shape
+    rows = torch.arange(n) // B
+    cols = torch.arange(k) // B
+    return w8.float().cpu() * s.float().cpu()[:, rows][:, :, cols]
+
+
+def _problem(T, E, I, D, k, first, n_global, seed):
+    """Random fp8 stacks (quantized from random weights) and routing; the ids mix this rank's
+    experts [first, first + E) with other ranks'. Everything fp32 but the stacks."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g)
+    gate, gs = _quantize(torch.randn(E, I, D, generator=g) / D ** 0.5)
+    up, us = _quantize(torch.randn(E, I, D, generator=g) / D ** 0.5)
+    down, ds = _quantize(torch.randn(E, D, I, generator=g) / I ** 0.5)
+    ids = torch.stack([torch.randperm(n_global, generator=g)[:k] for _ in range(T)])    # [T, k]
+    weights = torch.rand(T, k, generator=g)
+    dev = lambda *ts: tuple(t.to(DEV) for t in ts)  # noqa: E731
+    return (*dev(x, gate, up, down, weights, ids), dev(gs, us, ds))
+
+
+def _reference(x, gate, up, down, weights, ids, first, scales):
+    """Loop over pairs (t, j) in fp32 over the dequantized stacks."""
+    T, k = ids.shape
+    E = gate.shape[0]
+    g, u, d = (_dequantize(w, s) for w, s in zip((gate, up, down), scales))
+    x, weights = x.float().cpu(), weights.float().cpu()
+    out = torch.zeros(T, x.shape[1])
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j]) - first
+            if 0 <= e < E:
+                h = F.silu(g[e] @ x[t]) * (u[e] @ x[t])
+                out[t] += weights[t, j] * (d[e] @ h)
+    return out
+
+
+@contextlib.contextmanager
+def _bf16_interpreter():
+    """In the interpreter: bf16 dot operands widened to fp32 (its own dot multiplies their
+    bit patterns as integers) and fp32 -> bf16 casts rounded to nearest even; on a GPU nothing."""
+    if ON_GPU:
+        yield
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter as it
+    real = it.InterpreterBuilder.create_dot
+
+    def dot(self, a, b, d, *args):
+        a, b = (self.cast_impl(v, tl.float32) if v.dtype.scalar == tl.bfloat16 else v
+                for v in (a, b))
+        return real(self, a, b, d, *args)
+    with mock.patch.object(it.InterpreterBuilder, "create_dot", dot), gpu_rounding():
+        yield
+
+
+def _check(out, ref, x, dtype):
+    assert out.shape == x.shape and out.dtype == dtype
+    out = out.float().cpu()
+    assert torch.isfinite(out).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    else:
+        err = (out - ref).abs().max().item()
+        assert err <= TOL[dtype] * (1 + ref.abs().max().item()), err
+
+
+# -- the helpers ---------------------------------------------------------------------------------
+
+def test_quantized_stacks_and_their_dequantization():
+    """The test's quantizer is faithful (block-relative error of e4m3), and fp8.dequantize
+    equals the by-index dequantization, cast to the dtype asked for."""
+    w = torch.randn(3, 200, 136, generator=torch.Generator().manual_seed(0))
+    w8, s = _quantize(w)
+    assert w8.dtype == FP8 and s.shape == (3, 2, 2) and s.dtype == torch.float32
+    ref = _dequantize(w8, s)
+    assert (ref - w).abs().max() <= 0.07 * w.abs().max()        # e4m3: 3 mantissa bits
+    torch.testing.assert_close(fp8.dequantize(w8, s, torch.float32), ref, rtol=0, atol=0)
+    bf = fp8.dequantize(w8, s, torch.bfloat16)
+    assert bf.dtype == torch.bfloat16 and torch.equal(bf, ref.to(torch.bfloat16))
+    with pytest.raises(ValueError):
+        fm.fp8.dequantize(w8, s[:, :1], torch.float32)
+
+
+# -- the kernels against the reference -----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T", [1, 3, 20])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "E{}-I{}-D{}".format(*s[:3]))
+def test_fused_moe_fp8_matches_reference(shape, T, dtype):
+    E, I, D, first, n_global = shape
+    x, gate, up, down, weights, ids, scales = _problem(T, E, I, D, 2, first, n_global,
+                                                       seed=T * 7 + E)
+    ref = _reference(x, gate, up, down, weights, ids, first, scales)
+    ctx = _bf16_interpreter() if dtype == torch.bfloat16 else contextlib.nullcontext()
+    with ctx:
+        out = fm.fused_moe(x.to(dtype), gate, up, down, weights.to(dtype), ids, first,
+                           variant="v1", scales=scales)
+    _check(out, ref, x, dtype)
+
+
+@pytest.mark.parametrize("block_k", [16, 32, 128, 256])
+def test_every_k_tile_width(block_k):
+    """K tiles narrower than a scale block read its scale once per tile; 128 is one tile per
+    block; a launch config asking for more is capped at 128 (a tile never straddles blocks)."""
+    E, I, D, first, n_global = SHAPES[0]
+    x, gate, up, down, weights, ids, scales = _problem(5, E, I, D, 2, first, n_global, seed=3)
+    ref = _reference(x, gate, up, down, weights, ids, first, scales)
+    real = fm.moe_launch_config
+    seen = []
+
+    def config(*a):
+        cfg = real(*a)
+        cfg["up"]["BLOCK_K"] = cfg["down"]["BLOCK_K"] = block_k
+        return cfg
+
+    def record(kernel, grid, *args, **meta):
+        seen.append(meta["BLOCK_K"])
+        return kernel[grid](*args, **meta)
+    with mock.patch.object(fm, "moe_launch_config", config), \
+            mock.patch.object(fm, "run_kernel", record):
+        out = fm.fused_moe(x, gate, up, down, weights, ids, first, variant="v1", scales=scales)
+    assert seen == [min(block_k, 128)] * 2
+    _check(out, ref, x, torch.float32)
+
+
+@pytest.mark.parametrize("variant", ["decode", "auto", None])
+def test_decode_variants_take_v1_with_scales(variant):
+    """Where the variant would pick moe_decode, scales still run the sorted v1 kernels."""
+    E, I, D, first, n_global = SHAPES[0]
+    x, gate, up, down, weights, ids, scales = _problem(3, E, I, D, 2, first, n_global, seed=11)
+    assert fm.decode_kernels(3 * 2, variant or "decode")        # the decode kernels' batch
+    ref = _reference(x, gate, up, down, weights, ids, first, scales)
+    with mock.patch.object(md, "moe_decode", side_effect=AssertionError("moe_decode ran")):
+        out = fm.fused_moe(x, gate, up, down, weights, ids, first, variant=variant,
+                           scales=scales)
+    _check(out, ref, x, torch.float32)
+
+
+def test_fused_moe_torch_with_scales():
+    for (E, I, D, first, n_global), T in zip(SHAPES, (3, 20)):
+        x, gate, up, down, weights, ids, scales = _problem(T, E, I, D, 2, first, n_global, 5)
+        ref = _reference(x, gate, up, down, weights, ids, first, scales)
+        out = fm.fused_moe_torch(x, gate, up, down, weights, ids, first, scales=scales)
+        _check(out, ref, x, torch.float32)
+        out = fm.fused_moe_torch(x.to(torch.bfloat16), gate, up, down,
+                                 weights.to(torch.bfloat16), ids, first, scales=scales)
+        _check(out, ref, x, torch.bfloat16)
+
+
+def test_bad_arguments_raise():
+    E, I, D, first, n_global = SHAPES[0]
+    x, gate, up, down, weights, ids, scales = _problem(2, E, I, D, 2, first, n_global, seed=1)
+    gs, us, ds = scales
+    shared = (torch.zeros(8, D), torch.zeros(8, D), torch.zeros(D, 8))
+    for variant in ("v1", "decode", "auto"):
+        with pytest.raises(ValueError, match="shared"):
+            fm.fused_moe(x, gate, up, down, weights, ids, first, variant=variant,
+                         shared=shared, scales=scales)
+    with pytest.raises(ValueError):                      # scale blocks that do not fit
+        fm.fused_moe(x, gate, up, down, weights, ids, first, scales=(gs, us[:, :1], ds))
+    with pytest.raises(ValueError):
+        fm.fused_moe_torch(x, gate, up, down, weights, ids, first, scales=(gs, us, ds[:, :, :1]))
+    with pytest.raises(ValueError):                      # the variant is still checked
+        fm.fused_moe(x, gate, up, down, weights, ids, first, variant="v2", scales=scales)
+
+
+def test_launch_parameters_on_meta_tensors():
+    """Recorded launches (meta tensors: no value read, no host sync): SCALED with the scale
+    stacks and their strides only where scales are given; the products run in x.dtype (ieee for
+    fp32 x, the pipeline depth of x.dtype); without scales the launch is the 16-bit one."""
+    m = dict(device="meta")
+    T, D, I, E, k = 6, 7168, 2048, 32, 8
+    launches = []
+    record = lambda kern, grid, *a, **kw: launches.append((kern, grid, a, kw))  # noqa: E731
+    gate, up = (torch.empty(E, I, D, dtype=FP8, **m) for _ in range(2))
+    down = torch.empty(E, D, I, dtype=FP8, **m)
+    scales = (torch.empty(E, I // B, D // B, **m), torch.empty(E, I // B, D // B, **m),
+              torch.empty(E, D // B, I // B, **m))
+    ids = torch.empty(T, k, dtype=torch.int64, **m)
+    with mock.patch.object(fm, "run_kernel", record), mock.patch.object(md, "run_kernel", record):
+        for dt in (torch.bfloat16, torch.float32):
+            launches.clear()
+            x = torch.empty(T, D, dtype=dt, **m)
+            out = fm.fused_moe(x, gate, up, down, torch.empty(T, k, dtype=dt, **m), ids, 64,
+                               variant="decode", scales=scales)
+            assert out.shape == (T, D) and out.dtype == dt
+            cfg = fm.moe_launch_config(T * k, E, I, D, dt)
+            (k1, g1, a1, m1), (k2, g2, a2, m2) = launches
+            assert (k1, k2) == (fm._gate_up_kernel, fm._down_kernel)
+            assert g1 == (E, -(-I // cfg["up"]["BLOCK_N"]), cfg["M_SPLITS"])
+            assert g2 == (E + 1, -(-D // cfg["down"]["BLOCK_N"]), cfg["M_SPLITS"])
+            for meta, c in ((m1, cfg["up"]), (m2, cfg["down"])):
+                assert meta["SCALED"] is True
+                assert meta["DOT_PRECISION"] == ("ieee" if dt == torch.float32 else "tf32")
+                assert meta["num_stages"] == c["num_stages"] and 128 % meta["BLOCK_K"] == 0
+            assert a1[6] is scales[0] and a1[7] is scales[1] and a2[6] is scales[2]
+            assert a1[-6:] == (*scales[0].stride(), *scales[1].stride())
+            assert a2[-3:] == scales[2].stride()
+        launches.clear()
+        w = lambda *s: torch.empty(*s, dtype=torch.bfloat16, **m)  # noqa: E731
+        fm.fused_moe(w(T, D), w(E, I, D), w(E, I, D), w(E, D, I), w(T, k), ids, 64, variant="v1")
+        assert [kw["SCALED"] for _, _, _, kw in launches] == [False, False]
+        assert all(kw["DOT_PRECISION"] == "tf32" for _, _, _, kw in launches)
+
+
+# -- the launches compile for Hopper -------------------------------------------------------------
+
+_COMPILE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from unittest import mock
+    import torch
+    from helix.layers import fused_moe as fm
+    from profiling.kernel_resources import compile_sm90
+    launches = []
+    m = dict(device="meta")
+    record = lambda k, g, *a, **kw: launches.append((k, a, kw))
+    # DeepSeek-V3 EP=8 (32 local experts, I 2048, D 7168, k 8), fp8 weights: decode and prefill
+    # under bf16 activations, decode under fp16 and fp32
+    cases = [(4, torch.bfloat16), (4096, torch.bfloat16), (8, torch.float16), (8, torch.float32)]
+    E, I, D, k = 32, 2048, 7168, 8
+    with mock.patch.object(fm, "run_kernel", record):
+        for T, dt in cases:
+            f8 = lambda *s: torch.empty(*s, dtype=torch.float8_e4m3fn, **m)
+            f32 = lambda *s: torch.empty(*s, dtype=torch.float32, **m)
+            ids = torch.empty(T, k, dtype=torch.int64, **m)
+            fm.fused_moe(torch.empty(T, D, dtype=dt, **m), f8(E, I, D), f8(E, I, D), f8(E, D, I),
+                         torch.empty(T, k, dtype=dt, **m), ids, 0,
+                         scales=(f32(E, I // 128, D // 128), f32(E, I // 128, D // 128),
+                                 f32(E, D // 128, I // 128)))
+    json.dump([compile_sm90(k, a, kw) for k, a, kw in launches], open(sys.argv[1], "w"))
+""")
+
+
+@pytest.mark.sm90
+def test_fp8_launches_compile_for_sm90(tmp_path):
+    """What the interpreter cannot check: the fp8-weight launches compile for sm_90 (triton's
+    bundled ptxas) within the shared-memory limit; those of 16-bit activations without real
+    spills, on mma (decode) and wgmma (64 rows, prefill). fp32 activations (a checking dtype:
+    ieee FMA products) compile but spill: the e4m3 -> fp32 tile conversion, not the scaling."""
+    from profiling.kernel_resources import SM90_SMEM_LIMIT
+    out = tmp_path / "resources.json"
+    sm90_compile.run(tmp_path, ["-c", _COMPILE_SCRIPT, str(out)], timeout=600, fp_fusion=True)
+    records = json.loads(out.read_text())
+    assert len(records) == 4 * 2
+    for r in records:
+        assert r["constexprs"]["SCALED"] is True, r
+        assert r["shared_bytes"] <= SM90_SMEM_LIMIT, r
+    half = records[:6]                                   # bf16 and fp16 activations
+    assert all(r["stack_bytes"] <= 64 and r["local_loads"] == 0 for r in half), half
+    assert all(r["constexprs"]["DOT_PRECISION"] == "ieee" for r in records[6:]), records[6:]
+    decode, prefill = half[:2] + half[4:], half[2:4]
+    assert all(r["hmma"] > 0 for r in decode), decode
+    assert all(r["constexprs"]["BLOCK_M"] == 64 and r["hgmma"] > 0 for r in prefill), prefill
