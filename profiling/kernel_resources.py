@@ -33,11 +33,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helix.attention import (triton_append, triton_decode, triton_merge, triton_mla,  # noqa: E402
                              triton_mla_few, triton_prefill, triton_splits)
 from helix.kv.manager import LocalKVMeta  # noqa: E402
-from helix.layers import fp8, fused_mla, fused_moe, fused_qk_norm  # noqa: E402
+from helix.layers import fp8, fused_mla, fused_moe, fused_qk_norm, skinny_gemm  # noqa: E402
 
 SM90_SMEM_LIMIT = 232448            # bytes of shared memory one block may use on H100 / H200
 _MODULES = (triton_splits, triton_decode, triton_mla, triton_mla_few, triton_append,
-            triton_merge, triton_prefill, fused_qk_norm, fused_mla, fp8, fused_moe)
+            triton_merge, triton_prefill, fused_qk_norm, fused_mla, fp8, fused_moe, skinny_gemm)
 _PTR = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
         torch.int32: "*i32", torch.int64: "*i64", torch.int16: "*i16", torch.int8: "*i8",
         torch.float8_e4m3fn: "*fp8e4nv"}
@@ -219,14 +219,28 @@ def production_launches(name: str):
             s = torch.empty(fp8.blocks(2112), fp8.blocks(7168), **m)
             for rows in (1, 8, 512):               # decode tiles, prefill tiles
                 fp8.linear_triton(torch.empty(rows, 7168, dtype=bf, **m), w, s)
+            with mock.patch.object(triton_splits, "sm_count_of", lambda device: 132):
+                for rows in (1, 2):                # the one-tile GEMV (K in 2 ranges of 3584)
+                    skinny_gemm.gemv_scaled(torch.empty(rows, 7168, dtype=bf, **m), w, s)
+                xw = torch.empty(3648, 2048, dtype=f8, **m)     # DeepSeek-V2-Lite's x projection
+                xs = torch.empty(fp8.blocks(3648), fp8.blocks(2048), **m)   # with the add + norm
+                a = torch.empty(1, 2048, dtype=bf, **m)
+                skinny_gemm.add_norm_linear_triton(a, a, torch.empty(2048, dtype=bf, **m), 1e-6,
+                                                   xw, scale=xs)
             e, inter, dim = 8, 256, 7168            # 8 local experts, a tpf = 8 shard
             gate = torch.empty(e, inter, dim, dtype=f8, **m)
             down = torch.empty(e, dim, inter, dtype=f8, **m)
             gs = torch.empty(e, fp8.blocks(inter), fp8.blocks(dim), **m)
             ds = torch.empty(e, fp8.blocks(dim), fp8.blocks(inter), **m)
-            fused_moe.fused_moe(torch.empty(4, dim, dtype=bf, **m), gate, gate, down,
-                                torch.empty(4, 8, **m), torch.zeros(4, 8, dtype=torch.int64, **m),
-                                0, scales=(gs, gs, ds))
+            from helix.layers import moe_decode     # the sorted v1 kernels, then the decode
+            with mock.patch.object(moe_decode, "run_kernel", fused_moe.run_kernel), \
+                    mock.patch.object(moe_decode, "sm_count_of", lambda device: 132):
+                for rows, variant in ((4, "v1"), (1, "decode"), (4, "decode")):   # kernels'
+                    fused_moe.fused_moe(         # default launches (132 SMs: H100 / H200)
+                        torch.empty(rows, dim, dtype=bf, **m), gate, gate, down,
+                        torch.empty(rows, 8, **m),
+                        torch.zeros(rows, 8, dtype=torch.int64, **m), 0, variant=variant,
+                        scales=(gs, gs, ds))
         else:
             raise ValueError(name)
     return launches

@@ -1,8 +1,10 @@
 """fp8 (e4m3) expert weights with 128 x 128 block scales (the DeepSeek-V3 checkpoint format) in
-fused_moe's sorted v1 kernels (`scales=`) and fused_moe_torch, against a pair-by-pair fp32
-reference over the dequantized weights: partial scale blocks, K tiles of every width up to the
-128-block, pairs of other ranks' experts, the decode variant falling back to v1, the launch
-parameters, and the launches compile for sm_90 (no GPU needed).
+fused_moe's sorted v1 kernels and the decode kernels of helix.layers.moe_decode (`scales=`, both
+inner-product modes) and fused_moe_torch, against a pair-by-pair fp32 reference over the
+dequantized weights: partial scale blocks, K tiles of every width up to the 128-block, several
+rows per expert, pairs of other ranks' experts, decode batches taking the decode kernels and
+larger ones v1, never the one-row Gluon launch, the launch parameters, and the launches compile
+for sm_90 (no GPU needed).
 
 Without CUDA the kernels run through Triton's interpreter (TRITON_INTERPRET=1, set by
 triton_mode before triton is imported). The interpreter's dot takes bf16 operands as their raw
@@ -182,16 +184,149 @@ def test_every_k_tile_width(block_k):
 
 
 @pytest.mark.parametrize("variant", ["decode", "auto", None])
-def test_decode_variants_take_v1_with_scales(variant):
-    """Where the variant would pick moe_decode, scales still run the sorted v1 kernels."""
+def test_decode_variants_take_the_decode_kernels_with_scales(variant):
+    """Where the variant picks moe_decode (T * k <= MAX_PAIRS), scales go with it: the decode
+    kernels run (the sorted v1 launches never), with these scales."""
     E, I, D, first, n_global = SHAPES[0]
     x, gate, up, down, weights, ids, scales = _problem(3, E, I, D, 2, first, n_global, seed=11)
-    assert fm.decode_kernels(3 * 2, variant or "decode")        # the decode kernels' batch
     ref = _reference(x, gate, up, down, weights, ids, first, scales)
-    with mock.patch.object(md, "moe_decode", side_effect=AssertionError("moe_decode ran")):
+    calls, real = [], md.moe_decode
+
+    def spy(*a, **kw):
+        calls.append(kw["scales"])
+        return real(*a, **kw)
+    with mock.patch.object(fm, "VARIANT", "auto"), mock.patch.object(md, "moe_decode", spy), \
+            mock.patch.object(fm, "run_kernel", side_effect=AssertionError("v1 ran")):
+        assert fm.decode_kernels(3 * 2, variant)                 # the decode kernels' batch
         out = fm.fused_moe(x, gate, up, down, weights, ids, first, variant=variant,
                            scales=scales)
+    assert len(calls) == 1 and all(a is b for a, b in zip(calls[0], scales))
     _check(out, ref, x, torch.float32)
+
+
+@pytest.mark.parametrize("variant", ["decode", "auto", None])
+def test_fp8_batches_past_max_pairs_take_v1(variant):
+    """Recorded launches (meta tensors): MAX_PAIRS pairs run the decode kernels, one pair more
+    the sorted v1 kernels, whatever the variant; variant v1 takes v1 at decode batches too."""
+    m = dict(device="meta")
+    E, I, D, k = 8, 256, 512, 4
+    gate, up = (torch.empty(E, I, D, dtype=FP8, **m) for _ in range(2))
+    down = torch.empty(E, D, I, dtype=FP8, **m)
+    scales = (torch.empty(E, 2, 4, **m), torch.empty(E, 2, 4, **m), torch.empty(E, 4, 2, **m))
+    kernels = []
+    record = lambda kern, grid, *a, **kw: kernels.append(kern)  # noqa: E731
+
+    def run(T, var):
+        kernels.clear()
+        x = torch.empty(T, D, **m)
+        ids = torch.empty(T, k, dtype=torch.int64, **m)
+        out = fm.fused_moe(x, gate, up, down, torch.empty(T, k, **m), ids, 0, variant=var,
+                           scales=scales)
+        assert out.shape == (T, D)
+        return list(kernels)
+    v1, decode = [fm._gate_up_kernel, fm._down_kernel], [md._gate_up_kernel, md._down_kernel]
+    with mock.patch.object(fm, "VARIANT", "auto"), mock.patch.object(fm, "run_kernel", record), \
+            mock.patch.object(md, "run_kernel", record):
+        assert run(md.MAX_PAIRS // k, variant) == decode
+        assert run(md.MAX_PAIRS // k + 1, variant) == v1
+        assert run(md.MAX_PAIRS // k, "v1") == v1
+
+
+# -- the decode kernels (helix.layers.moe_decode) with scales --------------------------------------
+
+WIDE = dict(up_BLOCK_N=64, down_BLOCK_N=64)       # few feature blocks: few interpreted programs
+DECODE_MODES = [dict(mode="fma", **WIDE), dict(mode="dot", **WIDE)]   # K tiles of 128: the block
+DECODE_BATCHES = [(1, 2), (6, 4), (md.MAX_PAIRS // 4, 4)]   # T, k: up to MAX_PAIRS pairs
+
+
+def _decode_problem(shape, T, k, seed):
+    """_problem, with one expert twice in token 0 (k > 1) and, from 2 tokens, an expert of
+    several rows."""
+    E, I, D, first, n_global = shape
+    x, gate, up, down, weights, ids, scales = _problem(T, E, I, D, k, first, n_global, seed)
+    if k > 1:
+        ids[0, 1] = ids[0, 0]
+    if T > 1:
+        local = ids[(ids >= first) & (ids < first + E)] - first
+        assert torch.bincount(local.cpu(), minlength=E).max() >= 2, ids     # several rows
+    return x, gate, up, down, weights, ids, scales
+
+
+def _ids(c):
+    return ",".join(f"{k}={v}" for k, v in c.items() if k not in WIDE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", DECODE_MODES, ids=_ids)
+@pytest.mark.parametrize("T,k", DECODE_BATCHES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "E{}-I{}-D{}".format(*s[:3]))
+def test_decode_kernels_fp8_match_reference(shape, T, k, config, dtype):
+    """moe_decode with scales, FMA and tensor-core products: partial scale blocks (I 200,
+    D 136), first > 0 and other ranks' experts, experts of several rows (up to MAX_PAIRS pairs),
+    one expert twice in a token."""
+    x, gate, up, down, weights, ids, scales = _decode_problem(shape, T, k, seed=T * 13 + k)
+    first = shape[3]
+    ref = _reference(x, gate, up, down, weights, ids, first, scales)
+    ctx = _bf16_interpreter() if dtype == torch.bfloat16 else contextlib.nullcontext()
+    with ctx:
+        out = md.moe_decode(x.to(dtype), gate, up, down, weights.to(dtype), ids, first, config,
+                            scales=scales)
+    _check(out, ref, x, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("config", [
+    dict(mode="fma", BLOCK_M=2, K_SPLITS=2, up_BLOCK_K=32, down_BLOCK_K=64, **WIDE),
+    dict(mode="dot", K_SPLITS=3, FUSED_COMBINE=False, up_BLOCK_K=64, down_BLOCK_K=32, **WIDE),
+    dict(mode="dot", up_BLOCK_N=16, down_BLOCK_N=32, up_BLOCK_K=16, num_stages=1)], ids=_ids)
+def test_decode_kernels_fp8_tiles(config, dtype):
+    """Several K tiles per scale block, row blocks of 2 (FMA), K splits not on block edges
+    (I 200 in 3: 0, 96, 192), the unfused k-sum, narrow feature blocks."""
+    shape = SHAPES[0]
+    x, gate, up, down, weights, ids, scales = _decode_problem(shape, 6, 4, seed=17)
+    ref = _reference(x, gate, up, down, weights, ids, shape[3], scales)
+    out = md.moe_decode(x.to(dtype), gate, up, down, weights.to(dtype), ids, shape[3], config,
+                        scales=scales)
+    _check(out, ref, x, dtype)
+
+
+@pytest.mark.parametrize("mode", ["fma", "dot"])
+@pytest.mark.parametrize("block_k", [16, 32, 128, 256])
+def test_decode_kernels_every_k_tile_width(block_k, mode):
+    """Asked K tiles narrower than a scale block read its scale once per tile; wider ones are
+    capped at 128 (a tile never straddles blocks)."""
+    E, I, D, first, n_global = SHAPES[0]
+    x, gate, up, down, weights, ids, scales = _problem(5, E, I, D, 2, first, n_global, seed=3)
+    ref = _reference(x, gate, up, down, weights, ids, first, scales)
+    seen = []
+
+    def record(kernel, grid, *args, **meta):
+        seen.append(meta["BLOCK_K"])
+        return kernel[grid](*args, **meta)
+    config = dict(mode=mode, up_BLOCK_K=block_k, down_BLOCK_K=block_k, **WIDE)
+    with mock.patch.object(md, "run_kernel", record):
+        out = md.moe_decode(x, gate, up, down, weights, ids, first, config, scales=scales)
+    assert seen == [min(block_k, 128)] * 2
+    _check(out, ref, x, torch.float32)
+
+
+def test_decode_config_for_fp8_weights():
+    """One byte a weight element: K tiles of the 128-element scale block (the bytes of the
+    16-bit tiles), the 16-bit rules otherwise; the 16-bit choices are unchanged."""
+    shape = (1, 8, 32, 2048, 7168)                       # DeepSeek-V3 EP = 8: T, k, E, I, D
+    c8 = md.moe_decode_config(*shape, FP8, 132)
+    c16 = md.moe_decode_config(*shape, torch.bfloat16, 132)
+    assert c16["up"]["BLOCK_K"] == c16["down"]["BLOCK_K"] == 64              # 128 bytes
+    assert c8["up"]["BLOCK_K"] == c8["down"]["BLOCK_K"] == 128               # 128 bytes
+    assert {k: v for k, v in c8.items() if k not in ("up", "down")} == \
+        {k: v for k, v in c16.items() if k not in ("up", "down")}
+    assert c8["up"]["BLOCK_N"] == c16["up"]["BLOCK_N"] == 32
+    assert c8["down"]["BLOCK_N"] == c16["down"]["BLOCK_N"] == 128
+    for T in (2, 8):                                     # deep tiles: 128 elements, 4 stages
+        c = md.moe_decode_config(T, 8, 32, 2048, 7168, FP8, 132)
+        assert c["up"]["BLOCK_K"] == c["down"]["BLOCK_K"] == 128 and c["num_stages"] == 4
+    c = md.moe_decode_config(8, 8, 32, 2048, 7168, FP8, 132, dict(mode="fma"))
+    assert c["up"]["BLOCK_K"] == 128 and c["up"]["BLOCK_N"] * 128 <= 4096   # FMA, 32 / thread
 
 
 def test_fused_moe_torch_with_scales():
@@ -220,6 +355,31 @@ def test_bad_arguments_raise():
         fm.fused_moe_torch(x, gate, up, down, weights, ids, first, scales=(gs, us, ds[:, :, :1]))
     with pytest.raises(ValueError):                      # the variant is still checked
         fm.fused_moe(x, gate, up, down, weights, ids, first, variant="v2", scales=scales)
+    with pytest.raises(ValueError, match="shared"):      # the decode kernels themselves
+        md.moe_decode(x, gate, up, down, weights, ids, first, shared=shared, scales=scales)
+    with pytest.raises(ValueError, match="scales"):      # fp8 stacks without their scales
+        md.moe_decode(x, gate, up, down, weights, ids, first)
+    with pytest.raises(ValueError):
+        md.moe_decode(x, gate, up, down, weights, ids, first, scales=(gs, us, ds[:, :1]))
+
+
+def test_one_row_never_takes_the_gluon_launch_with_fp8():
+    """row_launch (the one-row Gluon path, 16-bit weights only) is False for fp8 experts:
+    scales given or float8 stacks, where the same call with 16-bit stacks would take it."""
+    from types import SimpleNamespace
+
+    from helix.layers import gluon_moe
+    E, I, D, first, n_global = SHAPES[1]
+    x, gate, up, down, weights, ids, scales = _problem(1, E, I, D, 2, first, n_global, seed=2)
+    row = SimpleNamespace(is_cuda=True, device=torch.device("cuda"))     # as on an sm_90 GPU
+    w16 = [w.float().to(torch.bfloat16) for w in (gate, up, down)]
+    with mock.patch.object(gluon_moe, "ENABLED", True), \
+            mock.patch.object(gluon_moe, "unsupported", lambda *a: None), \
+            mock.patch.object(gluon_moe, "available", lambda device: True):
+        assert md.row_launch(row, *w16, None)
+        assert not md.row_launch(row, *w16, None, scales)
+        assert not md.row_launch(row, gate, up, down, None)
+        assert not md.row_launch(row, gate, up, down, None, scales)
 
 
 def test_launch_parameters_on_meta_tensors():
@@ -240,7 +400,7 @@ def test_launch_parameters_on_meta_tensors():
             launches.clear()
             x = torch.empty(T, D, dtype=dt, **m)
             out = fm.fused_moe(x, gate, up, down, torch.empty(T, k, dtype=dt, **m), ids, 64,
-                               variant="decode", scales=scales)
+                               variant="v1", scales=scales)
             assert out.shape == (T, D) and out.dtype == dt
             cfg = fm.moe_launch_config(T * k, E, I, D, dt)
             (k1, g1, a1, m1), (k2, g2, a2, m2) = launches
@@ -254,11 +414,33 @@ def test_launch_parameters_on_meta_tensors():
             assert a1[6] is scales[0] and a1[7] is scales[1] and a2[6] is scales[2]
             assert a1[-6:] == (*scales[0].stride(), *scales[1].stride())
             assert a2[-3:] == scales[2].stride()
-        launches.clear()
+            # the decode kernels (T * k = 48 pairs): their config for one-byte weights (fp32
+            # rows: fp32's), the products in x.dtype, the scales and their strides
+            launches.clear()
+            out = fm.fused_moe(x, gate, up, down, torch.empty(T, k, dtype=dt, **m), ids, 64,
+                               variant="decode", scales=scales)
+            assert out.shape == (T, D) and out.dtype == dt
+            c = md.moe_decode_config(T, k, E, I, D, FP8 if dt != torch.float32 else dt, 2)
+            (k1, g1, a1, m1), (k2, g2, a2, m2) = launches          # 2: sm_count_of(meta)
+            assert (k1, k2) == (md._gate_up_kernel, md._down_kernel)
+            assert g1 == (T * k, -(-I // c["up"]["BLOCK_N"]))
+            assert g2 == (T * k, -(-D // c["down"]["BLOCK_N"]), c["K_SPLITS"])
+            for meta, cc in ((m1, c["up"]), (m2, c["down"])):
+                assert meta["SCALED"] is True and meta["BLOCK_K"] == cc["BLOCK_K"]
+                assert meta["DOT_PRECISION"] == ("ieee" if dt == torch.float32 else "tf32")
+                assert meta["num_stages"] == c["num_stages"] and 128 % meta["BLOCK_K"] == 0
+            assert a1[7] is scales[0] and a1[8] is scales[1] and a2[8] is scales[2]
+            assert a1[-6:] == (*scales[0].stride(), *scales[1].stride())
+            assert a2[-3:] == scales[2].stride()
         w = lambda *s: torch.empty(*s, dtype=torch.bfloat16, **m)  # noqa: E731
-        fm.fused_moe(w(T, D), w(E, I, D), w(E, I, D), w(E, D, I), w(T, k), ids, 64, variant="v1")
-        assert [kw["SCALED"] for _, _, _, kw in launches] == [False, False]
-        assert all(kw["DOT_PRECISION"] == "tf32" for _, _, _, kw in launches)
+        for variant in ("v1", "decode"):         # 16-bit stacks: the launches without scales
+            launches.clear()
+            fm.fused_moe(w(T, D), w(E, I, D), w(E, I, D), w(E, D, I), w(T, k), ids, 64,
+                         variant=variant)
+            assert [kw.get("SCALED", False) for _, _, _, kw in launches] == [False, False]
+            assert all(kw["DOT_PRECISION"] == "tf32" for _, _, _, kw in launches)
+            if variant == "decode":              # SCALED off is the kernels' default: unsaid
+                assert all("SCALED" not in kw for _, _, _, kw in launches)
 
 
 # -- the launches compile for Hopper -------------------------------------------------------------
@@ -267,24 +449,31 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     import json, sys
     from unittest import mock
     import torch
-    from helix.layers import fused_moe as fm
+    from helix.layers import fused_moe as fm, moe_decode as md
     from profiling.kernel_resources import compile_sm90
     launches = []
     m = dict(device="meta")
     record = lambda k, g, *a, **kw: launches.append((k, a, kw))
-    # DeepSeek-V3 EP=8 (32 local experts, I 2048, D 7168, k 8), fp8 weights: decode and prefill
-    # under bf16 activations, decode under fp16 and fp32
-    cases = [(4, torch.bfloat16), (4096, torch.bfloat16), (8, torch.float16), (8, torch.float32)]
+    # DeepSeek-V3 EP=8 (32 local experts, I 2048, D 7168, k 8), fp8 weights. The sorted v1
+    # kernels: decode and prefill under bf16 activations, decode under fp16 and fp32; the decode
+    # kernels: bf16 at 1 and 4 rows (tensor cores, their default) and 8 rows by FMA, fp16 and
+    # fp32 at 8 rows (132 SMs, as on an H100 / H200)
+    v1 = [(4, torch.bfloat16), (4096, torch.bfloat16), (8, torch.float16), (8, torch.float32)]
+    decode = [(1, torch.bfloat16, None), (4, torch.bfloat16, None),
+              (8, torch.bfloat16, dict(mode="fma")), (8, torch.float16, None),
+              (8, torch.float32, None)]
     E, I, D, k = 32, 2048, 7168, 8
-    with mock.patch.object(fm, "run_kernel", record):
-        for T, dt in cases:
-            f8 = lambda *s: torch.empty(*s, dtype=torch.float8_e4m3fn, **m)
-            f32 = lambda *s: torch.empty(*s, dtype=torch.float32, **m)
+    f8 = lambda *s: torch.empty(*s, dtype=torch.float8_e4m3fn, **m)
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, **m)
+    scales = (f32(E, I // 128, D // 128), f32(E, I // 128, D // 128), f32(E, D // 128, I // 128))
+    with mock.patch.object(fm, "run_kernel", record), mock.patch.object(md, "run_kernel", record), \
+            mock.patch.object(md, "sm_count_of", lambda d: 132):
+        for T, dt, variant, config in ([(T, dt, "v1", None) for T, dt in v1]
+                                       + [(T, dt, "decode", c) for T, dt, c in decode]):
             ids = torch.empty(T, k, dtype=torch.int64, **m)
             fm.fused_moe(torch.empty(T, D, dtype=dt, **m), f8(E, I, D), f8(E, I, D), f8(E, D, I),
-                         torch.empty(T, k, dtype=dt, **m), ids, 0,
-                         scales=(f32(E, I // 128, D // 128), f32(E, I // 128, D // 128),
-                                 f32(E, D // 128, I // 128)))
+                         torch.empty(T, k, dtype=dt, **m), ids, 0, variant=variant,
+                         config=config, scales=scales)
     json.dump([compile_sm90(k, a, kw) for k, a, kw in launches], open(sys.argv[1], "w"))
 """)
 
@@ -293,19 +482,31 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 def test_fp8_launches_compile_for_sm90(tmp_path):
     """What the interpreter cannot check: the fp8-weight launches compile for sm_90 (triton's
     bundled ptxas) within the shared-memory limit; those of 16-bit activations without real
-    spills, on mma (decode) and wgmma (64 rows, prefill). fp32 activations (a checking dtype:
-    ieee FMA products) compile but spill: the e4m3 -> fp32 tile conversion, not the scaling."""
+    spills: v1 on mma (decode) and wgmma (64 rows, prefill), the decode kernels on mma or FMA
+    (their down launch on tensor cores at one row still DOWN_CTAS_PER_SM programs an SM). fp32
+    activations (a checking dtype: ieee FMA products) compile but spill: the e4m3 -> fp32 tile
+    conversion, not the scaling."""
     from profiling.kernel_resources import SM90_SMEM_LIMIT
     out = tmp_path / "resources.json"
     sm90_compile.run(tmp_path, ["-c", _COMPILE_SCRIPT, str(out)], timeout=600, fp_fusion=True)
     records = json.loads(out.read_text())
-    assert len(records) == 4 * 2
+    assert len(records) == 4 * 2 + 5 * 2
     for r in records:
         assert r["constexprs"]["SCALED"] is True, r
         assert r["shared_bytes"] <= SM90_SMEM_LIMIT, r
-    half = records[:6]                                   # bf16 and fp16 activations
+    v1, decode = records[:8], records[8:]
+    half = v1[:6]                                        # bf16 and fp16 activations
     assert all(r["stack_bytes"] <= 64 and r["local_loads"] == 0 for r in half), half
-    assert all(r["constexprs"]["DOT_PRECISION"] == "ieee" for r in records[6:]), records[6:]
-    decode, prefill = half[:2] + half[4:], half[2:4]
-    assert all(r["hmma"] > 0 for r in decode), decode
+    assert all(r["constexprs"]["DOT_PRECISION"] == "ieee" for r in v1[6:]), v1[6:]
+    small, prefill = half[:2] + half[4:], half[2:4]
+    assert all(r["hmma"] > 0 for r in small), small
     assert all(r["constexprs"]["BLOCK_M"] == 64 and r["hgmma"] > 0 for r in prefill), prefill
+    half = decode[:8]                                    # bf16 and fp16 activations: no spills
+    assert all(r["stack_bytes"] == 0 and r["local_loads"] == 0 for r in half), half
+    assert all((r["hmma"] > 0) == (r["constexprs"]["MODE"] == md.MODES["dot"]) for r in half)
+    assert [r["constexprs"]["MODE"] for r in half[4:6]] == [md.MODES["fma"]] * 2, half[4:6]
+    assert all(r["constexprs"]["DOT_PRECISION"] == "ieee" for r in decode[8:]), decode[8:]
+    assert all(r["constexprs"]["BLOCK_K"] <= 128 for r in decode), decode
+    down = half[1]                                       # one row, 128-wide feature blocks
+    assert down["kernel"] == "_down_kernel" and down["constexprs"]["BLOCK_N"] == 128, down
+    assert down["registers"] * 32 * down["num_warps"] * md.DOWN_CTAS_PER_SM <= 65536, down

@@ -180,6 +180,54 @@ def test_kernel_is_the_dequantized_product(T, N, K, bias, dtype):
     assert err < tol, err
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,N,K,bias", [(1, 200, 136, False), (2, 130, 64, True),
+                                        (1, 96, 7168, False), (2, 64, 8192, True)])
+def test_the_one_tile_gemv_is_the_dequantized_product(T, N, K, bias, dtype):
+    """One or two rows: skinny_gemm's GEMV dequantizes its tile in registers (K split in
+    ranges on block edges past 4096: 7168 -> 2 x 3584, 8192 -> 2 x 4096)."""
+    from helix.layers import skinny_gemm
+    g = torch.Generator().manual_seed(T * N + K)
+    b = fp8.quantize(torch.randn(N, K, generator=g) * torch.logspace(-1, 1, K))
+    x = torch.randn(T, K, generator=g)
+    bias_t = torch.randn(N, generator=g) if bias else None
+    assert skinny_gemm.gemv_scaled_fits(x, b.weight)
+    want = F.linear(x, fp8.dequantize(b.weight, b.scale, torch.float32), bias_t)
+    got = skinny_gemm.gemv_scaled(x.to(DEV, dtype), b.weight.to(DEV), b.scale.to(DEV),
+                                  None if bias_t is None else bias_t.to(DEV, dtype))
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    err = float((got.float().cpu() - want).abs().max() / want.abs().max())
+    assert err < tol, err
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_gemv_with_the_input_norm_is_the_dequantized_product(dtype):
+    """The decoder's residual add + RMS norm in the fp8 GEMV's launch (the x projection)."""
+    from helix.layers import skinny_gemm
+    from helix.layers.fused_ops import add_rms_norm_torch
+    g = torch.Generator().manual_seed(3)
+    T, N, K = 2, 576, 384
+    b = fp8.quantize(torch.randn(N, K, generator=g))
+    a, res = torch.randn(T, K, generator=g), torch.randn(T, K, generator=g)
+    nw = 1 + 0.1 * torch.randn(K, generator=g)
+    x, h_want = add_rms_norm_torch(a, res, nw, 1e-6)
+    want = F.linear(x, fp8.dequantize(b.weight, b.scale, torch.float32))
+    d = dict(device=DEV, dtype=dtype)
+    y, h = skinny_gemm.add_norm_linear_triton(a.to(**d), res.to(**d), nw.to(**d), 1e-6,
+                                              b.weight.to(DEV), scale=b.scale.to(DEV))
+    tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    assert float((y.float().cpu() - want).abs().max() / want.abs().max()) < tol
+    torch.testing.assert_close(h.float().cpu(), h_want, atol=tol, rtol=tol)
+
+
+def test_the_gemv_takes_fp8_only_where_k_splits_on_block_edges():
+    from helix.layers import skinny_gemm
+    w = torch.zeros(64, 4160, dtype=torch.float8_e4m3fn)      # 2 ranges of 2080: off the edges
+    assert not skinny_gemm.gemv_scaled_fits(torch.zeros(1, 4160), w)
+    assert not skinny_gemm.gemv_scaled_fits(torch.zeros(3, 1024), w[:, :1024])   # 3 rows
+    assert skinny_gemm.gemv_scaled_fits(torch.zeros(2, 1024), w[:, :1024].contiguous())
+
+
 def test_the_torch_path_is_the_dequantized_product():
     b = fp8.quantize(torch.randn(64, 96))
     x = torch.randn(3, 96)
@@ -298,8 +346,9 @@ def test_the_planner_counts_one_byte_a_weight_element():
 
 @pytest.mark.sm90
 def test_fp8_products_compile_for_sm90_without_spills(tmp_path):
-    """The projections' kernel at decode and prefill tiles and the experts' kernels with scales,
-    bf16 activations (DeepSeek-V3 shapes): compiled for sm_90, no spills, tensor cores."""
+    """The projections' kernel at decode and prefill tiles, the one-tile GEMV over fp8 (K split,
+    and with the input add + norm) and the experts' kernels with scales, bf16 activations
+    (DeepSeek shapes): compiled for sm_90, no spills, tensor cores but in the GEMV."""
     import sm90_compile
     out = tmp_path / "resources.json"
     sm90_compile.run(tmp_path, [os.path.join(sm90_compile.ROOT, "profiling", "kernel_resources.py"),
@@ -307,10 +356,13 @@ def test_fp8_products_compile_for_sm90_without_spills(tmp_path):
                      fp_fusion=True)
     records = json.loads(out.read_text())
     assert [r["kernel"] for r in records].count("_fp8_linear_kernel") == 3
-    assert {r["kernel"] for r in records} == {"_fp8_linear_kernel", "_gate_up_kernel",
-                                              "_down_kernel"}
-    for r in records:
-        assert r["stack_bytes"] == 0 and r["hgmma"] + r["hmma"] > 0, r
+    assert [r["kernel"] for r in records].count("_gemv_kernel") == 3
+    assert all(r["constexprs"]["SCALED"] for r in records if r["kernel"] == "_gemv_kernel")
+    assert {r["kernel"] for r in records} == {"_fp8_linear_kernel", "_gemv_kernel",
+                                              "_gate_up_kernel", "_down_kernel"}
+    for r in records:                       # the GEMV: fp32 FMA products, by design
+        assert r["stack_bytes"] == 0, r
+        assert r["kernel"] == "_gemv_kernel" or r["hgmma"] + r["hmma"] > 0, r
 
 
 @pytest.mark.gpu
@@ -330,3 +382,42 @@ def test_on_a_gpu_fp8_runs_give_the_dequantized_checkpoints_tokens(fp8_ckpt, fam
                            for _, q in llm.engine.model.named_parameters())
     assert runs[0][0] == runs[1][0]
     torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_sweep_runs_and_records_fp8_weights(tmp_path):
+    from helix.sweep import load_sweep, run_sweep
+    path = tmp_path / "sweep.yaml"
+    path.write_text("model: tiny-llama\ndevice: cpu\nquantization: fp8\nbatches: [1]\n"
+                    "contexts: [9]\ndecode_steps: 2\nwarmup_steps: 1\n")
+    (rec,) = run_sweep(load_sweep(str(path)), measure_rates=False)
+    assert rec["quantization"] == "fp8" and rec["step_ms_median"] > 0
+    path.write_text("model: tiny-llama\ndevice: cpu\nquantization: int4\n")
+    with pytest.raises(ConfigError, match="quantization must be one of auto, fp8, none"):
+        load_sweep(str(path))
+
+
+def test_fp8_products_dispatch_by_rows():
+    """On CUDA: one or two rows take the GEMV (its add + norm too), more rows the tiled kernel;
+    elsewhere the dequantized product."""
+    from unittest import mock
+
+    from helix.layers import skinny_gemm as sg
+    b = fp8.quantize(torch.randn(256, 512))
+    norm_w = torch.ones(512)
+    with mock.patch.object(fp8, "use_triton", lambda t: True), \
+            mock.patch.object(sg, "use_triton", lambda t: True), \
+            mock.patch.object(sg, "gemv_scaled", lambda x, w, s, bias=None: "gemv"), \
+            mock.patch.object(fp8, "linear_triton", lambda x, w, s, bias=None: "tiled"), \
+            mock.patch.object(sg, "add_norm_linear_triton", lambda *a, **kw: ("fused", None)):
+        assert fp8.linear(torch.zeros(2, 512), b.weight, b.scale) == "gemv"
+        assert fp8.linear(torch.zeros(3, 512), b.weight, b.scale) == "tiled"
+        x16 = torch.zeros(1, 512, dtype=torch.bfloat16)
+        assert sg.add_norm_linear(x16, x16, norm_w.bfloat16(), 1e-6, b.weight,
+                                  scale=b.scale)[0] == "fused"
+        x16 = torch.zeros(4, 512, dtype=torch.bfloat16)
+        with mock.patch.object(sg, "add_rms_norm", lambda a, r, w, e: (a, r)):
+            assert sg.add_norm_linear(x16, x16, norm_w.bfloat16(), 1e-6, b.weight,
+                                      scale=b.scale)[0] == "tiled"
+    x = torch.randn(1, 512)
+    assert torch.equal(fp8.linear(x, b.weight, b.scale),
+                       x @ fp8.dequantize(b.weight, b.scale, torch.float32).t())

@@ -218,7 +218,7 @@ def test_add_norm_linear_dispatch():
     assert torch.equal(h, h_ref) and torch.equal(y, sg.linear(x_ref, w))
     with mock.patch.object(sg, "use_triton", lambda t: True), \
             mock.patch.object(sg, "linear_triton", lambda x, w, b=None: ("plain", x)), \
-            mock.patch.object(sg, "add_norm_linear_triton", lambda *args: ("fused", None)):
+            mock.patch.object(sg, "add_norm_linear_triton", lambda *args, **kw: ("fused", None)):
         assert sg.add_norm_linear(a, res, nw, 1e-5, w)[0] == "fused"
         res_t = res.t().contiguous().t()                          # no unit feature stride
         assert sg.add_norm_linear(a, res_t, nw, 1e-5, w)[0][0] != "fused"

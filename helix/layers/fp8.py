@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from helix.errors import CheckpointError, ConfigError
+from helix.layers import skinny_gemm
 from helix.layers.fused_ops import use_triton
 from helix.triton_util import HAS_TRITON, pdl_sync, run_kernel, tl, triton
 
@@ -137,6 +138,21 @@ def checkpoint_tensor(weight: torch.Tensor, scale: torch.Tensor | None, name: st
     return Blocked(weight, scale.float())
 
 
+def expert_scales(gate, up, down, scales) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scales = (gate_s, up_s, down_s) of float8 expert stacks [E, n, k], each [E, cdiv(n, 128),
+    cdiv(k, 128)] (the MoE kernels' argument) -> the tuple; ValueError naming what is off."""
+    if len(scales) != 3:
+        raise ValueError("scales: (gate_s, up_s, down_s)")
+    for name, w, s in zip(("gate", "up", "down"), (gate, up, down), scales):
+        E, n, k = w.shape
+        want = (E, blocks(n), blocks(k))
+        if not is_fp8(w):
+            raise ValueError(f"{name}: block scales go with float8_e4m3fn stacks, not {w.dtype}")
+        if tuple(s.shape) != want:
+            raise ValueError(f"{name} scales {tuple(s.shape)}: want {want} for {tuple(w.shape)}")
+    return tuple(scales)
+
+
 def aligned(start: int, stop: int, full: int) -> bool:
     """Whether a slice [start, stop) of an axis of `full` elements keeps whole 128-blocks:
     it starts on a block edge and ends on one or at the axis's end."""
@@ -158,7 +174,7 @@ def block_loader(weight_loader, scale_param: torch.Tensor):
     """A loader of this rank's slice of an fp8 weight (helix.layers.weights.sliced_loader
     geometry: dim, start, stop, dst, all on block edges) that also copies the matching blocks
     of the scale grid into scale_param; a 16-bit tensor is quantized first (the full tensor's
-    grid, as a checkpoint's would be)."""
+    grid, as a checkpoint's would be, on the parameter's device)."""
     from helix.layers.weights import sliced_loader
     full_shape, dim = weight_loader.full_shape, weight_loader.dim
     grid = tuple(blocks(d) for d in full_shape)
@@ -166,7 +182,7 @@ def block_loader(weight_loader, scale_param: torch.Tensor):
                                  blocks(weight_loader.stop), weight_loader.dst // BLOCK)
 
     def load(param: torch.Tensor, full, name: str) -> None:
-        b = full if isinstance(full, Blocked) else quantize(full)
+        b = full if isinstance(full, Blocked) else quantize(full.to(param.device))
         weight_loader(param, b.weight, name)
         scale_loader(scale_param, b.scale, f"{name}_scale_inv")
     load.full_shape = full_shape
@@ -186,9 +202,12 @@ def scale_param(rows: int, cols: int, lead: tuple[int, ...] = (),
 
 def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, dequantize(w, scale), bias) -> [T, N] in x.dtype: the Triton kernel on
-    CUDA, the dequantized weight elsewhere."""
+    """F.linear(x, dequantize(w, scale), bias) -> [T, N] in x.dtype: on CUDA the one-tile
+    GEMV at one or two rows (skinny_gemm.gemv_scaled), else the Triton kernel; the dequantized
+    weight elsewhere."""
     if use_triton(x):
+        if x.dim() == 2 and skinny_gemm.gemv_scaled_fits(x, w):
+            return skinny_gemm.gemv_scaled(x, w, scale, bias)
         return linear_triton(x, w, scale, bias)
     return F.linear(x, dequantize(w, scale, x.dtype), bias)
 

@@ -29,13 +29,15 @@ Float8 expert weights (the DeepSeek-V3 checkpoint format): gate, up [E, I, D] an
 in torch.float8_e4m3fn with float32 block scales gate_s, up_s [E, cdiv(I, 128), cdiv(D, 128)]
 and down_s [E, cdiv(D, 128), cdiv(I, 128)], passed as scales=(gate_s, up_s, down_s); the weight
 is w[e, n, k] = w8[e, n, k] * s[e, n // 128, k // 128] (helix.layers.fp8.dequantize; the
-last block of either axis may be partial). With scales, fused_moe always takes the v1 kernels (never
-moe_decode, whatever the variant; no `shared`), compiled with SCALED: each fp8 weight tile is
-converted to x.dtype and its product scaled per output feature in fp32,
-acc += dot(x_tile, w_tile) * s[e, n // 128, k0 // 128] (BLOCK_K divides 128, so a K tile never
-straddles two scale blocks). h stays in x.dtype; without scales the kernels compile as before.
-fp32 activations (a checking dtype: ieee FMA products) compile for sm_90 but spill there (the
-e4m3 -> fp32 tile conversion); bf16 / fp16 ones run on mma / wgmma without spills.
+last block of either axis may be partial). With scales the kernels are chosen as for 16-bit
+stacks: decode batches (decode_kernels) take moe_decode with the scales (its module doc; no
+`shared`: fp8 models run their shared experts as their own MLP), the rest the v1 kernels. Both
+compile with SCALED: each fp8 weight tile is converted to x.dtype and its product scaled per
+output feature in fp32, acc += dot(x_tile, w_tile) * s[e, n // 128, k0 // 128] (BLOCK_K divides
+128, so a K tile never straddles two scale blocks). h stays in x.dtype; without scales the
+kernels compile as before. In v1, fp32 activations (a checking dtype: ieee FMA products) compile
+for sm_90 but spill there (the e4m3 -> fp32 tile conversion); bf16 / fp16 ones run on mma /
+wgmma without spills.
 
 fused_moe_torch is the plain-torch fallback (same signature, graph safe, reads every local
 expert; it dequantizes fp8 experts one at a time) for devices without Triton.
@@ -83,18 +85,6 @@ def moe_routing(ids: torch.Tensor, first: int, n_local: int) -> tuple[torch.Tens
     edges = torch.arange(n_local + 2, dtype=key.dtype, device=key.device)    # [E + 2]
     bounds = torch.searchsorted(sorted_key, edges).to(torch.int64)           # [E + 2]
     return order, bounds
-
-
-def _check_scales(gate, up, down, scales) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """scales = (gate_s, up_s, down_s), each of the block shape of its weight stack."""
-    if len(scales) != 3:
-        raise ValueError("scales: (gate_s, up_s, down_s)")
-    for name, w, s in zip(("gate", "up", "down"), (gate, up, down), scales):
-        E, n, k = w.shape
-        want = (E, fp8.blocks(n), fp8.blocks(k))
-        if tuple(s.shape) != want:
-            raise ValueError(f"{name} scales {tuple(s.shape)}: want {want} for {tuple(w.shape)}")
-    return tuple(scales)
 
 
 def _block_n(width: int, experts_hit: int, target: int = 256) -> int:
@@ -242,7 +232,7 @@ def fused_moe(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch
     variant: None (VARIANT), "v1", "decode" or "auto"; config: moe_decode's tunables;
     shared: moe_decode's shared-expert shard, only where decode_kernels(T * k, variant).
     scales: None, or (gate_s, up_s, down_s) float32 128 x 128 block scales of float8_e4m3fn
-    stacks (module doc): then always the v1 kernels, whatever the variant, and no `shared`."""
+    stacks (module doc): the same choice of kernels as 16-bit stacks, and no `shared`."""
     T, D = x.shape
     E, I, _ = gate.shape
     k = ids.shape[1]
@@ -250,11 +240,12 @@ def fused_moe(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch
     decode = decode_kernels(N, variant)                  # also validates the variant
     if scales is not None:
         if shared is not None:
-            raise ValueError("fused_moe: shared experts ride only on the decode kernels, "
-                             "which take no fp8 scales")
-        scales = _check_scales(gate, up, down, scales)
-    elif decode and E:
-        return moe_decode.moe_decode(x, gate, up, down, weights, ids, first, config, shared)
+            raise ValueError("fused_moe: shared experts take no fp8 scales (fp8 models run "
+                             "their shared experts as their own MLP)")
+        scales = fp8.expert_scales(gate, up, down, scales)
+    if decode and E:
+        return moe_decode.moe_decode(x, gate, up, down, weights, ids, first, config, shared,
+                                     scales=scales)
     if shared is not None:
         raise ValueError("fused_moe: shared experts ride only on the decode kernels")
     if N == 0 or E == 0:
@@ -302,7 +293,7 @@ def fused_moe_torch(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down:
     w32 = weights.float()
     out = torch.zeros((T, D), dtype=torch.float32, device=x.device)
     if scales is not None:
-        scales = _check_scales(gate, up, down, scales)
+        scales = fp8.expert_scales(gate, up, down, scales)
     for e in range(gate.shape[0]):
         w_e = torch.where(local == e, w32, torch.zeros_like(w32)).sum(-1)   # [T]
         g, u, d = gate[e], up[e], down[e]

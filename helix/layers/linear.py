@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from helix.layers import fp8
-from helix.layers.fused_ops import add_rms_norm
 from helix.layers.skinny_gemm import add_norm_linear, linear
 from helix.layers.weights import load_full, sliced_loader
 from helix.parallel.comm import Comm
@@ -109,10 +108,8 @@ class MergedColumnLinear(_Projection):
     def add_norm_joint(self, a, residual, norm):
         """-> (joint(norm(residual + a)), residual + a) for an RMSNorm `norm`: the residual add
         and the norm in the GEMM's launch where skinny_gemm.add_norm_linear can."""
-        if self.weight_scale is not None:
-            x, residual = add_rms_norm(a, residual, norm.weight, norm.eps)
-            return self.product(x, self.bias), residual
-        return add_norm_linear(a, residual, norm.weight, norm.eps, self.weight, self.bias)
+        return add_norm_linear(a, residual, norm.weight, norm.eps, self.weight, self.bias,
+                               self.weight_scale)
 
     def forward(self, x):
         """-> one [T, size_i] view per part."""

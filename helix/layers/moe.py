@@ -6,7 +6,8 @@ runs the replicated router, computes its experts' partial outputs for the tokens
 adds its shard of the shared experts (at decode, in the experts' own two launches:
 helix.layers.moe_decode), and ONE all-reduce over all N ranks sums experts and TP_F
 partials. Only experts that received tokens are read. Experts in block fp8
-(LocalExperts.to_fp8, helix.layers.fp8) run fused_moe's sorted kernels with their scales.
+(LocalExperts.to_fp8, helix.layers.fp8) run fused_moe's kernels with their scales (the decode
+kernels at decode sizes, the sorted ones past them; not the one-row Gluon launch).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Routed experts for decode-sized batches: weight-streaming kernels, no sort, two launches.
 
-    moe_decode(x, gate, up, down, weights, ids, first, config, shared) -> [T, D]
+    moe_decode(x, gate, up, down, weights, ids, first, config, shared, scales) -> [T, D]
         fused_moe's contract; with shared = (gate_s [Is, D], up_s [Is, D], down_s [D, Is]),
         this rank's shard of the shared experts (weight 1 for every token) is added in the
         same launches. One row on sm_90 takes helix.layers.gluon_moe's single launch instead
-        (`row_launch`; `config` then does not apply).
+        (`row_launch`; `config` then does not apply), never with fp8 experts.
 
 At decode each hit expert gets one to a few rows, so the work is a GEMV per expert that must
 stream the expert's weights at the copy rate. Programs are laid out per (token, expert) PAIR:
@@ -36,6 +36,14 @@ Inner products (MODE): 0 = FMA: elementwise products of BLOCK_M rows (1, 2, 4) w
 expert with more rows streams its slice again per BLOCK_M rows, mostly from L2); 2 = tensor
 cores (tl.dot over BLOCK_M >= 16 padded rows: all of an expert's rows in one pass).
 Weights are read along their contiguous K axis (16-byte vectors); offsets are 64-bit.
+
+fp8 experts (scales = (gate_s, up_s, down_s), fused_moe's block-fp8 format: float8_e4m3fn
+stacks, float32 scales s[e, n // 128, k // 128]): both launches compile with SCALED. Each K step
+converts the fp8 weight tile and scales it per output feature by its block's scale
+s[e, n // 128, k0 // 128] (BLOCK_K divides 128: one scale a tile): FMA, the tile converted to fp32
+and scaled before the products; tensor cores, the tile converted to x.dtype and its tl.dot
+product scaled (acc + dot(rows, w^T) * s). No shared experts with scales (fp8 models run theirs
+as their own MLP); 16-bit launches compile as before (SCALED off).
 """
 
 from __future__ import annotations
@@ -45,14 +53,15 @@ import triton
 import triton.language as tl
 
 from helix.attention.triton_splits import sm_count_of
-from helix.layers import gluon_moe
+from helix.layers import fp8, gluon_moe
 from helix.triton_util import (arrival_counters, last_to_arrive, pdl_sync, pow2, prefetch_l2,
                                prefetching, run_kernel)
 
 MAX_PAIRS = 128              # T * k up to this runs here (decode buckets); more: fused_moe's v1
 # Programs of the down launch an SM holds on tensor cores with 16-bit weights: it takes 243
 # registers a thread at 4 warps, 128-wide blocks (the sm_90 compile check in
-# tests/test_fused_moe.py holds it between 2 and 3 programs' worth of the register file)
+# tests/test_fused_moe.py holds it between 2 and 3 programs' worth of the register file); with
+# fp8 weights (bf16 rows, 128-wide blocks, 128-element K tiles) 255, also 2
 DOWN_CTAS_PER_SM = 2
 MODES = {"fma": 0, "dot": 2}
 
@@ -128,6 +137,18 @@ def _acc_step(acc, a, w, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _acc_step_scaled(acc, a, w, s, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """_acc_step for an fp8 weight tile w and its features' block scales s [BN] fp32: FMA: the
+    tile converted to fp32 and scaled before the products; tensor cores: the tile converted to
+    the rows' dtype, its product scaled per feature (BLOCK_K divides 128: one scale a tile)."""
+    if MODE == 0:
+        acc += a.to(tl.float32) * (w.to(tl.float32) * s[None, :, None])
+    else:
+        acc = acc + tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=DOT_PRECISION) * s[None, :]
+    return acc
+
+
+@triton.jit
 def _acc_done(acc, MODE: tl.constexpr):
     """-> [BM, BN] fp32."""
     if MODE == 0:
@@ -152,19 +173,24 @@ def _rows_of(same, rank, c0, count, p_shared, N, T, TOPK: tl.constexpr, BLOCK_M:
 
 @triton.jit(do_not_specialize=["N", "T", "first"])
 def _gate_up_kernel(
-    x_ptr, g_ptr, u_ptr, ids_ptr, h_ptr, gs_ptr, us_ptr,
+    x_ptr, g_ptr, u_ptr, ids_ptr, h_ptr, gs_ptr, us_ptr, gsc_ptr, usc_ptr,
     N, T, first, E, D, I, IS,
     stride_xt,                             # x [T, D], unit stride along D
     stride_ge, stride_gi,                  # gate [E, I, D], unit stride along D
     stride_ue, stride_ui,                  # up [E, I, D], unit stride along D
     stride_gsi, stride_usi,                # shared gate / up [IS, D], unit stride along D
     stride_hp,                             # h [N + S*T, I], unit stride along I
+    stride_gsc_e, stride_gsc_n, stride_gsc_k,   # SCALED: gate_s [E, cdiv(I, 128), cdiv(D, 128)]
+    stride_usc_e, stride_usc_n, stride_usc_k,   # SCALED: up_s, the same shape
     TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SCALED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     p = tl.program_id(0)
-    shared = p >= N                        # a shared virtual expert (programs N .. N + S - 1)
+    if SCALED:                             # fp8 experts: routed pairs only (no shared experts)
+        shared: tl.constexpr = False
+    else:
+        shared = p >= N                    # a shared virtual expert (programs N .. N + S - 1)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     fr = ((p - N) * I + n).to(tl.int64)                                 # its shard rows
     s_mask = (n < I) & (fr < IS)
@@ -190,6 +216,9 @@ def _gate_up_kernel(
         e64 = e.to(tl.int64)
         g_rows = g_ptr + e64 * stride_ge + n.to(tl.int64)[:, None] * stride_gi
         u_rows = u_ptr + e64 * stride_ue + n.to(tl.int64)[:, None] * stride_ui
+        if SCALED:                         # [BN] scale rows of the features' 128-blocks
+            gsc_rows = gsc_ptr + e64 * stride_gsc_e + (n // 128) * stride_gsc_n
+            usc_rows = usc_ptr + e64 * stride_usc_e + (n // 128) * stride_usc_n
     for c0 in range(0, count, BLOCK_M):
         pair, tok, rvalid = _rows_of(same, rank, c0, count, shared, N, T, TOPK, BLOCK_M,
                                      BLOCK_P)
@@ -202,8 +231,14 @@ def _gate_up_kernel(
             wg = _w_tile(g_rows, kk, nmask, kmask, MODE)
             wu = _w_tile(u_rows, kk, nmask, kmask, MODE)
             xt = _row_tile(x_rows, kk, rvalid, kmask, BLOCK_N, MODE)
-            acc_g = _acc_step(acc_g, xt, wg, MODE, DOT_PRECISION)
-            acc_u = _acc_step(acc_u, xt, wu, MODE, DOT_PRECISION)
+            if SCALED:                     # this K tile's scales (one 128-block along K)
+                sg = tl.load(gsc_rows + (k0 // 128) * stride_gsc_k, mask=nmask, other=0.0)
+                su = tl.load(usc_rows + (k0 // 128) * stride_usc_k, mask=nmask, other=0.0)
+                acc_g = _acc_step_scaled(acc_g, xt, wg, sg, MODE, DOT_PRECISION)
+                acc_u = _acc_step_scaled(acc_u, xt, wu, su, MODE, DOT_PRECISION)
+            else:
+                acc_g = _acc_step(acc_g, xt, wg, MODE, DOT_PRECISION)
+                acc_u = _acc_step(acc_u, xt, wu, MODE, DOT_PRECISION)
         g = _acc_done(acc_g, MODE)
         h = g * tl.sigmoid(g) * _acc_done(acc_u, MODE)                    # silu(g) * u, fp32
         tl.store(h_ptr + pair.to(tl.int64)[:, None] * stride_hp + n[None, :],
@@ -241,20 +276,24 @@ def _combine(y_ptr, ids_ptr, out_ptr, N, T, first, E, n, nmask,
 
 @triton.jit(do_not_specialize=["N", "T", "first"])
 def _down_kernel(
-    h_ptr, d_ptr, w_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr, ds_ptr,
+    h_ptr, d_ptr, w_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr, ds_ptr, dsc_ptr,
     N, T, first, E, D, I, IS, k_chunk,
     stride_hp,                             # h [N + S*T, I], unit stride along I
     stride_de, stride_dd,                  # down [E, D, I], unit stride along I
     stride_dsd,                            # shared down [D, IS], unit stride along IS
     stride_ys, stride_yp,                  # y [K_SPLITS, N + S*T, D] fp32, unit stride along D
     stride_ot,                             # out [T, D]
+    stride_dsc_e, stride_dsc_n, stride_dsc_k,   # SCALED: down_s [E, cdiv(D, 128), cdiv(I, 128)]
     TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, K_SPLITS: tl.constexpr, SHARED: tl.constexpr, MODE: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SCALED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     p = tl.program_id(0)
-    shared = p >= N
+    if SCALED:                             # fp8 experts: routed pairs only (no shared experts)
+        shared: tl.constexpr = False
+    else:
+        shared = p >= N
     nb = tl.program_id(1)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < D
@@ -278,6 +317,8 @@ def _down_kernel(
         else:
             k_hi = tl.minimum(k_lo + k_chunk, I)
             d_rows = d_ptr + e.to(tl.int64) * stride_de + n.to(tl.int64)[:, None] * stride_dd
+            if SCALED:                     # [BN] scale rows of the features' 128-blocks
+                dsc_rows = dsc_ptr + e.to(tl.int64) * stride_dsc_e + (n // 128) * stride_dsc_n
         for c0 in range(0, count, BLOCK_M):
             pair, tok, rvalid = _rows_of(same, rank, c0, count, shared, N, T, TOPK, BLOCK_M,
                                          BLOCK_P)
@@ -288,7 +329,11 @@ def _down_kernel(
                 kmask = kk < k_hi
                 wd = _w_tile(d_rows, kk, nmask, kmask, MODE)
                 ht = _row_tile(h_rows, kk, rvalid, kmask, BLOCK_N, MODE)
-                acc = _acc_step(acc, ht, wd, MODE, DOT_PRECISION)
+                if SCALED:                 # k0: a multiple of BLOCK_K (k_chunk is one)
+                    sd = tl.load(dsc_rows + (k0 // 128) * stride_dsc_k, mask=nmask, other=0.0)
+                    acc = _acc_step_scaled(acc, ht, wd, sd, MODE, DOT_PRECISION)
+                else:
+                    acc = _acc_step(acc, ht, wd, MODE, DOT_PRECISION)
             wgt = tl.load(w_ptr + pair, mask=rvalid & (pair < N), other=1.0).to(tl.float32)
             y = _acc_done(acc, MODE) * wgt[:, None]                   # shared pairs: weight 1
             tl.store(y_ptr + ks * stride_ys + pair.to(tl.int64)[:, None] * stride_yp
@@ -350,8 +395,11 @@ def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype:
     hit = max(1, min(T * k, n_local)) + shared   # experts that can have rows
     target = 4 * sm_count
     block_m = cfg.pop("BLOCK_M", 1 if mode == "fma" else 16)
-    # K tile: 512 B of a weight row per step (FMA), 128 B (tensor cores: operands via smem)
+    # K tile: 512 B of a weight row per step (FMA), 128 B (tensor cores: operands via smem);
+    # block-fp8 weights (dtype float8_e4m3fn, 1 byte): within one 128-element scale block
     bk = (256 if mode == "fma" else 64) * 2 // dtype.itemsize
+    if dtype.itemsize == 1:
+        bk = min(bk, fp8.BLOCK)
     # FMA accumulators live in registers: BM x BN x BK fp32 products <= 32 per thread
     cap = max(1, 4096 // (block_m * bk)) if mode == "fma" else 64
     lo = min(cap, 16 if mode == "dot" else 4)
@@ -370,7 +418,9 @@ def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype:
     # one row, 8 experts x 32 blocks, down 260 -> 228 us a step, the step 1.668 -> 1.618 ms at
     # 1 x 32K; DeepSeek-V2-Lite at two rows 733 -> 672 us, 2.876 -> 2.778 ms at 2 x 1K; its one
     # row, 256 programs, stays at 2 splits: 454 against 517 us).
-    tuned = mode == "dot" and dtype.itemsize == 2
+    # Block-fp8 weights (1 byte) take the same rules: at their 128-element K tiles (the scale
+    # block) a tile holds the bytes of the 16-bit one measured above (not measured in fp8)
+    tuned = mode == "dot" and dtype.itemsize <= 2
     wide = 32 if tuned and T == 1 else None
     deep = tuned and T > 1
     few = tuned and T <= 2 and hit * -(-dim // 128) * 2 >= sm_count
@@ -391,9 +441,12 @@ def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype:
                                    2 if dtype == torch.float32 else 3))
 
 
-def row_launch(x, gate, up, down, shared) -> bool:
+def row_launch(x, gate, up, down, shared, scales=None) -> bool:
     """Whether one row takes gluon_moe's single persistent launch (sm_90, its shapes; module
-    flag gluon_moe.ENABLED) instead of the two launches here."""
+    flag gluon_moe.ENABLED) instead of the two launches here. Never for fp8 experts (scales
+    given or float8 stacks): the launch streams 16-bit weights."""
+    if scales is not None or fp8.is_fp8(gate):
+        return False
     return (gluon_moe.ENABLED and x.is_cuda and gluon_moe.unsupported(x, gate, up, down, shared)
             is None and gluon_moe.available(x.device))
 
@@ -405,14 +458,23 @@ def shared_pieces(shared, inter: int) -> int:
 
 def moe_decode(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                weights: torch.Tensor, ids: torch.Tensor, first: int,
-               config: dict | None = None, shared=None) -> torch.Tensor:
+               config: dict | None = None, shared=None, scales=None) -> torch.Tensor:
     """fused_moe's contract for T * k <= MAX_PAIRS: x [T, D]; gate, up [E, I, D]; down
     [E, D, I]; weights [T, k]; ids [T, k] global ids -> [T, D] in x.dtype. `config` overrides
     any of MOE_TUNABLES. shared: None or (gate_s [Is, D], up_s [Is, D], down_s [D, Is]), this
-    rank's shard of the shared experts, added for every token (weight 1). Every weight has a
-    unit stride along its reduction axis (D for gate / up, I or Is for down)."""
+    rank's shard of the shared experts, added for every token (weight 1). scales: None or the
+    float32 block scales (gate_s, up_s, down_s) of float8_e4m3fn stacks (module doc; not with
+    `shared`). Every weight has a unit stride along its reduction axis (D for gate / up, I or
+    Is for down)."""
     T, D = x.shape
-    if T == 1 and row_launch(x, gate, up, down, shared):
+    if scales is not None:
+        if shared is not None:
+            raise ValueError("moe_decode: shared experts take no fp8 scales (fp8 models run "
+                             "their shared experts as their own MLP)")
+        scales = fp8.expert_scales(gate, up, down, scales)
+    elif fp8.is_fp8(gate):
+        raise ValueError("moe_decode: float8 expert stacks need their block scales (scales=)")
+    if T == 1 and row_launch(x, gate, up, down, shared, scales):
         return gluon_moe.moe_row(x, gate, up, down, weights, ids, first, shared)
     E, I, _ = gate.shape
     k = ids.shape[1]
@@ -431,20 +493,35 @@ def moe_decode(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
     assert shared is None or (us.shape == gs.shape == (IS, D) and ds.shape == (D, IS))
     ids_flat = ids.reshape(-1)                                        # [N], pair p = t*k + j
     w_flat = weights.reshape(-1)
-    cfg = moe_decode_config(T, k, E, I, D, gate.dtype, sm_count_of(x.device), config, S)
+    scaled = scales is not None
+    # The launch parameters follow the weights' dtype (bytes a weight element), but fp8 weights
+    # under fp32 rows (a checking dtype) take fp32's: their tiles are converted to fp32
+    tiles = torch.float32 if scaled and x.dtype == torch.float32 else gate.dtype
+    cfg = moe_decode_config(T, k, E, I, D, tiles, sm_count_of(x.device), config, S)
     mode, bm = cfg["MODE"], cfg["BLOCK_M"]
-    precision = "ieee" if gate.dtype == torch.float32 else "tf32"
+    wdtype = x.dtype if scaled else gate.dtype            # the dtype the products run in
+    precision = "ieee" if wdtype == torch.float32 else "tf32"
     # BLOCK_P: one binary for every N <= 64
     common = dict(TOPK=k, BLOCK_P=max(64, pow2(N)), BLOCK_M=bm, MODE=mode,
                   DOT_PRECISION=precision, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
+    if scaled:                   # a K tile within one scale block: a power of two <= 128
+        gsc, usc, dsc = scales
+        common["SCALED"] = True
+        for c in (cfg["up"], cfg["down"]):
+            c["BLOCK_K"] = min(c["BLOCK_K"], fp8.BLOCK)
+            assert fp8.BLOCK % c["BLOCK_K"] == 0, c
+    else:                        # unused (SCALED off, the default): any tensor, zero strides
+        gsc = usc = dsc = gate
+    s_strides = lambda s: s.stride() if scaled else (0, 0, 0)  # noqa: E731
     rows = N + S * T                                      # pairs, then shared (s, t) pairs
     h = torch.empty((rows, I), dtype=x.dtype, device=x.device)
     c1 = cfg["up"]
     run_kernel(_gate_up_kernel, (N + S, triton.cdiv(I, c1["BLOCK_N"])),
-               x, gate, up, ids_flat, h, gs, us, N, T, first, E, D, I, IS, x.stride(0),
-               gate.stride(0), gate.stride(1), up.stride(0), up.stride(1),
-               gs.stride(0), us.stride(0), h.stride(0), **common, **c1)
+               x, gate, up, ids_flat, h, gs, us, gsc, usc, N, T, first, E, D, I, IS,
+               x.stride(0), gate.stride(0), gate.stride(1), up.stride(0), up.stride(1),
+               gs.stride(0), us.stride(0), h.stride(0), *s_strides(gsc), *s_strides(usc),
+               **common, **c1)
     splits, c2 = cfg["K_SPLITS"], cfg["down"]
     y = torch.empty((splits, rows, D), dtype=torch.float32, device=x.device)
     k_chunk = triton.cdiv(triton.cdiv(I, splits), c2["BLOCK_K"]) * c2["BLOCK_K"]
@@ -453,9 +530,9 @@ def moe_decode(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
     counters = arrival_counters(x.device, blocks) if fused else y
     block_t = min(16, pow2(T))
     run_kernel(_down_kernel, (N + S, blocks, splits),
-               h, down, w_flat, ids_flat, y, out, counters, ds, N, T, first, E, D, I, IS,
+               h, down, w_flat, ids_flat, y, out, counters, ds, dsc, N, T, first, E, D, I, IS,
                k_chunk, h.stride(0), down.stride(0), down.stride(1), ds.stride(0),
-               y.stride(0), y.stride(1), out.stride(0),
+               y.stride(0), y.stride(1), out.stride(0), *s_strides(dsc),
                K_SPLITS=splits, SHARED=S, FUSED_COMBINE=fused, BLOCK_T=block_t, **common, **c2)
     if not fused:
         bn = min(256, pow2(D))

@@ -153,16 +153,30 @@ if HAS_TRITON:
                         HAS_BIAS, BLOCK_T, BLOCK_N, BLOCK_K, SPLIT_K, DOT_PRECISION, PDL)
 
 
+    @triton.jit
+    def _dequantized_tile(w, s_ptr, ssn, n, nmask, kb0, K, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+        """An fp8 [BLOCK_N, BLOCK_K] tile whose K range starts at block kb0 -> fp32 times its
+        128 x 128 blocks' scales (a tile under 128 wide: one block)."""
+        KB: tl.constexpr = BLOCK_K // 128 if BLOCK_K >= 128 else 1
+        kb = kb0 + tl.arange(0, KB)
+        s = tl.load(s_ptr + (n // 128)[:, None] * ssn + kb[None, :],
+                    mask=nmask[:, None] & (kb * 128 < K)[None, :], other=0.0)      # [BN, KB]
+        wf = tl.reshape(w.to(tl.float32), [BLOCK_N, KB, BLOCK_K // KB]) * s[:, :, None]
+        return tl.reshape(wf, [BLOCK_N, BLOCK_K])
+
     @triton.jit(do_not_specialize=["T"])
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, h_ptr, part_ptr, cnt_ptr,
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, h_ptr, part_ptr, cnt_ptr, s_ptr,
                      T, N, K, k_chunk, inv_k, eps,
                      sxt, sxg,                      # x [T, G, K] (unit stride along K)
                      swg, swn,                      # W [G, N, K] (unit stride along K)
                      syt, syg,                      # y [T, G, N] (unit stride along N)
                      srt,                           # ADD_NORM: residual [T, K], h [T, K]
+                     ssn,                           # SCALED: scales [cdiv(N, 128), cdiv(K, 128)]
                      HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                     EARLY: tl.constexpr, PDL: tl.constexpr = False):
+                     EARLY: tl.constexpr, SCALED: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
         """y[t, g, n] = sum_k x[t, g, k] W[g, n, k] (+ bias[n]) for t < T <= ROWS: program
         (nb, g, ks) loads its whole [BLOCK_N, k_chunk] weight tile (k_chunk <= BLOCK_K, the
         K range ks * k_chunk ...) in one go (EARLY: before the PDL wait; weights are no
@@ -172,7 +186,9 @@ if HAS_TRITON:
         to arrive (the skinny kernel's ordering).
         ADD_NORM (G = 1, SPLIT_K = 1): x is the decoder's input norm of h = residual + x, which
         every program forms from the whole row it holds anyway (fused_ops' add + RMS norm
-        rule); program 0 stores h (contiguous rows) for the next layer."""
+        rule); program 0 stores h (contiguous rows) for the next layer.
+        SCALED (G = 1): W is block fp8 (helix.layers.fp8): the tile is dequantized once in
+        registers, each 128-wide K group times its block's scale (k_chunk on block edges)."""
         nb = tl.program_id(0)
         g = tl.program_id(1).to(tl.int64)
         ks = tl.program_id(2)
@@ -187,6 +203,9 @@ if HAS_TRITON:
         else:
             pdl_sync(PDL)
             w = tl.load(tile, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if SCALED:
+            w = _dequantized_tile(w, s_ptr, ssn, n, nmask, ks * k_chunk // 128, K, BLOCK_N,
+                                  BLOCK_K)
         if HAS_BIAS:
             b = tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)
         for r in tl.static_range(ROWS):
@@ -272,10 +291,12 @@ def gemv_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def gemv_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                y: torch.Tensor, config: dict | None = None, add_norm=None):
+                y: torch.Tensor, config: dict | None = None, add_norm=None,
+                scale: torch.Tensor | None = None):
     """-> (grid, args, meta) of _gemv_kernel for skinny_launch's contract where gemv_fits;
     None when y is empty. add_norm = (residual [T, K], norm weight [K], eps, h [T, K]): x is
-    the input of the add + norm (G = 1), h its residual output."""
+    the input of the add + norm (G = 1), h its residual output. scale: w [1, N, K] is block
+    fp8 with these [cdiv(N, 128), cdiv(K, 128)] scales (gemv_scaled_fits)."""
     from helix.attention.triton_splits import sm_count_of
     T, G, K = x.shape
     N = w.shape[1]
@@ -294,12 +315,37 @@ def gemv_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         cnt = arrival_counters(x.device, G * blocks)
     else:
         part = cnt = y
-    args = (x, w, bias if bias is not None else w, y, res, nw, h, part, cnt, T, N, K,
+    assert scale is None or (G == 1 and (split == 1 or (-(-K // split)) % 128 == 0)
+                             and scale.stride(1) == 1)
+    args = (x, w, bias if bias is not None else w, y, res, nw, h, part, cnt,
+            scale if scale is not None else w, T, N, K,
             -(-K // split), 1.0 / K, float(eps), x.stride(0), x.stride(1), w.stride(0),
-            w.stride(1), y.stride(0), y.stride(1), res.stride(0))
+            w.stride(1), y.stride(0), y.stride(1), res.stride(0),
+            scale.stride(0) if scale is not None else 0)
     meta = dict(HAS_BIAS=bias is not None, ADD_NORM=add_norm is not None, ROWS=rows,
                 EARLY=GEMV_EARLY, **cfg)
+    if scale is not None:
+        meta["SCALED"] = True
     return (blocks, G, split), args, meta
+
+
+def gemv_scaled_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the one-tile GEMV takes x [T, K] times a block-fp8 w [N, K] (helix.layers.fp8):
+    gemv_fits, and K ranges that start on 128-blocks where K is split."""
+    if not (HAS_TRITON and x.dim() == 2 and x.stride(-1) == 1 and w.stride(1) == 1
+            and gemv_fits(x[:, None], w[None])):
+        return False
+    K = x.shape[1]
+    split = -(-K // GEMV_MAX_K)
+    return split == 1 or (-(-K // split)) % 128 == 0
+
+
+def gemv_scaled(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear over a block-fp8 weight in one _gemv_kernel launch (where gemv_scaled_fits)."""
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    _run(gemv_launch(x[:, None], w[None], bias, y[:, None], scale=scale), _gemv_kernel)
+    return y
 
 
 def skinny_config(T: int, N: int, K: int, groups: int, sm_count: int,
@@ -389,12 +435,13 @@ def norm_in_gemv(T: int, N: int, K: int, sm_count: int) -> bool:
 
 def add_norm_linear_triton(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
                            eps: float, w: torch.Tensor, bias: torch.Tensor | None = None,
-                           config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           config: dict | None = None, scale: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """add_norm_linear in one _gemv_kernel launch (its ADD_NORM prologue)."""
     h = torch.empty(a.shape, dtype=residual.dtype, device=a.device)
     y = torch.empty((a.shape[0], w.shape[0]), dtype=a.dtype, device=a.device)
-    _run(gemv_launch(a[:, None], w[None], bias, y[:, None], config, (residual, norm_w, eps, h)),
-         _gemv_kernel)
+    _run(gemv_launch(a[:, None], w[None], bias, y[:, None], config, (residual, norm_w, eps, h),
+                     scale), _gemv_kernel)
     return y, h
 
 
@@ -441,23 +488,31 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 
 def add_norm_linear(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
-                    w: torch.Tensor, bias: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    w: torch.Tensor, bias: torch.Tensor | None = None,
+                    scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(residual + a) * norm_w, w, bias), residual + a): the decoder's residual
     add and RMS norm before a projection, in the GEMV's launch (NORM_IN_GEMV) where linear
     takes the GEMV, every operand has one 16-bit dtype and a program's weight tile has at
     least NORM_MIN_ROWS rows; elsewhere fused_ops.add_rms_norm, then linear. Every program
     re-reads the whole rows it normalises: on the H200 that paid with DeepSeek-V2-Lite's x
     projection (4 rows of 2048 a program: 1 x 32K 2.552 -> 2.531 ms) and lost with Llama-3.1-8B's
-    qkv (2 rows of 4096: 5.484 -> 5.641 ms; profiling/results/gemv.md)."""
+    qkv (2 rows of 4096: 5.484 -> 5.641 ms; profiling/results/gemv.md). scale: w is block
+    fp8 with these scales (helix.layers.fp8; the GEMV dequantizes its tile, gemv_scaled_fits),
+    its product elsewhere fp8.linear."""
     from helix.attention.triton_splits import sm_count_of
-    if (a.dim() == 2 and _fits(a, w, a.shape[0]) and w.stride(1) == 1
+    fits = (_fits(a, w, a.shape[0]) if scale is None else
+            (ENABLED and use_triton(a) and a.dtype in (torch.bfloat16, torch.float16)
+             and gemv_scaled_fits(a, w)))
+    if (a.dim() == 2 and fits and w.stride(1) == 1
             and residual.shape == a.shape
             and residual.stride(1) == 1 and residual.dtype == norm_w.dtype == a.dtype
             and norm_w.stride(0) == 1 and (bias is None or bias.dtype == a.dtype)
             and norm_in_gemv(a.shape[0], w.shape[0], w.shape[1], sm_count_of(a.device))):
-        return add_norm_linear_triton(a, residual, norm_w, eps, w, bias)
+        return add_norm_linear_triton(a, residual, norm_w, eps, w, bias, scale=scale)
     x, h = add_rms_norm(a, residual, norm_w, eps)
+    if scale is not None:
+        from helix.layers import fp8          # (fp8 takes this module's GEMV)
+        return fp8.linear(x, w, scale, bias), h
     return linear(x, w, bias), h
 
 
