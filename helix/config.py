@@ -16,6 +16,7 @@ from helix.kv.quant import KV_CACHE_DTYPES, cache_dtype
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",          # Llama's layers; a sliding window caps the context
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",

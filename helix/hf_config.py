@@ -124,6 +124,19 @@ def _quantization(cfg: dict) -> str | None:
     return "fp8"
 
 
+def _max_position(f: _Fields, cfg: dict, name: str) -> int:
+    """max_position_embeddings, capped at the sliding window where the model attends through
+    one (Mistral's sliding_window; Qwen's with use_sliding_window): within the window a
+    sliding-window layer attends to every earlier position, so Helix's full attention is
+    exact there, and longer requests are refused as too long."""
+    most = f.int("max_position_embeddings", 4096)
+    windowed = (name == "MistralForCausalLM"
+                or (name.startswith("Qwen") and f.bool("use_sliding_window")))
+    if windowed and cfg.get("sliding_window") is not None:
+        return min(most, f.int("sliding_window"))
+    return most
+
+
 def model_config_from_hf(cfg) -> ModelConfig:
     if not isinstance(cfg, dict):
         raise CheckpointError(f"config.json must hold a JSON object, got {type(cfg).__name__}: "
@@ -144,7 +157,7 @@ def model_config_from_hf(cfg) -> ModelConfig:
     common = dict(
         arch=arch, vocab_size=f.int("vocab_size"), hidden_size=hidden, num_layers=layers,
         num_heads=heads, intermediate_size=f.int("intermediate_size"),
-        rms_eps=f.float("rms_norm_eps", 1e-6), max_position=f.int("max_position_embeddings", 4096),
+        rms_eps=f.float("rms_norm_eps", 1e-6), max_position=_max_position(f, cfg, name),
         tie_embeddings=f.bool("tie_word_embeddings"), rope=_rope(f, arch),
         bos_token_id=bos[0] if bos else None, eos_token_ids=f.token_ids("eos_token_id"),
         quantization=_quantization(cfg))

@@ -41,6 +41,16 @@ def llama_config(**kw):
         **kw}))
 
 
+def mistral_config(**kw):
+    """Mistral: Llama's layers without RoPE scaling; sliding_window None (Nemo, Large 2) unless
+    given."""
+    from transformers import MistralConfig
+    return MistralConfig(**_common(**{
+        **dict(num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+               sliding_window=None, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+        **kw}))
+
+
 def qwen2_config(**kw):
     """Qwen2: bias on q/k/v, none on o_proj."""
     from transformers import Qwen2Config
@@ -98,6 +108,7 @@ def deepseek_v3_config(**kw):
 
 FAMILIES = {
     "llama": ("LlamaForCausalLM", llama_config),
+    "mistral": ("MistralForCausalLM", mistral_config),
     "qwen2": ("Qwen2ForCausalLM", qwen2_config),
     "qwen3": ("Qwen3ForCausalLM", qwen3_config),
     "qwen3_moe": ("Qwen3MoeForCausalLM", qwen3_moe_config),

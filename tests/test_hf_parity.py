@@ -57,6 +57,7 @@ def check_parity(path: str, hf, prompts=PROMPTS, rtol: float = RTOL, **runtime) 
 CASES = {  # test id -> (family, config overrides)
     "llama": ("llama", {}),
     "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True)),   # o_proj + MLP biases
+    "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "qwen3_moe": ("qwen3_moe", {}),
@@ -73,6 +74,24 @@ def test_family_matches_transformers(hf_checkpoint, case):
     family, overrides = CASES[case]
     path, hf = hf_checkpoint(family, **overrides)
     check_parity(path, hf)
+
+
+def test_a_sliding_window_caps_the_context_and_is_exact_within_it(hf_checkpoint):
+    """Mistral with sliding_window 64: every request (prompt + output) fits the window, where
+    sliding-window attention is full attention: transformers' tokens; max positions = 64, so a
+    longer prompt is refused as too long, and generation stops at the window."""
+    from helix.errors import RequestError
+    from helix.loader import read_model_config
+    path, hf = hf_checkpoint("mistral", sliding_window=64)
+    assert read_model_config(path)[0].max_position == 64
+    check_parity(path, hf, max_context=64)
+    with LLM(path, Layout(), RuntimeConfig(**{**SMALL, "max_context": 64})) as llm:
+        with pytest.raises(RequestError, match="context of 64"):
+            llm.add_request(list(range(3, 67)), SamplingParams(max_new_tokens=8))
+        rid = llm.add_request(list(range(3, 63)), SamplingParams(max_new_tokens=8))
+        while llm.has_unfinished():
+            llm.step()
+        assert len(llm.outputs[rid]) == 4 and llm.finish_reasons[rid] == "length"
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
