@@ -1,6 +1,7 @@
 """Block-fp8 projections (helix.layers.fp8.linear) against the bf16 ones a step runs
 (helix.layers.skinny_gemm.linear: the GEMV / skinny kernel at decode rows, cuBLAS past them),
-one GPU, in CUDA graphs.
+one GPU, in CUDA graphs; past two rows also both fp8 routes forced (the tiled kernel,
+`_fp8_linear_kernel`, and dequantize + cuBLAS), to place fp8.DEQUANT_ROWS.
 
 Each case is a chain of copies of one projection (distinct weights, > 256 MB in all, far over
 L2), so the weights stream from DRAM as in a step. Reported per projection: us, the weight's
@@ -44,6 +45,13 @@ def case(name: str, N: int, K: int, rows: list[int], iters: int, copy_bw: float)
         us_bf = graph_time_us(lambda: [skinny_gemm.linear(x, w) for w in bf], iters) / copies
         us_f8 = graph_time_us(lambda: [fp8.linear(x, b.weight, b.scale) for b in q],
                               iters) / copies
+        forced = {}
+        if T > 2:
+            forced["tiled_us"] = graph_time_us(
+                lambda: [fp8.linear_triton(x, b.weight, b.scale) for b in q], iters) / copies
+            forced["dequant_gemm_us"] = graph_time_us(
+                lambda: [F.linear(x, fp8.dequantize_triton(b.weight, b.scale, x.dtype))
+                         for b in q], iters) / copies
         ref = F.linear(x.float(), fp8.dequantize(q[0].weight, q[0].scale, torch.float32))
         err = float((fp8.linear(x, q[0].weight, q[0].scale).float() - ref).abs().max()
                     / ref.abs().max())
@@ -51,7 +59,7 @@ def case(name: str, N: int, K: int, rows: list[int], iters: int, copy_bw: float)
         recs.append(dict(case=name, N=N, K=K, rows=T, copies=copies,
                          bf16_us=us_bf, fp8_us=us_f8, speedup=us_bf / us_f8,
                          bf16_floor_us=N * K * 2 / copy_bw * 1e6,
-                         fp8_floor_us=f8_bytes / copy_bw * 1e6, fp8_rel_err=err,
+                         fp8_floor_us=f8_bytes / copy_bw * 1e6, fp8_rel_err=err, **forced,
                          device=torch.cuda.get_device_name()))
         print(json.dumps(recs[-1]), flush=True)
     return recs
@@ -73,7 +81,9 @@ def main():
         print(f"{r['case']:<34} rows {r['rows']:>4}: bf16 {r['bf16_us']:8.2f} us "
               f"({r['bf16_us'] / r['bf16_floor_us']:.2f} x floor), fp8 {r['fp8_us']:8.2f} us "
               f"({r['fp8_us'] / r['fp8_floor_us']:.2f} x floor), {r['speedup']:.2f} x, "
-              f"rel err {r['fp8_rel_err']:.1e}")
+              f"rel err {r['fp8_rel_err']:.1e}"
+              + (f"; tiled {r['tiled_us']:.2f}, dequant + GEMM {r['dequant_gemm_us']:.2f} us"
+                 if "tiled_us" in r else ""))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(copy_rate=copy_bw, records=recs), f, indent=1)

@@ -219,6 +219,7 @@ def production_launches(name: str):
             s = torch.empty(fp8.blocks(2112), fp8.blocks(7168), **m)
             for rows in (1, 8, 512):               # decode tiles, prefill tiles
                 fp8.linear_triton(torch.empty(rows, 7168, dtype=bf, **m), w, s)
+            fp8.dequantize_triton(w, s, bf)        # prefill chunks: dequantize, then cuBLAS
             with mock.patch.object(triton_splits, "sm_count_of", lambda device: 132):
                 for rows in (1, 2):                # the one-tile GEMV (K in 2 ranges of 3584)
                     skinny_gemm.gemv_scaled(torch.empty(rows, 7168, dtype=bf, **m), w, s)

@@ -3,8 +3,9 @@ fused_moe's sorted v1 kernels and the decode kernels of helix.layers.moe_decode 
 inner-product modes) and fused_moe_torch, against a pair-by-pair fp32 reference over the
 dequantized weights: partial scale blocks, K tiles of every width up to the 128-block, several
 rows per expert, pairs of other ranks' experts, decode batches taking the decode kernels and
-larger ones v1, never the one-row Gluon launch, the launch parameters, and the launches compile
-for sm_90 (no GPU needed).
+larger ones v1, never the one-row Gluon launch, fp8 shared experts folded into the decode
+launches (`shared_scales`), the launch parameters, and the launches compile for sm_90 (no GPU
+needed).
 
 Without CUDA the kernels run through Triton's interpreter (TRITON_INTERPRET=1, set by
 triton_mode before triton is imported). The interpreter's dot takes bf16 operands as their raw
@@ -345,7 +346,7 @@ def test_bad_arguments_raise():
     x, gate, up, down, weights, ids, scales = _problem(2, E, I, D, 2, first, n_global, seed=1)
     gs, us, ds = scales
     shared = (torch.zeros(8, D), torch.zeros(8, D), torch.zeros(D, 8))
-    for variant in ("v1", "decode", "auto"):
+    for variant in ("v1", "decode", "auto"):         # shared with scales: no shared_scales
         with pytest.raises(ValueError, match="shared"):
             fm.fused_moe(x, gate, up, down, weights, ids, first, variant=variant,
                          shared=shared, scales=scales)
@@ -355,12 +356,178 @@ def test_bad_arguments_raise():
         fm.fused_moe_torch(x, gate, up, down, weights, ids, first, scales=(gs, us, ds[:, :, :1]))
     with pytest.raises(ValueError):                      # the variant is still checked
         fm.fused_moe(x, gate, up, down, weights, ids, first, variant="v2", scales=scales)
-    with pytest.raises(ValueError, match="shared"):      # the decode kernels themselves
+    with pytest.raises(ValueError, match="shared_scales"):   # the decode kernels themselves
         md.moe_decode(x, gate, up, down, weights, ids, first, shared=shared, scales=scales)
     with pytest.raises(ValueError, match="scales"):      # fp8 stacks without their scales
         md.moe_decode(x, gate, up, down, weights, ids, first)
     with pytest.raises(ValueError):
         md.moe_decode(x, gate, up, down, weights, ids, first, scales=(gs, us, ds[:, :1]))
+
+
+# -- fp8 shared experts folded into the decode launches (shared_scales) --------------------------
+
+FOLD_SHAPES = [  # E_local, I, D, first, n_global, Is: I % 128 == 0 (shared_scales_fit)
+    (3, 128, 136, 0, 5, 256),     # Is = 2 I; partial last blocks of D (gate / up K, down rows)
+    (4, 128, 256, 4, 12, 384),    # Is = 3 I: pieces starting on scale columns 0, 1, 2
+]
+
+
+def _fp8_shared(Is, D, seed, k_major=False):
+    """An fp8 shared-expert shard as ParallelMLP's fp8 views give it: gate and up the rows
+    [0, Is) and [Is, 2 Is) of ONE merged [2 Is, D] gate_up weight quantized as one tensor, their
+    scales the rows [0, Is/128) and [Is/128, 2 Is/128) of its scale grid (views: row strides of
+    the merged tensors); down [D, Is]. k_major: the scale grids stored K-major (their stride
+    along K is not 1). -> ((gate, up, down), (gate_ss, up_ss, down_ss))"""
+    g = torch.Generator().manual_seed(seed)
+    gu, gus = _quantize(torch.randn(1, 2 * Is, D, generator=g) / D ** 0.5)
+    dn, dns = _quantize(torch.randn(1, D, Is, generator=g) / Is ** 0.5)
+    gu, gus, dn, dns = (t[0].to(DEV) for t in (gu, gus, dn, dns))
+    if k_major:
+        gus, dns = (t.t().contiguous().t() for t in (gus, dns))
+        assert gus.stride(1) != 1 and dns.stride(1) != 1
+    nb = Is // B
+    return (gu[:Is], gu[Is:], dn), (gus[:nb], gus[nb:], dns)
+
+
+def _shared_reference(x, shared, shared_scales):
+    """The shared MLP in fp32 over the dequantized shard: silu(x Wg^T) * (x Wu^T) Wd^T."""
+    g, u, d = (_dequantize(w[None], s[None])[0] for w, s in zip(shared, shared_scales))
+    x = x.float().cpu()
+    return (F.silu(x @ g.t()) * (x @ u.t())) @ d.t()
+
+
+def _fold_problem(shape, T, k, seed, **kw):
+    E, I, D, first, n_global, Is = shape
+    x, gate, up, down, weights, ids, scales = _decode_problem((E, I, D, first, n_global), T, k,
+                                                              seed)
+    shared, shared_scales = _fp8_shared(Is, D, seed + 1, **kw)
+    ref = (_reference(x, gate, up, down, weights, ids, first, scales)
+           + _shared_reference(x, shared, shared_scales))
+    return x, gate, up, down, weights, ids, scales, shared, shared_scales, ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", DECODE_MODES, ids=_ids)
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("shape", FOLD_SHAPES, ids=lambda s: "I{1}-D{2}-Is{5}".format(*s))
+def test_decode_kernels_fold_fp8_shared_experts(shape, T, config, dtype):
+    """moe_decode with fp8 routed experts and the fp8 shared-expert shard (views of a merged
+    gate_up weight and of its scale grid) = the routed pairs plus the shared MLP of every token
+    over the dequantized weights; FMA and tensor-core products; both launches lead the shared
+    pieces (grid N + S)."""
+    x, gate, up, down, weights, ids, scales, shared, ss, ref = _fold_problem(shape, T, 2,
+                                                                             seed=T * 5 + 1)
+    grids, real = [], md.run_kernel
+
+    def record(kernel, grid, *a, **meta):
+        grids.append((grid[0], meta["SCALED"], meta["SHARED"]))
+        return real(kernel, grid, *a, **meta)
+    ctx = _bf16_interpreter() if dtype == torch.bfloat16 else contextlib.nullcontext()
+    with ctx, mock.patch.object(md, "run_kernel", record):
+        out = md.moe_decode(x.to(dtype), gate, up, down, weights.to(dtype), ids, shape[3],
+                            config, shared=shared, scales=scales, shared_scales=ss)
+    S = shape[5] // shape[1]
+    assert grids == [(T * 2 + S, True, S)] * 2
+    _check(out, ref, x, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("config", [
+    dict(mode="fma", BLOCK_M=2, K_SPLITS=2, up_BLOCK_K=32, down_BLOCK_K=32, **WIDE),
+    dict(mode="dot", K_SPLITS=3, FUSED_COMBINE=False, up_BLOCK_K=64, down_BLOCK_K=32, **WIDE),
+    dict(mode="dot", up_BLOCK_N=16, down_BLOCK_N=32, K_SPLITS=2, num_stages=1)], ids=_ids)
+def test_decode_kernels_fold_fp8_shared_tiles(config, dtype):
+    """Folded fp8 shared experts of wider pieces (I 256: a piece's K blocks 2 s and 2 s + 1)
+    with K splits inside the pieces (256 in 2: ranges from 0 and 128; in 3 of 32-wide tiles:
+    from 0, 96 and 192, BLOCK_K multiples), several K tiles per block, row blocks of 2, the
+    unfused k-sum, narrow feature blocks, scale grids stored K-major (a K stride other than 1)."""
+    shape = (3, 256, 136, 0, 5, 512)
+    x, gate, up, down, weights, ids, scales, shared, ss, ref = _fold_problem(
+        shape, 6, 4, seed=23, k_major=True)
+    out = md.moe_decode(x.to(dtype), gate, up, down, weights.to(dtype), ids, shape[3], config,
+                        shared=shared, scales=scales, shared_scales=ss)
+    _check(out, ref, x, dtype)
+
+
+def test_fold_fp8_shared_a_short_last_piece():
+    """Is not a multiple of I (nor of 128): the last piece is short and its last scale block
+    partial (gate / up quantized on their own: no merged grid splits there)."""
+    E, I, D, first, n_global, Is = 3, 128, 136, 0, 5, 200
+    x, gate, up, down, weights, ids, scales = _decode_problem((E, I, D, first, n_global), 3, 2,
+                                                              seed=29)
+    g = torch.Generator().manual_seed(30)
+    ws = [_quantize(torch.randn(1, *s, generator=g) / s[1] ** 0.5)
+          for s in ((Is, D), (Is, D), (D, Is))]
+    shared = tuple(w[0].to(DEV) for w, _ in ws)
+    ss = tuple(s[0].to(DEV) for _, s in ws)
+    ref = (_reference(x, gate, up, down, weights, ids, first, scales)
+           + _shared_reference(x, shared, ss))
+    for mode in ("fma", "dot"):
+        out = md.moe_decode(x, gate, up, down, weights, ids, first, dict(mode=mode, **WIDE),
+                            shared=shared, scales=scales, shared_scales=ss)
+        _check(out, ref, x, torch.float32)
+
+
+def test_fused_moe_folds_fp8_shared_experts_on_the_decode_kernels():
+    """fused_moe passes shared_scales to moe_decode where the decode kernels run; v1 (past
+    MAX_PAIRS, or asked for) still refuses any `shared`."""
+    shape = FOLD_SHAPES[0]
+    x, gate, up, down, weights, ids, scales, shared, ss, ref = _fold_problem(shape, 3, 2, seed=8)
+    calls, real = [], md.moe_decode
+
+    def spy(*a, **kw):
+        calls.append(kw["shared_scales"])
+        return real(*a, **kw)
+    with mock.patch.object(md, "moe_decode", spy):
+        out = fm.fused_moe(x, gate, up, down, weights, ids, shape[3], variant="decode",
+                           shared=shared, scales=scales, shared_scales=ss,
+                           config=dict(mode="dot", **WIDE))
+    assert len(calls) == 1 and all(a is b for a, b in zip(calls[0], ss))
+    _check(out, ref, x, torch.float32)
+    with pytest.raises(ValueError, match="decode kernels"):
+        fm.fused_moe(x, gate, up, down, weights, ids, shape[3], variant="v1", shared=shared,
+                     scales=scales, shared_scales=ss)
+
+
+def test_shared_scales_fit():
+    assert md.shared_scales_fit(128) and md.shared_scales_fit(256)
+    assert md.shared_scales_fit(1408) and md.shared_scales_fit(2048)
+    assert not md.shared_scales_fit(200) and not md.shared_scales_fit(64)
+    assert not md.shared_scales_fit(0)
+
+
+def test_fold_fp8_shared_bad_arguments_raise():
+    """shared with scales but no shared_scales; shared_scales without scales or without shared;
+    routed experts of a width I % 128 != 0; shared scales that do not fit their weights;
+    16-bit shared weights beside scales."""
+    shape = FOLD_SHAPES[0]
+    E, I, D, first = shape[:4]
+    x, gate, up, down, weights, ids, scales, shared, ss, _ = _fold_problem(shape, 2, 2, seed=3)
+    call = lambda **kw: md.moe_decode(x, gate, up, down, weights, ids, first, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match="shared_scales"):
+        call(shared=shared, scales=scales)
+    w16 = [fp8.dequantize(w, s, torch.float32) for w, s in zip((gate, up, down), scales)]
+    s16 = tuple(fp8.dequantize(w, s, torch.float32) for w, s in zip(shared, ss))
+    with pytest.raises(ValueError, match="shared_scales"):           # no scales: 16-bit stacks
+        md.moe_decode(x, *w16, weights, ids, first, shared=s16, shared_scales=ss)
+    with pytest.raises(ValueError, match="shared_scales"):           # no shared
+        call(scales=scales, shared_scales=ss)
+    with pytest.raises(ValueError, match="shared_scales"):
+        fm.fused_moe(x, *w16, weights, ids, first, variant="decode", shared=s16,
+                     shared_scales=ss)
+    with pytest.raises(ValueError, match="float8"):                  # 16-bit shared weights
+        call(shared=s16, scales=scales, shared_scales=ss)
+    with pytest.raises(ValueError, match="want"):                    # a grid that does not fit
+        call(shared=shared, scales=scales, shared_scales=(ss[0], ss[1], ss[2][:, :1]))
+    with pytest.raises(ValueError, match="float32"):
+        call(shared=shared, scales=scales, shared_scales=(ss[0].double(), *ss[1:]))
+    # routed experts of I = 200: pieces of 200 columns would cut the shard's scale blocks
+    x2, g2, u2, d2, w2, i2, sc2 = _problem(2, 3, 200, D, 2, 0, 5, seed=4)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        md.moe_decode(x2, g2, u2, d2, w2, i2, 0, shared=shared, scales=sc2, shared_scales=ss)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fm.fused_moe(x2, g2, u2, d2, w2, i2, 0, variant="decode", shared=shared, scales=sc2,
+                     shared_scales=ss)
 
 
 def test_one_row_never_takes_the_gluon_launch_with_fp8():
@@ -430,8 +597,30 @@ def test_launch_parameters_on_meta_tensors():
                 assert meta["DOT_PRECISION"] == ("ieee" if dt == torch.float32 else "tf32")
                 assert meta["num_stages"] == c["num_stages"] and 128 % meta["BLOCK_K"] == 0
             assert a1[7] is scales[0] and a1[8] is scales[1] and a2[8] is scales[2]
-            assert a1[-6:] == (*scales[0].stride(), *scales[1].stride())
-            assert a2[-3:] == scales[2].stride()
+            assert a1[-10:-4] == (*scales[0].stride(), *scales[1].stride())
+            assert a2[-5:-2] == scales[2].stride()
+            assert a1[-4:] == (0,) * 4 and a2[-2:] == (0,) * 2      # no shared scales
+            assert m1["SHARED"] == m2["SHARED"] == 0
+            # fp8 shared experts folded (DeepSeek-V3 tpf = 8: I 256, Is 256): SHARED = S in both
+            # launches, the shard's scale views and their strides (a merged grid's row views)
+            I8, Is = 256, 256
+            g8, u8 = (torch.empty(E, I8, D, dtype=FP8, **m) for _ in range(2))
+            d8 = torch.empty(E, D, I8, dtype=FP8, **m)
+            sc8 = (torch.empty(E, I8 // B, D // B, **m), torch.empty(E, I8 // B, D // B, **m),
+                   torch.empty(E, D // B, I8 // B, **m))
+            gu, gus = torch.empty(2 * Is, D, dtype=FP8, **m), torch.empty(2 * Is // B, D // B, **m)
+            shared = (gu[:Is], gu[Is:], torch.empty(D, Is, dtype=FP8, **m))
+            ss = (gus[:Is // B], gus[Is // B:], torch.empty(D // B, Is // B, **m))
+            launches.clear()
+            out = fm.fused_moe(x, g8, u8, d8, torch.empty(T, k, dtype=dt, **m), ids, 64,
+                               variant="decode", scales=sc8, shared=shared, shared_scales=ss)
+            assert out.shape == (T, D) and out.dtype == dt
+            (k1, g1, a1, m1), (k2, g2, a2, m2) = launches
+            assert g1[0] == g2[0] == T * k + 1
+            assert m1["SCALED"] is m2["SCALED"] is True and m1["SHARED"] == m2["SHARED"] == 1
+            assert a1[5] is shared[0] and a1[6] is shared[1] and a2[7] is shared[2]
+            assert a1[9] is ss[0] and a1[10] is ss[1] and a2[9] is ss[2]
+            assert a1[-4:] == (*ss[0].stride(), *ss[1].stride()) and a2[-2:] == ss[2].stride()
         w = lambda *s: torch.empty(*s, dtype=torch.bfloat16, **m)  # noqa: E731
         for variant in ("v1", "decode"):         # 16-bit stacks: the launches without scales
             launches.clear()
@@ -474,6 +663,20 @@ _COMPILE_SCRIPT = textwrap.dedent("""
             fm.fused_moe(torch.empty(T, D, dtype=dt, **m), f8(E, I, D), f8(E, I, D), f8(E, D, I),
                          torch.empty(T, k, dtype=dt, **m), ids, 0, variant=variant,
                          config=config, scales=scales)
+        # fp8 shared experts folded into the decode kernels, bf16 at 1 and 4 rows: DeepSeek-V3
+        # with the experts split 8 ways (256 local experts of I 2048 / 8, the shared expert's
+        # shard Is 256 as views of the merged gate_up weight and of its scale grid)
+        E, I, Is = 256, 256, 256
+        scales = (f32(E, I // 128, D // 128), f32(E, I // 128, D // 128),
+                  f32(E, D // 128, I // 128))
+        gu, gus = f8(2 * Is, D), f32(2 * Is // 128, D // 128)
+        shared = (gu[:Is], gu[Is:], f8(D, Is))
+        shared_scales = (gus[:Is // 128], gus[Is // 128:], f32(D // 128, Is // 128))
+        for T in (1, 4):
+            fm.fused_moe(torch.empty(T, D, dtype=torch.bfloat16, **m), f8(E, I, D), f8(E, I, D),
+                         f8(E, D, I), torch.empty(T, k, dtype=torch.bfloat16, **m),
+                         torch.empty(T, k, dtype=torch.int64, **m), 0, variant="decode",
+                         scales=scales, shared=shared, shared_scales=shared_scales)
     json.dump([compile_sm90(k, a, kw) for k, a, kw in launches], open(sys.argv[1], "w"))
 """)
 
@@ -485,16 +688,17 @@ def test_fp8_launches_compile_for_sm90(tmp_path):
     spills: v1 on mma (decode) and wgmma (64 rows, prefill), the decode kernels on mma or FMA
     (their down launch on tensor cores at one row still DOWN_CTAS_PER_SM programs an SM). fp32
     activations (a checking dtype: ieee FMA products) compile but spill: the e4m3 -> fp32 tile
-    conversion, not the scaling."""
+    conversion, not the scaling. The decode kernels with fp8 shared experts folded (bf16, 1 and
+    4 rows): no spills either, the one-row down launch still DOWN_CTAS_PER_SM programs an SM."""
     from profiling.kernel_resources import SM90_SMEM_LIMIT
     out = tmp_path / "resources.json"
     sm90_compile.run(tmp_path, ["-c", _COMPILE_SCRIPT, str(out)], timeout=600, fp_fusion=True)
     records = json.loads(out.read_text())
-    assert len(records) == 4 * 2 + 5 * 2
+    assert len(records) == 4 * 2 + 5 * 2 + 2 * 2
     for r in records:
         assert r["constexprs"]["SCALED"] is True, r
         assert r["shared_bytes"] <= SM90_SMEM_LIMIT, r
-    v1, decode = records[:8], records[8:]
+    v1, decode, folded = records[:8], records[8:18], records[18:]
     half = v1[:6]                                        # bf16 and fp16 activations
     assert all(r["stack_bytes"] <= 64 and r["local_loads"] == 0 for r in half), half
     assert all(r["constexprs"]["DOT_PRECISION"] == "ieee" for r in v1[6:]), v1[6:]
@@ -507,6 +711,17 @@ def test_fp8_launches_compile_for_sm90(tmp_path):
     assert [r["constexprs"]["MODE"] for r in half[4:6]] == [md.MODES["fma"]] * 2, half[4:6]
     assert all(r["constexprs"]["DOT_PRECISION"] == "ieee" for r in decode[8:]), decode[8:]
     assert all(r["constexprs"]["BLOCK_K"] <= 128 for r in decode), decode
+    assert all(r["constexprs"]["SHARED"] == 0 for r in decode), decode
     down = half[1]                                       # one row, 128-wide feature blocks
     assert down["kernel"] == "_down_kernel" and down["constexprs"]["BLOCK_N"] == 128, down
+    assert down["registers"] * 32 * down["num_warps"] * md.DOWN_CTAS_PER_SM <= 65536, down
+    # fp8 shared experts folded: the shared branch compiled (SHARED = 1 piece), tensor cores,
+    # K tiles of the scale block, no spills
+    assert [r["kernel"] for r in folded] == ["_gate_up_kernel", "_down_kernel"] * 2, folded
+    for r in folded:
+        c = r["constexprs"]
+        assert c["SHARED"] == 1 and c["MODE"] == md.MODES["dot"] and c["BLOCK_K"] == 128, r
+        assert r["stack_bytes"] == 0 and r["local_loads"] == 0 and r["hmma"] > 0, r
+    down = folded[1]
+    assert down["constexprs"]["BLOCK_N"] == 128, down
     assert down["registers"] * 32 * down["num_warps"] * md.DOWN_CTAS_PER_SM <= 65536, down

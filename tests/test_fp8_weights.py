@@ -228,6 +228,16 @@ def test_the_gemv_takes_fp8_only_where_k_splits_on_block_edges():
     assert skinny_gemm.gemv_scaled_fits(torch.zeros(2, 1024), w[:, :1024].contiguous())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_the_dequantize_kernel_is_dequantize(dtype):
+    """Prefill-sized products dequantize first (one fp32 product an element, one rounding):
+    bitwise torch's formula, partial blocks included."""
+    g = torch.Generator().manual_seed(5)
+    b = fp8.quantize(torch.randn(200, 300, generator=g))
+    got = fp8.dequantize_triton(b.weight.to(DEV), b.scale.to(DEV), dtype).cpu()
+    assert torch.equal(got, fp8.dequantize(b.weight, b.scale, dtype))
+
+
 def test_the_torch_path_is_the_dequantized_product():
     b = fp8.quantize(torch.randn(64, 96))
     x = torch.randn(3, 96)
@@ -359,10 +369,11 @@ def test_fp8_products_compile_for_sm90_without_spills(tmp_path):
     assert [r["kernel"] for r in records].count("_gemv_kernel") == 3
     assert all(r["constexprs"]["SCALED"] for r in records if r["kernel"] == "_gemv_kernel")
     assert {r["kernel"] for r in records} == {"_fp8_linear_kernel", "_gemv_kernel",
-                                              "_gate_up_kernel", "_down_kernel"}
+                                              "_dequant_kernel", "_gate_up_kernel",
+                                              "_down_kernel"}
     for r in records:                       # the GEMV: fp32 FMA products, by design
         assert r["stack_bytes"] == 0, r
-        assert r["kernel"] == "_gemv_kernel" or r["hgmma"] + r["hmma"] > 0, r
+        assert r["kernel"] in ("_gemv_kernel", "_dequant_kernel") or r["hgmma"] + r["hmma"], r
 
 
 @pytest.mark.gpu
@@ -397,8 +408,8 @@ def test_a_sweep_runs_and_records_fp8_weights(tmp_path):
 
 
 def test_fp8_products_dispatch_by_rows():
-    """On CUDA: one or two rows take the GEMV (its add + norm too), more rows the tiled kernel;
-    elsewhere the dequantized product."""
+    """On CUDA: one or two rows take the GEMV (its add + norm too), up to DEQUANT_ROWS the tiled
+    kernel, more the dequantized weight in a GEMM; elsewhere the dequantized product."""
     from unittest import mock
 
     from helix.layers import skinny_gemm as sg
@@ -411,6 +422,12 @@ def test_fp8_products_dispatch_by_rows():
             mock.patch.object(sg, "add_norm_linear_triton", lambda *a, **kw: ("fused", None)):
         assert fp8.linear(torch.zeros(2, 512), b.weight, b.scale) == "gemv"
         assert fp8.linear(torch.zeros(3, 512), b.weight, b.scale) == "tiled"
+        assert fp8.linear(torch.zeros(fp8.DEQUANT_ROWS, 512), b.weight, b.scale) == "tiled"
+        with mock.patch.object(fp8, "dequantize_triton",
+                               lambda w, s, dt: fp8.dequantize(w, s, dt)):
+            x = torch.randn(fp8.DEQUANT_ROWS + 1, 512)        # prefill rows: dequantize, GEMM
+            assert torch.equal(fp8.linear(x, b.weight, b.scale),
+                               x @ fp8.dequantize(b.weight, b.scale, torch.float32).t())
         x16 = torch.zeros(1, 512, dtype=torch.bfloat16)
         assert sg.add_norm_linear(x16, x16, norm_w.bfloat16(), 1e-6, b.weight,
                                   scale=b.scale)[0] == "fused"
@@ -421,3 +438,51 @@ def test_fp8_products_dispatch_by_rows():
     x = torch.randn(1, 512)
     assert torch.equal(fp8.linear(x, b.weight, b.scale),
                        x @ fp8.dequantize(b.weight, b.scale, torch.float32).t())
+
+
+def test_fp8_shared_experts_ride_in_the_experts_launches(fp8_ckpt):
+    """Where the experts take the fused kernels (here forced on CPU: the kernels run in the
+    interpreter), an fp8 model's shared experts are folded into moe_decode's launches with
+    their block scales, and the run equals the one with the shared experts as their own MLP."""
+    import inspect
+    from unittest import mock
+
+    from helix.layers import moe_decode
+    from helix.layers.moe import LocalExperts
+    path, _, _ = fp8_ckpt("deepseek_v3", wide=True)
+    rt = RuntimeConfig(**SMALL)
+
+    def run():
+        with LLM(path, Layout(), rt) as llm:
+            out = llm.generate(PROMPTS, SamplingParams(max_new_tokens=4, ignore_eos=True))
+            return out, llm.engine.last_logits.float().clone()
+
+    plain, plain_logits = run()
+    calls = []
+    real = moe_decode.moe_decode
+
+    def spy(*args, **kw):
+        bound = inspect.signature(real).bind(*args, **kw).arguments
+        calls.append(bound.get("shared") is not None and bound.get("shared_scales") is not None)
+        return real(*args, **kw)
+
+    with mock.patch.object(LocalExperts, "graph_safe", property(lambda self: True)), \
+            mock.patch.object(moe_decode, "moe_decode", spy):
+        folded, folded_logits = run()
+    assert calls and all(calls)
+    assert folded == plain
+    torch.testing.assert_close(folded_logits, plain_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_memory_plan_keeps_room_for_a_dequantized_projection():
+    """Prefill chunks multiply a dequantized copy of each fp8 projection: the activation
+    reserve holds the largest (Llama-3.1-70B on one rank: gate_up, 2 x 28672 x 8192 bf16)."""
+    from helix.runtime.memory import activation_reserve
+    cfg, _ = read_model_config("llama-3.1-70b")
+    rt = dict(device="cuda", dtype="bfloat16")
+    plain = activation_reserve(cfg, Layout(), RuntimeConfig(**rt))
+    assert activation_reserve(cfg, Layout(), RuntimeConfig(**rt, quantization="none")) == plain
+    extra = activation_reserve(cfg, Layout(), RuntimeConfig(**rt, quantization="fp8")) - plain
+    assert extra == 2 * 28672 * 8192 * 2
+    halves = activation_reserve(cfg, Layout(tpa=2), RuntimeConfig(**rt, quantization="fp8"))
+    assert halves - activation_reserve(cfg, Layout(tpa=2), RuntimeConfig(**rt)) == extra // 2

@@ -18,11 +18,14 @@ edge and ends on one (or at the tensor's end), and the parts of a merged project
 (`aligned`): a layer whose shard cuts a block stays 16-bit (dequantized), and the log says how
 many did.
 
-Products (`linear`): on CUDA (sm_89+) one Triton launch, `_fp8_linear_kernel`: grid (row
-blocks, feature blocks), each K step loads an fp8 [BLOCK_K, BLOCK_N] weight tile, converts it
-to the activation's dtype and adds its tl.dot times the tile's per-feature block scale to an
-fp32 accumulator (weights only in fp8: activations stay 16-bit, no activation scales). The
-output is rounded once. Elsewhere: F.linear over the dequantized weight (the reference path).
+Products (`linear`), on CUDA (sm_89+): one or two rows, skinny_gemm's one-tile GEMV with the
+tile dequantized in registers; up to DEQUANT_ROWS rows, `_fp8_linear_kernel`: grid (row blocks,
+feature blocks), each K step loads an fp8 [BLOCK_K, BLOCK_N] weight tile, converts it to the
+activation's dtype and adds its tl.dot times the tile's per-feature block scale to an fp32
+accumulator, rounded once; more rows (prefill chunks: compute-bound), `_dequant_kernel` writes
+the weight in the activation's dtype and cuBLAS multiplies (the dequantization streams ~5 bytes
+an element once, against 2 * rows FLOPs an element). Weights only in fp8: activations stay
+16-bit, no activation scales. Elsewhere: F.linear over the dequantized weight (the reference).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from helix.layers.fused_ops import use_triton
 from helix.triton_util import HAS_TRITON, pdl_sync, run_kernel, tl, triton
 
 BLOCK = 128                    # the scale grid's block, both axes
+DEQUANT_ROWS = 128             # past this many rows: dequantize, then cuBLAS (module flag; not
+                               # yet measured: profiling/bench_fp8_linear.py times all three)
 DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0                # e4m3's largest finite value
 
@@ -208,6 +213,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     if use_triton(x):
         if x.dim() == 2 and skinny_gemm.gemv_scaled_fits(x, w):
             return skinny_gemm.gemv_scaled(x, w, scale, bias)
+        if x.numel() // max(1, x.shape[-1]) > DEQUANT_ROWS:
+            return F.linear(x, dequantize_triton(w, scale, x.dtype), bias)
         return linear_triton(x, w, scale, bias)
     return F.linear(x, dequantize(w, scale, x.dtype), bias)
 
@@ -247,7 +254,32 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     return y.view(*shape[:-1], N)
 
 
+def dequantize_triton(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize's kernel, whatever the device: [N, K] e4m3 -> [N, K] in dtype."""
+    N, K = w.shape
+    assert w.stride(1) == 1 and is_fp8(w) and tuple(scale.shape) == (blocks(N), blocks(K))
+    out = torch.empty((N, K), dtype=dtype, device=w.device)
+    if out.numel():
+        run_kernel(_dequant_kernel, (blocks(N), blocks(K)), w, scale, out, N, K, w.stride(0),
+                   scale.stride(0), scale.stride(1), out.stride(0), BLOCK=BLOCK, num_warps=4)
+    return out
+
+
 if HAS_TRITON:
+    @triton.jit
+    def _dequant_kernel(w_ptr, s_ptr, o_ptr, N, K, stride_wn, stride_sn, stride_sk, stride_on,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+        """Program (i, j): the 128 x 128 block (i, j) times its scale, in o's dtype."""
+        i, j = tl.program_id(0), tl.program_id(1)
+        n = i * BLOCK + tl.arange(0, BLOCK)
+        k = j * BLOCK + tl.arange(0, BLOCK)
+        m = (n < N)[:, None] & (k < K)[None, :]
+        pdl_sync(PDL)
+        s = tl.load(s_ptr + i * stride_sn + j * stride_sk)
+        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :], mask=m, other=0.0)
+        tl.store(o_ptr + n.to(tl.int64)[:, None] * stride_on + k[None, :],
+                 (w.to(tl.float32) * s).to(o_ptr.dtype.element_ty), mask=m)
+
     @triton.jit
     def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, T, N, K,
                            stride_xt, stride_wn, stride_sn, stride_yt,
@@ -275,4 +307,4 @@ if HAS_TRITON:
         tl.store(y_ptr + t[:, None].to(tl.int64) * stride_yt + n[None, :],
                  acc.to(y_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
 else:                                   # pragma: no cover - triton absent
-    _fp8_linear_kernel = None
+    _fp8_linear_kernel = _dequant_kernel = None

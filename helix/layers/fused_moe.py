@@ -30,8 +30,9 @@ in torch.float8_e4m3fn with float32 block scales gate_s, up_s [E, cdiv(I, 128), 
 and down_s [E, cdiv(D, 128), cdiv(I, 128)], passed as scales=(gate_s, up_s, down_s); the weight
 is w[e, n, k] = w8[e, n, k] * s[e, n // 128, k // 128] (helix.layers.fp8.dequantize; the
 last block of either axis may be partial). With scales the kernels are chosen as for 16-bit
-stacks: decode batches (decode_kernels) take moe_decode with the scales (its module doc; no
-`shared`: fp8 models run their shared experts as their own MLP), the rest the v1 kernels. Both
+stacks: decode batches (decode_kernels) take moe_decode with the scales (its module doc; with
+`shared`, the shard in fp8 too and its block scales as shared_scales, where
+moe_decode.shared_scales_fit(I)), the rest the v1 kernels (no `shared` there). Both
 compile with SCALED: each fp8 weight tile is converted to x.dtype and its product scaled per
 output feature in fp32, acc += dot(x_tile, w_tile) * s[e, n // 128, k0 // 128] (BLOCK_K divides
 128, so a K tile never straddles two scale blocks). h stays in x.dtype; without scales the
@@ -226,26 +227,27 @@ if HAS_TRITON:
 
 def fused_moe(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
               weights: torch.Tensor, ids: torch.Tensor, first: int, variant: str | None = None,
-              config: dict | None = None, shared=None, scales=None) -> torch.Tensor:
+              config: dict | None = None, shared=None, scales=None,
+              shared_scales=None) -> torch.Tensor:
     """x [T, D]; gate, up [E, I, D]; down [E, D, I]; weights [T, k]; ids [T, k] global expert
     ids (int64) -> [T, D] in x.dtype: this rank's experts' weighted sum (fp32 accumulation).
     variant: None (VARIANT), "v1", "decode" or "auto"; config: moe_decode's tunables;
     shared: moe_decode's shared-expert shard, only where decode_kernels(T * k, variant).
     scales: None, or (gate_s, up_s, down_s) float32 128 x 128 block scales of float8_e4m3fn
-    stacks (module doc): the same choice of kernels as 16-bit stacks, and no `shared`."""
+    stacks (module doc): the same choice of kernels as 16-bit stacks. shared_scales: with
+    scales and `shared`, the fp8 shard's block scales (moe_decode's; required there)."""
     T, D = x.shape
     E, I, _ = gate.shape
     k = ids.shape[1]
     N = T * k
     decode = decode_kernels(N, variant)                  # also validates the variant
     if scales is not None:
-        if shared is not None:
-            raise ValueError("fused_moe: shared experts take no fp8 scales (fp8 models run "
-                             "their shared experts as their own MLP)")
         scales = fp8.expert_scales(gate, up, down, scales)
     if decode and E:
         return moe_decode.moe_decode(x, gate, up, down, weights, ids, first, config, shared,
-                                     scales=scales)
+                                     scales=scales, shared_scales=shared_scales)
+    if shared_scales is not None and shared is None:
+        raise ValueError("fused_moe: shared_scales go with fp8 shared experts (shared=)")
     if shared is not None:
         raise ValueError("fused_moe: shared experts ride only on the decode kernels")
     if N == 0 or E == 0:

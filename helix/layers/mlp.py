@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from helix.layers import fp8
 from helix.layers.fused_ops import silu_mul
 from helix.layers.linear import MergedColumnLinear, RowShardLinear
 from helix.parallel.comm import Comm
@@ -31,6 +32,18 @@ class ParallelMLP(nn.Module):
             return None
         gate, up = self.gate_up_proj.weight.split(self.gate_up_proj.sizes, dim=0)
         return gate, up, self.down_proj.weight
+
+    def fp8_shards(self):
+        """-> ((gate, up, down) block-fp8 weight views, (gate, up, down) their block-scale views)
+        of an fp8 MLP (helix.layers.fp8), or None: 16-bit, biases, or gate / up split inside a
+        128-block (the merged scale grid then holds rows of both)."""
+        gu, dn = self.gate_up_proj, self.down_proj
+        if (gu.weight_scale is None or dn.weight_scale is None or gu.bias is not None
+                or dn.bias is not None or gu.sizes[0] % fp8.BLOCK):
+            return None
+        gate, up = gu.weight.split(gu.sizes, dim=0)
+        g_s, u_s = gu.weight_scale.split([fp8.blocks(n) for n in gu.sizes], dim=0)
+        return (gate, up, dn.weight), (g_s, u_s, dn.weight_scale)
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         """x [T, D] replicated -> [T, D] (replicated if reduce, else this rank's partial sum)."""

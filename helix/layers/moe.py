@@ -102,15 +102,16 @@ class LocalExperts(nn.Module):
         """Whether forward can add the shared experts' shard in its own launches (the decode
         kernels)."""
         return (self.graph_safe and fm.FOLD_SHARED and fm.decode_kernels(ids.numel())
-                and x.dtype == self.gate_proj.dtype and not self.fp8)
+                and (self.fp8 or x.dtype == self.gate_proj.dtype))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                shared=None) -> torch.Tensor:
+                shared=None, shared_scales=None) -> torch.Tensor:
         """x [T, D], weights/ids [T, k] -> partial [T, D] from this rank's experts, plus the
         shared experts' shard (gate, up, down) where given (only if takes_shared)."""
         if self.graph_safe:
             return fused_moe(x, self.gate_proj, self.up_proj, self.down_proj, weights, ids,
-                             self.first, shared=shared, scales=self.scales())
+                             self.first, shared=shared, scales=self.scales(),
+                             shared_scales=shared_scales)
         assert shared is None
         out = torch.zeros_like(x)
         local = ids - self.first
@@ -178,10 +179,26 @@ class MoE(nn.Module):
             return out, h
         return run
 
+    def _folded(self, x, ids):
+        """-> (shared expert shards, their block scales or None) for the experts' launches
+        (LocalExperts.takes_shared), or None: the shared experts then run as their own MLP.
+        Both 16-bit, or both block fp8 with the shard scales fitting moe_decode's tiles."""
+        mlp, ex = self.shared_experts, self.experts
+        if mlp is None or not ex.takes_shared(x, ids):
+            return None
+        if not ex.fp8:
+            shards = mlp.shards()
+            return None if shards is None else (shards, None)
+        folded = mlp.fp8_shards()
+        if folded is None or not moe_decode.shared_scales_fit(ex.gate_proj.shape[1]):
+            return None
+        return folded
+
     def _experts(self, x, weights, ids, ctx):
         mlp = self.shared_experts
-        shared = mlp.shards() if mlp is not None and self.experts.takes_shared(x, ids) else None
-        y = region(ctx, "moe", lambda: self.experts(x, weights, ids, shared))
+        folded = self._folded(x, ids)
+        shared, scales = folded if folded is not None else (None, None)
+        y = region(ctx, "moe", lambda: self.experts(x, weights, ids, shared, scales))
         if mlp is not None and shared is None:
             y = y + mlp(x)
         return self.comm.all_reduce(y, "world")

@@ -1,10 +1,12 @@
 """Routed experts for decode-sized batches: weight-streaming kernels, no sort, two launches.
 
-    moe_decode(x, gate, up, down, weights, ids, first, config, shared, scales) -> [T, D]
+    moe_decode(x, gate, up, down, weights, ids, first, config, shared, scales,
+               shared_scales) -> [T, D]
         fused_moe's contract; with shared = (gate_s [Is, D], up_s [Is, D], down_s [D, Is]),
         this rank's shard of the shared experts (weight 1 for every token) is added in the
-        same launches. One row on sm_90 takes helix.layers.gluon_moe's single launch instead
-        (`row_launch`; `config` then does not apply), never with fp8 experts.
+        same launches (fp8 experts: fp8 shared weights with their shared_scales). One row on
+        sm_90 takes helix.layers.gluon_moe's single launch instead (`row_launch`; `config`
+        then does not apply), never with fp8 experts.
 
 At decode each hit expert gets one to a few rows, so the work is a GEMV per expert that must
 stream the expert's weights at the copy rate. Programs are laid out per (token, expert) PAIR:
@@ -42,8 +44,18 @@ stacks, float32 scales s[e, n // 128, k // 128]): both launches compile with SCA
 converts the fp8 weight tile and scales it per output feature by its block's scale
 s[e, n // 128, k0 // 128] (BLOCK_K divides 128: one scale a tile): FMA, the tile converted to fp32
 and scaled before the products; tensor cores, the tile converted to x.dtype and its tl.dot
-product scaled (acc + dot(rows, w^T) * s). No shared experts with scales (fp8 models run theirs
-as their own MLP); 16-bit launches compile as before (SCALED off).
+product scaled (acc + dot(rows, w^T) * s). 16-bit launches compile as before (SCALED off).
+
+fp8 shared experts (scales, `shared` in float8_e4m3fn and shared_scales = (gate_ss, up_ss
+[cdiv(Is, 128), cdiv(D, 128)], down_ss [cdiv(D, 128), cdiv(Is, 128)]), the shard's block scales,
+e.g. views of a merged gate_up grid's rows): both launches also compile with SHARED = S (the
+shared branch; fp8 launches without shared experts keep SHARED = 0 and compile as before). The
+shared programs scale their tiles the same way: gate / up shard row fr = s*I + n and K tile k0 by
+gate_ss[fr // 128, k0 // 128]; down feature n and shard column s*I + kk by
+down_ss[n // 128, (s*I + kk) // 128], which one tile keeps only if every piece starts on a scale
+block: I % 128 == 0 (`shared_scales_fit`; else ValueError, and the caller runs the shared experts
+as their own MLP). K ranges of the split down launch start on multiples of BLOCK_K (k_chunk), a
+divisor of 128, so no tile straddles two scale blocks.
 """
 
 from __future__ import annotations
@@ -61,7 +73,8 @@ MAX_PAIRS = 128              # T * k up to this runs here (decode buckets); more
 # Programs of the down launch an SM holds on tensor cores with 16-bit weights: it takes 243
 # registers a thread at 4 warps, 128-wide blocks (the sm_90 compile check in
 # tests/test_fused_moe.py holds it between 2 and 3 programs' worth of the register file); with
-# fp8 weights (bf16 rows, 128-wide blocks, 128-element K tiles) 255, also 2
+# fp8 weights (bf16 rows, 128-wide blocks, 128-element K tiles) 255, also 2, with fp8 shared
+# experts folded too (tests/test_fp8_moe.py)
 DOWN_CTAS_PER_SM = 2
 MODES = {"fma": 0, "dot": 2}
 
@@ -173,7 +186,7 @@ def _rows_of(same, rank, c0, count, p_shared, N, T, TOPK: tl.constexpr, BLOCK_M:
 
 @triton.jit(do_not_specialize=["N", "T", "first"])
 def _gate_up_kernel(
-    x_ptr, g_ptr, u_ptr, ids_ptr, h_ptr, gs_ptr, us_ptr, gsc_ptr, usc_ptr,
+    x_ptr, g_ptr, u_ptr, ids_ptr, h_ptr, gs_ptr, us_ptr, gsc_ptr, usc_ptr, gssc_ptr, ussc_ptr,
     N, T, first, E, D, I, IS,
     stride_xt,                             # x [T, D], unit stride along D
     stride_ge, stride_gi,                  # gate [E, I, D], unit stride along D
@@ -182,14 +195,16 @@ def _gate_up_kernel(
     stride_hp,                             # h [N + S*T, I], unit stride along I
     stride_gsc_e, stride_gsc_n, stride_gsc_k,   # SCALED: gate_s [E, cdiv(I, 128), cdiv(D, 128)]
     stride_usc_e, stride_usc_n, stride_usc_k,   # SCALED: up_s, the same shape
+    stride_gssc_n, stride_gssc_k,          # SCALED, SHARED: shared gate_s [cdiv(IS, 128), ..]
+    stride_ussc_n, stride_ussc_k,          # SCALED, SHARED: shared up_s, the same shape
     TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SCALED: tl.constexpr = False, PDL: tl.constexpr = False,
+    SCALED: tl.constexpr = False, SHARED: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     p = tl.program_id(0)
-    if SCALED:                             # fp8 experts: routed pairs only (no shared experts)
+    if SCALED and SHARED == 0:             # fp8 experts alone: routed pairs only
         shared: tl.constexpr = False
-    else:
+    else:                                  # (SHARED: read only with SCALED; 16-bit: unsaid)
         shared = p >= N                    # a shared virtual expert (programs N .. N + S - 1)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     fr = ((p - N) * I + n).to(tl.int64)                                 # its shard rows
@@ -211,6 +226,9 @@ def _gate_up_kernel(
         g_rows = gs_rows[:, None]                                                # [BN, 1]
         u_rows = us_rows[:, None]
         count = T
+        if SCALED:                         # [BN] scale rows of the shard rows' 128-blocks
+            gsc_rows = gssc_ptr + (fr // 128) * stride_gssc_n
+            usc_rows = ussc_ptr + (fr // 128) * stride_ussc_n
     else:
         nmask = n < I
         e64 = e.to(tl.int64)
@@ -219,6 +237,13 @@ def _gate_up_kernel(
         if SCALED:                         # [BN] scale rows of the features' 128-blocks
             gsc_rows = gsc_ptr + e64 * stride_gsc_e + (n // 128) * stride_gsc_n
             usc_rows = usc_ptr + e64 * stride_usc_e + (n // 128) * stride_usc_n
+    if SCALED:                             # the scale grids' strides along K
+        if SHARED:
+            gsc_k = tl.where(shared, stride_gssc_k, stride_gsc_k)
+            usc_k = tl.where(shared, stride_ussc_k, stride_usc_k)
+        else:
+            gsc_k = stride_gsc_k
+            usc_k = stride_usc_k
     for c0 in range(0, count, BLOCK_M):
         pair, tok, rvalid = _rows_of(same, rank, c0, count, shared, N, T, TOPK, BLOCK_M,
                                      BLOCK_P)
@@ -232,8 +257,8 @@ def _gate_up_kernel(
             wu = _w_tile(u_rows, kk, nmask, kmask, MODE)
             xt = _row_tile(x_rows, kk, rvalid, kmask, BLOCK_N, MODE)
             if SCALED:                     # this K tile's scales (one 128-block along K)
-                sg = tl.load(gsc_rows + (k0 // 128) * stride_gsc_k, mask=nmask, other=0.0)
-                su = tl.load(usc_rows + (k0 // 128) * stride_usc_k, mask=nmask, other=0.0)
+                sg = tl.load(gsc_rows + (k0 // 128) * gsc_k, mask=nmask, other=0.0)
+                su = tl.load(usc_rows + (k0 // 128) * usc_k, mask=nmask, other=0.0)
                 acc_g = _acc_step_scaled(acc_g, xt, wg, sg, MODE, DOT_PRECISION)
                 acc_u = _acc_step_scaled(acc_u, xt, wu, su, MODE, DOT_PRECISION)
             else:
@@ -276,7 +301,7 @@ def _combine(y_ptr, ids_ptr, out_ptr, N, T, first, E, n, nmask,
 
 @triton.jit(do_not_specialize=["N", "T", "first"])
 def _down_kernel(
-    h_ptr, d_ptr, w_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr, ds_ptr, dsc_ptr,
+    h_ptr, d_ptr, w_ptr, ids_ptr, y_ptr, out_ptr, cnt_ptr, ds_ptr, dsc_ptr, dssc_ptr,
     N, T, first, E, D, I, IS, k_chunk,
     stride_hp,                             # h [N + S*T, I], unit stride along I
     stride_de, stride_dd,                  # down [E, D, I], unit stride along I
@@ -284,13 +309,14 @@ def _down_kernel(
     stride_ys, stride_yp,                  # y [K_SPLITS, N + S*T, D] fp32, unit stride along D
     stride_ot,                             # out [T, D]
     stride_dsc_e, stride_dsc_n, stride_dsc_k,   # SCALED: down_s [E, cdiv(D, 128), cdiv(I, 128)]
+    stride_dssc_n, stride_dssc_k,          # SCALED, SHARED: shared down_s [cdiv(D, 128), ..]
     TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, K_SPLITS: tl.constexpr, SHARED: tl.constexpr, MODE: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SCALED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     p = tl.program_id(0)
-    if SCALED:                             # fp8 experts: routed pairs only (no shared experts)
+    if SCALED and SHARED == 0:             # fp8 experts alone: routed pairs only
         shared: tl.constexpr = False
     else:
         shared = p >= N
@@ -314,11 +340,19 @@ def _down_kernel(
             k_hi = s_hi
             d_rows = ds_rows[:, None]                                                 # [BN, 1]
             count = T
+            if SCALED:                     # [BN] scale rows, from the piece's first K block:
+                dsc_rows = (dssc_ptr + (n // 128) * stride_dssc_n      # c_lo = s * I, I % 128
+                            + (c_lo // 128) * stride_dssc_k)           # == 0 (host check)
         else:
             k_hi = tl.minimum(k_lo + k_chunk, I)
             d_rows = d_ptr + e.to(tl.int64) * stride_de + n.to(tl.int64)[:, None] * stride_dd
             if SCALED:                     # [BN] scale rows of the features' 128-blocks
                 dsc_rows = dsc_ptr + e.to(tl.int64) * stride_dsc_e + (n // 128) * stride_dsc_n
+        if SCALED:                         # the scale grid's stride along K
+            if SHARED:
+                dsc_k = tl.where(shared, stride_dssc_k, stride_dsc_k)
+            else:
+                dsc_k = stride_dsc_k
         for c0 in range(0, count, BLOCK_M):
             pair, tok, rvalid = _rows_of(same, rank, c0, count, shared, N, T, TOPK, BLOCK_M,
                                          BLOCK_P)
@@ -330,7 +364,7 @@ def _down_kernel(
                 wd = _w_tile(d_rows, kk, nmask, kmask, MODE)
                 ht = _row_tile(h_rows, kk, rvalid, kmask, BLOCK_N, MODE)
                 if SCALED:                 # k0: a multiple of BLOCK_K (k_chunk is one)
-                    sd = tl.load(dsc_rows + (k0 // 128) * stride_dsc_k, mask=nmask, other=0.0)
+                    sd = tl.load(dsc_rows + (k0 // 128) * dsc_k, mask=nmask, other=0.0)
                     acc = _acc_step_scaled(acc, ht, wd, sd, MODE, DOT_PRECISION)
                 else:
                     acc = _acc_step(acc, ht, wd, MODE, DOT_PRECISION)
@@ -451,6 +485,35 @@ def row_launch(x, gate, up, down, shared, scales=None) -> bool:
             is None and gluon_moe.available(x.device))
 
 
+def shared_scales_fit(inter: int) -> bool:
+    """Whether block-fp8 shared experts fold into the decode launches of routed experts of width
+    `inter` (I): their shard is cut into pieces of I columns of down_s, and a K tile of the down
+    launch must lie in one 128-block of the shard (I % 128 == 0)."""
+    return inter > 0 and inter % fp8.BLOCK == 0
+
+
+def _shared_scales(shared, shared_scales, inter: int):
+    """shared_scales = (gate_ss, up_ss, down_ss) of float8 shared weights (gate_s, up_s [Is, D],
+    down_s [D, Is]): [cdiv(Is, 128), cdiv(D, 128)] twice, [cdiv(D, 128), cdiv(Is, 128)], fp32,
+    unit stride along K not required -> the tuple; ValueError naming what is off."""
+    if len(shared_scales) != 3:
+        raise ValueError("shared_scales: (gate_ss, up_ss, down_ss)")
+    if not shared_scales_fit(inter):
+        raise ValueError(f"moe_decode: fp8 shared experts fold only into routed experts of a "
+                         f"width I that is a multiple of {fp8.BLOCK} (I = {inter}): their pieces "
+                         f"of I columns must start on a scale block; run them as their own MLP "
+                         f"(shared_scales_fit)")
+    for name, w, sc in zip(("gate", "up", "down"), shared, shared_scales):
+        if w.dim() != 2 or not fp8.is_fp8(w):
+            raise ValueError(f"shared {name}: block scales go with [n, k] float8_e4m3fn "
+                             f"weights, not {w.dtype} {tuple(w.shape)}")
+        want = tuple(fp8.blocks(d) for d in w.shape)
+        if sc.dim() != 2 or tuple(sc.shape) != want or sc.dtype != torch.float32:
+            raise ValueError(f"shared {name} scales {sc.dtype} {tuple(sc.shape)}: want float32 "
+                             f"{want} for {tuple(w.shape)}")
+    return tuple(shared_scales)
+
+
 def shared_pieces(shared, inter: int) -> int:
     """The virtual experts a shared-expert shard (gate_s [Is, D], ...) is cut into: cdiv(Is, I)."""
     return 0 if shared is None else -(-shared[0].shape[0] // inter)
@@ -458,20 +521,28 @@ def shared_pieces(shared, inter: int) -> int:
 
 def moe_decode(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                weights: torch.Tensor, ids: torch.Tensor, first: int,
-               config: dict | None = None, shared=None, scales=None) -> torch.Tensor:
+               config: dict | None = None, shared=None, scales=None,
+               shared_scales=None) -> torch.Tensor:
     """fused_moe's contract for T * k <= MAX_PAIRS: x [T, D]; gate, up [E, I, D]; down
     [E, D, I]; weights [T, k]; ids [T, k] global ids -> [T, D] in x.dtype. `config` overrides
     any of MOE_TUNABLES. shared: None or (gate_s [Is, D], up_s [Is, D], down_s [D, Is]), this
     rank's shard of the shared experts, added for every token (weight 1). scales: None or the
-    float32 block scales (gate_s, up_s, down_s) of float8_e4m3fn stacks (module doc; not with
-    `shared`). Every weight has a unit stride along its reduction axis (D for gate / up, I or
-    Is for down)."""
+    float32 block scales (gate_s, up_s, down_s) of float8_e4m3fn stacks (module doc).
+    shared_scales: with scales and `shared` (float8 too), the shard's block scales (gate_ss,
+    up_ss [cdiv(Is, 128), cdiv(D, 128)], down_ss [cdiv(D, 128), cdiv(Is, 128)], any strides);
+    needs I % 128 == 0 (shared_scales_fit). Every weight has a unit stride along its reduction
+    axis (D for gate / up, I or Is for down)."""
     T, D = x.shape
+    if shared_scales is not None and (scales is None or shared is None):
+        raise ValueError("moe_decode: shared_scales go with fp8 routed experts (scales=) and "
+                         "their fp8 shared experts (shared=)")
     if scales is not None:
-        if shared is not None:
-            raise ValueError("moe_decode: shared experts take no fp8 scales (fp8 models run "
-                             "their shared experts as their own MLP)")
         scales = fp8.expert_scales(gate, up, down, scales)
+        if shared is not None:
+            if shared_scales is None:
+                raise ValueError("moe_decode: fp8 experts with shared experts need the shared "
+                                 "weights' block scales (shared_scales=)")
+            shared_scales = _shared_scales(shared, shared_scales, gate.shape[1])
     elif fp8.is_fp8(gate):
         raise ValueError("moe_decode: float8 expert stacks need their block scales (scales=)")
     if T == 1 and row_launch(x, gate, up, down, shared, scales):
@@ -514,25 +585,31 @@ def moe_decode(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
     else:                        # unused (SCALED off, the default): any tensor, zero strides
         gsc = usc = dsc = gate
     s_strides = lambda s: s.stride() if scaled else (0, 0, 0)  # noqa: E731
+    # the shared weights' scales (SCALED with S > 0); else unused: any tensor, zero strides
+    gssc, ussc, dssc = shared_scales if shared_scales is not None else (gate,) * 3
+    ss_strides = lambda s: s.stride() if shared_scales is not None else (0, 0)  # noqa: E731
+    up_meta = dict(SHARED=S) if scaled else {}      # 16-bit: the default, unsaid
     rows = N + S * T                                      # pairs, then shared (s, t) pairs
     h = torch.empty((rows, I), dtype=x.dtype, device=x.device)
     c1 = cfg["up"]
     run_kernel(_gate_up_kernel, (N + S, triton.cdiv(I, c1["BLOCK_N"])),
-               x, gate, up, ids_flat, h, gs, us, gsc, usc, N, T, first, E, D, I, IS,
+               x, gate, up, ids_flat, h, gs, us, gsc, usc, gssc, ussc, N, T, first, E, D, I, IS,
                x.stride(0), gate.stride(0), gate.stride(1), up.stride(0), up.stride(1),
                gs.stride(0), us.stride(0), h.stride(0), *s_strides(gsc), *s_strides(usc),
-               **common, **c1)
+               *ss_strides(gssc), *ss_strides(ussc), **common, **up_meta, **c1)
     splits, c2 = cfg["K_SPLITS"], cfg["down"]
     y = torch.empty((splits, rows, D), dtype=torch.float32, device=x.device)
+    # every K range starts on a multiple of BLOCK_K (a divisor of 128 with scales): no tile
+    # straddles two scale blocks (shared pieces start on one: I % 128 == 0)
     k_chunk = triton.cdiv(triton.cdiv(I, splits), c2["BLOCK_K"]) * c2["BLOCK_K"]
     blocks = triton.cdiv(D, c2["BLOCK_N"])
     fused = cfg["FUSED_COMBINE"]
     counters = arrival_counters(x.device, blocks) if fused else y
     block_t = min(16, pow2(T))
     run_kernel(_down_kernel, (N + S, blocks, splits),
-               h, down, w_flat, ids_flat, y, out, counters, ds, dsc, N, T, first, E, D, I, IS,
-               k_chunk, h.stride(0), down.stride(0), down.stride(1), ds.stride(0),
-               y.stride(0), y.stride(1), out.stride(0), *s_strides(dsc),
+               h, down, w_flat, ids_flat, y, out, counters, ds, dsc, dssc, N, T, first, E, D, I,
+               IS, k_chunk, h.stride(0), down.stride(0), down.stride(1), ds.stride(0),
+               y.stride(0), y.stride(1), out.stride(0), *s_strides(dsc), *ss_strides(dssc),
                K_SPLITS=splits, SHARED=S, FUSED_COMBINE=fused, BLOCK_T=block_t, **common, **c2)
     if not fused:
         bn = min(256, pow2(D))

@@ -51,7 +51,8 @@ def page_bytes(model, page_size: int, dtype: torch.dtype) -> int:
 def activation_reserve(cfg: ModelConfig, layout: Layout, runtime: RuntimeConfig) -> int:
     """A generous bound on one step's transient memory: the largest step's tokens
     of hidden states, this rank's q/k/v/o and FFN activations, a layer's attention workspace,
-    and the logits of the sampled rows."""
+    the logits of the sampled rows, and with fp8 weights the largest projection dequantized for
+    a prefill chunk's GEMM (helix.layers.fp8.linear)."""
     elem = runtime.torch_dtype.itemsize
     tokens = runtime.step_tokens
     n = layout.world_size
@@ -62,7 +63,28 @@ def activation_reserve(cfg: ModelConfig, layout: Layout, runtime: RuntimeConfig)
     per_token = (8 * cfg.hidden_size + qkv + ffn) * max(elem, 4)
     logits = 3 * runtime.max_batch * cfg.vocab_size * 4
     reference_scores = 1 << 28 if runtime.resolved_backend == "torch" else 0
-    return tokens * per_token + logits + reference_scores + (1 << 28)
+    return (tokens * per_token + logits + reference_scores + (1 << 28)
+            + _dequantized_projection(cfg, layout, runtime))
+
+
+def _dequantized_projection(cfg: ModelConfig, layout: Layout, runtime: RuntimeConfig) -> int:
+    """Bytes of the largest linear layer's weight shard in the runtime dtype where the weights
+    are fp8 (prefill chunks multiply a dequantized copy), else 0."""
+    from helix.layers import fp8
+    if fp8.resolve(runtime.quantization, cfg.quantization) != "fp8":
+        return 0
+    n, D = layout.world_size, cfg.hidden_size
+    hq = cfg.num_heads // layout.tpa
+    if cfg.is_mla:
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        q = (cfg.q_lora_rank or D) * hq * qk
+        attn = max(q, D * ((cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+                   cfg.num_heads // n * cfg.v_head_dim * D)
+    else:
+        attn = D * (hq + 2 * cfg.num_kv_heads) * cfg.head_dim
+    ffn = 2 * D * max(cfg.intermediate_size, cfg.moe_intermediate_size
+                      * cfg.num_shared_experts) // n
+    return max(attn, ffn) * runtime.torch_dtype.itemsize
 
 
 def available_bytes(device: torch.device, utilization: float, ranks_here: int) -> int:
