@@ -209,8 +209,9 @@ def _ffn_phases(cfg: ModelConfig, lay: Layout, B: int, es: int, w_es: float) -> 
         # experts and the top-k sum in them); at one row all of it in one launch (gluon_moe,
         # its router in it where the routing fits); more pairs: the router, sort / align, two
         # grouped GEMMs, silu, sum, the shared MLP and its add
-        one_row = B == 1 and shape_fits(D, cfg.moe_intermediate_size // lay.tpf,
-                                        cfg.moe_intermediate_size * cfg.num_shared_experts // n)
+        one_row = (B == 1 and w_es == es           # (the one-row launch: 16-bit weights only)
+                   and shape_fits(D, cfg.moe_intermediate_size // lay.tpf,
+                                  cfg.moe_intermediate_size * cfg.num_shared_experts // n))
         kernels = (((1 if route_fits(E, route_spec(cfg).groups) else 2) if one_row else 3)
                    if decode_kernels(B * k) else 1 + 6 + (4 if shared_w else 0))
         out.append(Phase("moe", moe_layers, nbytes, flops, kernels, reduce))
