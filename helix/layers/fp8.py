@@ -208,8 +208,8 @@ def scale_param(rows: int, cols: int, lead: tuple[int, ...] = (),
 def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, dequantize(w, scale), bias) -> [T, N] in x.dtype: on CUDA the one-tile
-    GEMV at one or two rows (skinny_gemm.gemv_scaled), else the Triton kernel; the dequantized
-    weight elsewhere."""
+    GEMV at one or two rows (skinny_gemm.gemv_scaled), the tiled kernel up to DEQUANT_ROWS,
+    the dequantized weight in a cuBLAS GEMM past them; the dequantized weight elsewhere."""
     if use_triton(x):
         if x.dim() == 2 and skinny_gemm.gemv_scaled_fits(x, w):
             return skinny_gemm.gemv_scaled(x, w, scale, bias)
