@@ -220,14 +220,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 
 
 def launch_config(T: int, N: int) -> dict:
-    """Tiles from static sizes (graph safe): decode rows stream the weight over >= ~2 programs
-    an SM (narrower feature tiles for narrow weights), prefill rows take 64 x 128 tiles."""
+    """Tiles from static sizes (graph safe): the weight streamed over >= ~2 programs an SM
+    (narrower feature tiles for narrow weights; on the H100 64 rows over 128-wide tiles were
+    48-96 programs and 2-6 x slower than bf16, profiling/results/fp8_weights.md)."""
+    bt = 16 if T <= 16 else 64
+    bn = 64 if T <= 16 else 128
+    while bn > 16 and -(-T // bt) * -(-N // bn) < 264:
+        bn //= 2
     if T <= 16:
-        bn = 64
-        while bn > 16 and -(-N // bn) < 264:
-            bn //= 2
         return dict(BLOCK_T=16, BLOCK_N=bn, BLOCK_K=BLOCK, num_warps=4, num_stages=4)
-    return dict(BLOCK_T=64, BLOCK_N=128, BLOCK_K=BLOCK // 2, num_warps=8, num_stages=3)
+    return dict(BLOCK_T=64, BLOCK_N=bn, BLOCK_K=BLOCK // 2, num_warps=8 if bn == 128 else 4,
+                num_stages=3)
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,

@@ -332,10 +332,11 @@ def gemv_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
 def gemv_scaled_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the one-tile GEMV takes x [T, K] times a block-fp8 w [N, K] (helix.layers.fp8):
     gemv_fits, and K ranges that start on 128-blocks where K is split."""
-    if not (HAS_TRITON and x.dim() == 2 and x.stride(-1) == 1 and w.stride(1) == 1
-            and gemv_fits(x[:, None], w[None])):
-        return False
     K = x.shape[1]
+    if not (HAS_TRITON and x.dim() == 2 and x.stride(-1) == 1 and w.stride(1) == 1 and GEMV
+            and x.shape[0] <= GEMV_MAX_ROWS   # the split's bound in bytes: 1 byte an element
+            and (K <= GEMV_MAX_K or (GEMV_SPLIT and w.numel() <= 2 * GEMV_SPLIT_MAX_ELEMENTS))):
+        return False
     split = -(-K // GEMV_MAX_K)
     return split == 1 or (-(-K // split)) % 128 == 0
 
