@@ -85,8 +85,8 @@ def rows_for(cfg, args, hw):
 
 def weights(cfg, args) -> str | None:
     """-> "fp8" where the plan's weights are fp8 (the flag, else the checkpoint's), else None."""
-    q = args.quantization
-    return cfg.quantization if q == "auto" else ("fp8" if q == "fp8" else None)
+    from helix.layers import fp8
+    return fp8.resolve(args.quantization, cfg.quantization)
 
 
 def run(args) -> int:
