@@ -58,12 +58,13 @@ def record_launch(heads: int, page: int, variant: str, num_splits: int, batch: i
 
 
 def record_moe_launch(topk: int = 6, experts: int = 64, inter: int = 1408, dim: int = 2048,
-                      shared: int = 2816, dtype=torch.bfloat16, route: dict | None = None):
+                      shared: int = 2816, dtype=torch.bfloat16, route: dict | None = None,
+                      fp8: bool = False):
     """(kernel, args, meta) of one gluon_moe.moe_row launch on CPU tensors (DeepSeek-V2-Lite's
     MoE layer by default; shared 0: no shared experts). route: the launch with its router
     (moe_row_routed) instead, of triton_router.RouteSpec fields {k, sigmoid, groups,
     topk_group, group_rule, norm, scaling} plus `experts` (all of them: the router's rows) and
-    `router_dtype`."""
+    `router_dtype`. fp8: the weights in block fp8 with their scales (helix.layers.fp8)."""
     from helix import triton_util
     from helix.layers import gluon_moe
     got = []
@@ -72,11 +73,17 @@ def record_moe_launch(topk: int = 6, experts: int = 64, inter: int = 1408, dim: 
         got.append((kernel, args, meta))
         raise _Recorded
 
+    from helix.layers import fp8 as f8
+    wdt = f8.DTYPE if fp8 else dtype
     x = torch.zeros(1, dim, dtype=dtype)
-    gate = torch.zeros(experts, inter, dim, dtype=dtype)
-    down = torch.zeros(experts, dim, inter, dtype=dtype)
-    sh = ((torch.zeros(shared, dim, dtype=dtype), torch.zeros(shared, dim, dtype=dtype),
-           torch.zeros(dim, shared, dtype=dtype)) if shared else None)
+    gate = torch.zeros(experts, inter, dim, dtype=wdt)
+    down = torch.zeros(experts, dim, inter, dtype=wdt)
+    sh = ((torch.zeros(shared, dim, dtype=wdt), torch.zeros(shared, dim, dtype=wdt),
+           torch.zeros(dim, shared, dtype=wdt)) if shared else None)
+    grid = lambda w: torch.ones(*w.shape[:-2], *(f8.blocks(d) for d in w.shape[-2:]))  # noqa: E731
+    sc = {} if not fp8 else dict(
+        scales=(grid(gate), grid(gate), grid(down)),
+        shared_scales=tuple(grid(w) for w in sh) if sh else None)
     ids = torch.arange(topk, dtype=torch.int32).view(1, topk)
     w = torch.ones(1, topk)
     with mock.patch.object(triton_util, "run_kernel", record), \
@@ -85,15 +92,15 @@ def record_moe_launch(topk: int = 6, experts: int = 64, inter: int = 1408, dim: 
             mock.patch.object(gluon_moe, "unsupported", lambda *a, **k: None):
         try:
             if route is None:
-                gluon_moe.moe_row(x, gate, gate, down, w, ids, 0, sh)
+                gluon_moe.moe_row(x, gate, gate, down, w, ids, 0, sh, **sc)
             else:
-                _record_routed(gluon_moe, x, gate, down, sh, dict(route))
+                _record_routed(gluon_moe, x, gate, down, sh, dict(route), sc)
         except _Recorded:
             pass
     return got[0]
 
 
-def _record_routed(gluon_moe, x, gate, down, sh, route):
+def _record_routed(gluon_moe, x, gate, down, sh, route, sc):
     from helix.layers.triton_router import RouteSpec
     n_all = route.pop("experts")
     rdt = route.pop("router_dtype", torch.float32)
@@ -101,7 +108,8 @@ def _record_routed(gluon_moe, x, gate, down, sh, route):
     rw = torch.zeros(n_all, x.shape[1], dtype=rdt)
     bias = torch.zeros(n_all) if spec.sigmoid else None
     with mock.patch.object(gluon_moe, "route_unsupported", lambda *a, **k: None):
-        gluon_moe.moe_row_routed(x, x, x[0], 1e-6, rw, bias, spec, gate, gate, down, 0, sh)
+        gluon_moe.moe_row_routed(x, x, x[0], 1e-6, rw, bias, spec, gate, gate, down, 0, sh,
+                                 **sc)
 
 
 def check_moe(pdl: int = 1, **shape) -> dict:

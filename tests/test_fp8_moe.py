@@ -530,9 +530,11 @@ def test_fold_fp8_shared_bad_arguments_raise():
                      shared_scales=ss)
 
 
-def test_one_row_never_takes_the_gluon_launch_with_fp8():
-    """row_launch (the one-row Gluon path, 16-bit weights only) is False for fp8 experts:
-    scales given or float8 stacks, where the same call with 16-bit stacks would take it."""
+def test_one_row_takes_the_gluon_launch_with_fp8_where_checked():
+    """row_launch (the one-row Gluon path) takes fp8 experts with their scales where
+    gluon_moe.FP8 is on and the launch's fp8 self-check passed (available(scaled=True)), and
+    not where either is off while the 16-bit launch is available; the launch's own rules see
+    the scales (unsupported gets them and the top-k)."""
     from types import SimpleNamespace
 
     from helix.layers import gluon_moe
@@ -540,13 +542,26 @@ def test_one_row_never_takes_the_gluon_launch_with_fp8():
     x, gate, up, down, weights, ids, scales = _problem(1, E, I, D, 2, first, n_global, seed=2)
     row = SimpleNamespace(is_cuda=True, device=torch.device("cuda"))     # as on an sm_90 GPU
     w16 = [w.float().to(torch.bfloat16) for w in (gate, up, down)]
+    seen, fp8_ok = [], [True]
+
+    def unsupported(*a, topk, **kw):
+        seen.append((a[4:], topk))
+        return None
+
     with mock.patch.object(gluon_moe, "ENABLED", True), \
-            mock.patch.object(gluon_moe, "unsupported", lambda *a: None), \
-            mock.patch.object(gluon_moe, "available", lambda device: True):
-        assert md.row_launch(row, *w16, None)
-        assert not md.row_launch(row, *w16, None, scales)
-        assert not md.row_launch(row, gate, up, down, None)
-        assert not md.row_launch(row, gate, up, down, None, scales)
+            mock.patch.object(gluon_moe, "unsupported", unsupported), \
+            mock.patch.object(gluon_moe, "available",
+                              lambda device, scaled=False: fp8_ok[0] or not scaled):
+        assert md.row_launch(row, *w16, None, 2)
+        assert md.row_launch(row, gate, up, down, None, 2, scales)
+        assert seen[-1] == ((None, scales, None), 2)
+        fp8_ok[0] = False                                  # the fp8 self-check failed
+        assert md.row_launch(row, *w16, None, 2)
+        assert not md.row_launch(row, gate, up, down, None, 2, scales)
+        fp8_ok[0] = True
+        with mock.patch.object(gluon_moe, "FP8", False):
+            assert md.row_launch(row, *w16, None, 2)
+            assert not md.row_launch(row, gate, up, down, None, 2, scales)
 
 
 def test_launch_parameters_on_meta_tensors():

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import sm90_compile
+from helix.layers import fp8
 from helix.layers import gluon_moe as gm
 from helix.layers.fused_moe import fused_moe_torch
 
@@ -160,34 +161,89 @@ def test_reference_is_fused_moe_torch_plus_the_shared_mlp():
     torch.testing.assert_close(gm.reference(x, gate, up, down, w, ids, 2, sh), want)
 
 
+class _Cuda:
+    """A CUDA-looking row for the shape rules (no GPU needed)."""
+    device = torch.device("cuda")
+
+    def __init__(self, real):
+        self.real = real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
 def test_unsupported_names_the_reason():
     bf = torch.bfloat16
     x = torch.zeros(1, 256, dtype=bf)
     g, d = torch.zeros(4, 256, 256, dtype=bf), torch.zeros(4, 256, 256, dtype=bf)
     assert gm.BK == 256 and gm.BN == 8
-    assert "CUDA" in gm.unsupported(x, g, g, d)
 
-    class Fake:              # a CUDA-looking row for the shape rules (no GPU needed)
-        device = torch.device("cuda")
+    def why(row, *w, topk=3, **kw):
+        return gm.unsupported(row, *w, topk=topk, **kw)
 
-        def __init__(self, real):
-            self.real = real
-
-        def __getattr__(self, name):
-            return getattr(self.real, name)
-
-    assert "rows" in gm.unsupported(Fake(torch.zeros(2, 256, dtype=bf)), g, g, d)
-    assert "dtype" in gm.unsupported(Fake(torch.zeros(1, 256)), g, g, d)
-    assert "dims" in gm.unsupported(Fake(torch.zeros(1, 192, dtype=bf)),
-                                    torch.zeros(4, 256, 192, dtype=bf),
-                                    torch.zeros(4, 256, 192, dtype=bf),
-                                    torch.zeros(4, 192, 256, dtype=bf))
-    assert "dims" in gm.unsupported(Fake(x), torch.zeros(4, 20, 256, dtype=bf),
-                                    torch.zeros(4, 20, 256, dtype=bf),
-                                    torch.zeros(4, 256, 20, dtype=bf))
-    assert "contiguous" in gm.unsupported(Fake(x), g.transpose(1, 2), g, d)
-    assert gm.unsupported(Fake(x), g, g, d) is None
+    Fake = _Cuda
+    assert "CUDA" in why(x, g, g, d)
+    assert "rows" in why(Fake(torch.zeros(2, 256, dtype=bf)), g, g, d)
+    assert "dtype" in why(Fake(torch.zeros(1, 256)), g, g, d)
+    assert "dims" in why(Fake(torch.zeros(1, 192, dtype=bf)), torch.zeros(4, 256, 192, dtype=bf),
+                         torch.zeros(4, 256, 192, dtype=bf), torch.zeros(4, 192, 256, dtype=bf))
+    assert "dims" in why(Fake(x), torch.zeros(4, 20, 256, dtype=bf),
+                         torch.zeros(4, 20, 256, dtype=bf), torch.zeros(4, 256, 20, dtype=bf))
+    assert "contiguous" in why(Fake(x), g.transpose(1, 2), g, d)
+    assert why(Fake(x), g, g, d) is None
+    assert "block scales" in why(Fake(x), g, g, d, scales=(g, g, d))
     assert not gm.available(torch.device("cpu"))
+    assert not gm.available(torch.device("cpu"), scaled=True)
+
+
+def test_unsupported_fp8_weights_need_their_scales():
+    """fp8 experts take the launch with their block scales (contiguous fp32 grids of the
+    weights' shapes, the shared experts' too); widths of fp8 down rows must be whole 16 bytes."""
+    bf, f8 = torch.bfloat16, fp8.DTYPE
+    x = _Cuda(torch.zeros(1, 512, dtype=bf))
+    E, inter, dim, ws = 4, 384, 512, 256
+    gate, down = torch.zeros(E, inter, dim, dtype=f8), torch.zeros(E, dim, inter, dtype=f8)
+    sg, sd = torch.ones(E, 3, 4), torch.ones(E, 4, 3)
+    shared = (torch.zeros(ws, dim, dtype=f8),) * 2 + (torch.zeros(dim, ws, dtype=f8),)
+    ss = (torch.ones(2, 4), torch.ones(2, 4), torch.ones(4, 2))
+
+    def why(*w, **kw):
+        return gm.unsupported(x, *w, topk=2, **kw)
+
+    assert why(gate, gate, down, scales=(sg, sg, sd)) is None
+    assert why(gate, gate, down, shared, scales=(sg, sg, sd), shared_scales=ss) is None
+    assert "without their block scales" in why(gate, gate, down)
+    assert "shared experts without" in why(gate, gate, down, shared, scales=(sg, sg, sd))
+    assert "want contiguous float32 (4, 3, 4)" in why(gate, gate, down, scales=(sd, sg, sd))
+    assert "float32" in why(gate, gate, down, scales=(sg.double(), sg, sd))
+    assert "contiguous" in why(gate, gate, down, scales=(sg, sg, sd.transpose(1, 2)
+                                                         .contiguous().transpose(1, 2)))
+    assert "one dtype" in why(gate, gate, down, tuple(w.to(bf) for w in shared),
+                              scales=(sg, sg, sd), shared_scales=ss)
+    odd = torch.zeros(E, 200, dim, dtype=f8), torch.zeros(E, dim, 200, dtype=f8)
+    assert "16 bytes" in why(odd[0], odd[0], odd[1],
+                             scales=(torch.ones(E, 2, 4), torch.ones(E, 2, 4),
+                                     torch.ones(E, 4, 2)))
+
+
+def test_shared_memory_rule():
+    """smem_bytes matches the compiled launches (tests below: DeepSeek-V2-Lite 200996 bytes,
+    DeepSeek-V3's layer 278820) within SMEM_SLACK; DeepSeek-V3's layer (D 7168, top-8, I 2048,
+    shared 2048) does not fit and is refused (moe_decode's two launches take it), bf16 or fp8;
+    DeepSeek-V2-Lite's and Qwen3's fit either way."""
+    assert 200996 <= gm.smem_bytes(6, 1408, 2816, 2048, 2, 2) <= 200996 + gm.SMEM_SLACK
+    assert 278820 <= gm.smem_bytes(8, 2048, 2048, 7168, 2, 2) <= 278820 + gm.SMEM_SLACK
+    assert gm.smem_bytes(6, 1408, 2816, 2048, 1, 2) == gm.smem_bytes(6, 1408, 2816, 2048, 2, 2)
+    for wb in (2, 1):
+        assert "shared memory" in gm.layer_unfit(8, 7168, 2048, 2048, wb)
+        assert gm.layer_unfit(6, 2048, 1408, 2816, wb) is None
+        assert gm.layer_unfit(8, 4096, 1536, 0, wb) is None
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    x = _Cuda(torch.zeros(1, 7168, dtype=torch.bfloat16))
+    g, d = torch.empty(4, 2048, 7168, **meta), torch.empty(4, 7168, 2048, **meta)
+    sh = (torch.empty(2048, 7168, **meta),) * 2 + (torch.empty(7168, 2048, **meta),)
+    assert "shared memory" in gm.unsupported(x, g, g, d, sh, topk=8)
+    assert gm.unsupported(x, g, g, d, sh, topk=2) is None
 
 
 @pytest.mark.sm90

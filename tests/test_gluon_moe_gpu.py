@@ -242,3 +242,142 @@ def test_engine_takes_the_routed_launch_and_matches(monkeypatch):
     assert len(routed) == len(plain)
     for a, b in zip(routed, plain):
         assert (a - b).abs().max().item() <= 2e-2 * b.abs().max().item() + 1e-3
+
+
+# -- fp8 experts (block scales, helix.layers.fp8) in the launch ---------------------------------
+
+def _q(w):
+    """A 16-bit [E, n, k] stack or [n, k] matrix -> (block fp8 weight, its scale grid)."""
+    from helix.layers import fp8
+    if w.dim() == 2:
+        b = fp8.quantize(w)
+        return b.weight, b.scale
+    parts = [fp8.quantize(m) for m in w]
+    return torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts])
+
+
+def _fp8_case(name, seed=0):
+    x, gate, up, down, shared, k = _case(name, seed)
+    (g8, gs), (u8, us), (d8, ds) = (_q(w) for w in (gate, up, down))
+    sh8 = ssc = None
+    if shared is not None:
+        sh8, ssc = zip(*(_q(w) for w in shared))
+    return x, (g8, u8, d8), (gs, us, ds), sh8, ssc, k
+
+
+@needs_sm90
+def test_fp8_available():
+    dev = torch.device("cuda")
+    assert gm.available(dev, scaled=True), gm.why_unavailable(dev, scaled=True)
+
+
+@needs_sm90
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("foreign", [0, 2])
+def test_fp8_matches_reference_and_the_two_launches(name, foreign, monkeypatch):
+    """fp8 experts in the launch against the fp32 product of the dequantized weights, and
+    against moe_decode's two fp8 launches (gluon_moe.FP8 off), several routings."""
+    x, (g8, u8, d8), scales, sh8, ssc, k = _fp8_case(name)
+    gen = torch.Generator().manual_seed(5)
+    first = 32
+    for _ in range(3):
+        ids, w = _routing(g8.shape[0], k, first, gen, foreign)
+        out = gm.moe_row(x, g8, u8, d8, w, ids, first, sh8, scales, ssc)
+        torch.cuda.synchronize()
+        _check(out, gm.reference(x, g8, u8, d8, w, ids, first, sh8, scales, ssc))
+        if sh8 is None or md.shared_scales_fit(g8.shape[1]):
+            monkeypatch.setattr(gm, "FP8", False)
+            two = md.moe_decode(x, g8, u8, d8, w, ids, first, shared=sh8, scales=scales,
+                                shared_scales=ssc)
+            monkeypatch.setattr(gm, "FP8", True)
+            _check(out, two.float())
+    from helix import triton_util
+    assert int(triton_util.arrival_counters(x.device, 1).abs().sum()) == 0
+
+
+@needs_sm90
+def test_fp8_moe_decode_takes_the_row_launch_in_a_graph(monkeypatch):
+    """moe_decode at one row with fp8 experts takes the launch (not with gluon_moe.FP8 off), and
+    a captured call replays with new routings."""
+    x, (g8, u8, d8), scales, sh8, ssc, k = _fp8_case("dsv2lite", seed=3)
+    gen = torch.Generator().manual_seed(9)
+    ids, w = _routing(g8.shape[0], k, 0, gen)
+    assert gm.available(x.device, scaled=True)
+    calls = []
+    real = gm.moe_row
+    monkeypatch.setattr(gm, "moe_row", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    run = lambda: md.moe_decode(x, g8, u8, d8, w, ids, 0, shared=sh8, scales=scales,  # noqa
+                                shared_scales=ssc)
+    run()
+    assert calls == [1]
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = run()
+    for _ in range(3):
+        new_ids, new_w = _routing(g8.shape[0], k, 0, gen)
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        _check(out, gm.reference(x, g8, u8, d8, w, ids, 0, sh8, scales, ssc))
+    monkeypatch.setattr(gm, "FP8", False)
+    n = len(calls)
+    run()
+    assert len(calls) == n
+
+
+@needs_sm90
+@pytest.mark.parametrize("name", ["dsv2lite", "v3_sigmoid"])
+def test_fp8_routed_launch_matches_the_router_and_the_launch(name):
+    spec, gate, up, down, shared, router, bias, norm_w, rand = _routed_case(name)
+    (g8, gs), (u8, us), (d8, ds) = (_q(w) for w in (gate, up, down))
+    sh8, ssc = zip(*(_q(w) for w in shared)) if shared is not None else (None, None)
+    sc = dict(scales=(gs, us, ds), shared_scales=ssc)
+    dim = gate.shape[2]
+    from helix.layers import triton_router as tr
+    for _ in range(3):
+        a, res = rand(1, dim, scale=1.0), rand(1, dim, scale=1.0)
+        got = gm.moe_row_routed(a, res, norm_w, 1e-6, router, bias, spec, g8, u8, d8, 0, sh8,
+                                **sc)
+        torch.cuda.synchronize()
+        y, h, w, ids = tr.route_add_norm_triton(a, res, norm_w, 1e-6, router, bias, spec)
+        want = (gm.moe_row(y, g8, u8, d8, w, ids, 0, sh8, **sc), h, y, w, ids)
+        _check_routed(got, want)
+        _check(got[0], gm.reference(got[2], g8, u8, d8, got[3], got[4], 0, sh8, **sc))
+
+
+@needs_sm90
+def test_fp8_engine_takes_the_routed_launch_and_matches_the_two_launches(monkeypatch):
+    """DeepSeek-V2-Lite's first layers with fp8 weights (quantized at load): the engine's
+    one-row steps take the routed launch with fp8 experts, and its logits match the same
+    engine on moe_decode's fp8 launches (gluon_moe.FP8 off)."""
+    from helix import LLM, Layout, RuntimeConfig, SamplingParams
+    calls = []
+    real = gm.moe_row_routed
+    monkeypatch.setattr(gm, "moe_row_routed",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def logits(fp8_row):
+        monkeypatch.setattr(gm, "FP8", fp8_row)
+        rt = RuntimeConfig(device="cuda", dtype="bfloat16", layers=3, seed=0, max_batch=1,
+                           max_context=256, page_size=64, attention_backend="triton",
+                           graph_buckets=(1,), quantization="fp8")
+        out = []
+        with LLM("deepseek-v2-lite", Layout(), rt) as llm:
+            assert llm.engine.model.model.layers[1].mlp.experts.fp8
+            llm.add_request([5, 17, 42, 3], SamplingParams(max_new_tokens=6, ignore_eos=True))
+            while llm.has_unfinished():
+                llm.step()
+                out.append(llm.engine.last_logits.float().clone())
+        return out
+
+    row = logits(True)
+    assert calls, "the engine never took the routed launch with fp8 experts"
+    n = len(calls)
+    two = logits(False)
+    assert len(calls) == n
+    assert len(row) == len(two)
+    for a, b in zip(row, two):
+        assert (a - b).abs().max().item() <= 2e-2 * b.abs().max().item() + 1e-3

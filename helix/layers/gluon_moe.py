@@ -38,11 +38,13 @@ import torch
 
 from helix import triton_util
 from helix.attention.triton_splits import sm_count_of
+from helix.layers import fp8
 from helix.triton_util import pow2
 
 BN = 8                       # rows of a box: a gate/up item's features, half a down item's
 BK = 256                     # K elements of a box (512 bytes; unswizzled: CUDA-core reads)
 STAGES = 8                   # ring stages of four boxes: 128 KB of weights in flight an SM
+STAGES_FP8 = 16              # fp8 weights: boxes of 256 bytes, the same 128 KB in flight
 PRODUCER_REGS = 40           # the producer warp's registers (setmaxnreg)
 ROUTER_REGS = 80             # the router warp's (gluon_route.choose: up to 8 experts a thread)
 MAXNREG = 128                # registers a thread at launch: half the register file stays free
@@ -51,6 +53,7 @@ MAXNREG = 128                # registers a thread at launch: half the register f
 NUM_WARPS = 4                # the consumer partition
 FIELDS = 4                   # int32 fields of an item (gluon_moe_kernel.ITEM_FIELDS)
 ENABLED = True
+FP8 = True                   # fp8 experts (block scales) take the launch too (benches switch it)
 ROUTED = True                # the router in the launch (moe_row_routed) where MoE can (benches)
 
 
@@ -130,52 +133,121 @@ def _tables(p: Plan, topk: int, device: torch.device):
     return _TABLES[key]
 
 
-def shape_fits(dim: int, inter: int, shared_width: int = 0) -> bool:
-    """The launch's shape rule (16-bit weights): D whole K steps of BK, every expert width (the
-    routed I, the shared shard's) whole features blocks of BN (rows 16-byte aligned with it)."""
-    return dim % BK == 0 and all(w % BN == 0 for w in (inter, shared_width))
+SMEM_LIMIT = 232448          # bytes of shared memory a block may use on sm_90
+SMEM_SLACK = 1024            # barriers, the router's choice, alignment (compiled: < 600 bytes)
+
+
+def smem_bytes(topk: int, inter: int, shared_width: int, dim: int, weight_bytes: int,
+               row_bytes: int) -> int:
+    """Shared memory of a launch: the ring (128 KB, either weight width), x as rows of BK and
+    the h buffer (fp32) as rows of BK, both rounded up to a power of two rows (the kernel's
+    XR / HR), plus SMEM_SLACK. DeepSeek-V3's layer (D 7168, top-8, I 2048, shared 2048) needs
+    ~279 KB: its h buffer is 72 rows, allocated as 128."""
+    stages = STAGES_FP8 if weight_bytes == 1 else STAGES
+    h_rows = 2 * k_steps(shared_width) + topk * 2 * k_steps(inter)
+    return (4 * stages * BN * BK * weight_bytes + pow2(2 * k_steps(dim)) * BK * row_bytes
+            + pow2(h_rows) * BK * 4 + SMEM_SLACK)
+
+
+def layer_unfit(topk: int, dim: int, inter: int, shared_width: int, weight_bytes: int,
+                row_bytes: int = 2) -> str | None:
+    """Why a MoE layer's shapes do not fit the launch (None: they do; the planner's rule too):
+    D whole K steps of BK, every expert width (the routed I, the shared shard's, 0: none) whole
+    feature blocks of BN and whole 16 bytes (a down row's TMA stride), the shared memory
+    (smem_bytes) within SMEM_LIMIT."""
+    widths = [inter] + ([shared_width] if shared_width else [])
+    if dim % BK or any(w % BN or w * weight_bytes % 16 for w in widths):
+        return (f"dims D {dim}, I {widths} (D a multiple of {BK}, widths of {BN} and of 16 "
+                f"bytes)")
+    need = smem_bytes(topk, inter, shared_width, dim, weight_bytes, row_bytes)
+    if need > SMEM_LIMIT:
+        return (f"{need} bytes of shared memory for D {dim}, top-{topk}, widths {widths} "
+                f"(limit {SMEM_LIMIT})")
+    return None
 
 
 def unsupported(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                shared=None) -> str | None:
-    """Why this call cannot run the one-row launch (None: it can)."""
+                shared=None, scales=None, shared_scales=None, *, topk: int) -> str | None:
+    """Why this call cannot run the one-row launch (None: it can) for a row routed to `topk`
+    experts. Weights in the rows' 16-bit dtype, or block fp8 (helix.layers.fp8) with their
+    scales: `scales` (gate_s, up_s, down_s) [E, cdiv(n, 128), cdiv(k, 128)] and, with shared
+    experts, `shared_scales` of theirs."""
     if x.device.type != "cuda":
         return "not a CUDA tensor"
     if x.shape[0] != 1:
         return f"{x.shape[0]} rows (the launch takes one)"
-    if x.dtype not in (torch.bfloat16, torch.float16) or gate.dtype != x.dtype:
-        return f"dtype {x.dtype} / {gate.dtype} (16-bit weights and rows)"
+    scaled = fp8.is_fp8(gate)
+    wdtype = fp8.DTYPE if scaled else x.dtype
+    if x.dtype not in (torch.bfloat16, torch.float16) or gate.dtype != wdtype:
+        return f"dtype {x.dtype} / {gate.dtype} (16-bit rows; weights of their dtype or fp8)"
     E, inter, dim = gate.shape
     ws = [gate, up, down] + (list(shared) if shared is not None else [])
-    if any(not w.is_contiguous() or w.dtype != x.dtype or w.data_ptr() % 16 for w in ws):
-        return "weights not contiguous, 16-byte aligned and of the rows' dtype"
-    widths = [inter] + ([shared[0].shape[0]] if shared is not None else [])
-    if not shape_fits(dim, *widths):
-        return f"dims D {dim}, I {widths} (D a multiple of {BK}, widths of {BN})"
+    if any(not w.is_contiguous() or w.dtype != wdtype or w.data_ptr() % 16 for w in ws):
+        return "weights not contiguous, 16-byte aligned and of one dtype"
+    if scaled:
+        why = _scales_unsupported(gate, up, down, shared, scales, shared_scales)
+        if why:
+            return why
+    elif scales is not None or shared_scales is not None:
+        return "block scales with 16-bit weights"
+    why = layer_unfit(topk, dim, inter, shared[0].shape[0] if shared is not None else 0,
+                      gate.element_size(), x.element_size())
+    if why:
+        return why
     if E * max(inter, dim) >= 2**31:
         return "TMA coordinates past int32"
     return None
 
 
+def _scales_unsupported(gate, up, down, shared, scales, shared_scales) -> str | None:
+    """Why fp8 weights' scales do not fit the launch (None: they do): fp32, contiguous (the
+    kernel indexes their grids from the shapes), of the weights' block grids."""
+    grids = list(zip((gate, up, down), scales or ()))
+    if scales is None or len(scales) != 3:
+        return "fp8 experts without their block scales (gate_s, up_s, down_s)"
+    if shared is not None:
+        if shared_scales is None or len(shared_scales) != 3:
+            return "fp8 shared experts without their block scales"
+        grids += [(w[None], s[None]) for w, s in zip(shared, shared_scales)]
+    for w, s in grids:
+        want = (w.shape[0], fp8.blocks(w.shape[1]), fp8.blocks(w.shape[2]))
+        if s.dtype != torch.float32 or tuple(s.shape) != want or not s.is_contiguous():
+            return f"block scales {s.dtype} {tuple(s.shape)}: want contiguous float32 {want}"
+    return None
+
+
 def moe_row(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-            weights: torch.Tensor, ids: torch.Tensor, first: int, shared=None) -> torch.Tensor:
-    """moe_decode's contract at T = 1 (module doc), on the Gluon launch."""
-    why = unsupported(x, gate, up, down, shared)
+            weights: torch.Tensor, ids: torch.Tensor, first: int, shared=None, scales=None,
+            shared_scales=None) -> torch.Tensor:
+    """moe_decode's contract at T = 1 (module doc), on the Gluon launch; fp8 weights with their
+    block scales (`unsupported`)."""
+    why = unsupported(x, gate, up, down, shared, scales, shared_scales, topk=ids.shape[-1])
     if why:
         raise ValueError(f"gluon one-row MoE: {why}; use moe_decode's Triton kernels")
     out = torch.empty_like(x)
-    _launch(x, gate, up, down, weights, ids, first, shared, out, ids.shape[-1])
+    _launch(x, gate, up, down, weights, ids, first, shared, out, ids.shape[-1],
+            scales=_all_scales(scales, shared_scales))
     return out
+
+
+def _all_scales(scales, shared_scales):
+    """The kernel's six scale grids (routed gate, up, down, then the shared experts'; the
+    routed ones again where there are none: never read), or None for 16-bit weights."""
+    if scales is None:
+        return None
+    return tuple(scales) + tuple(shared_scales if shared_scales is not None else scales)
 
 
 def moe_row_routed(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
                    router_w: torch.Tensor, bias: torch.Tensor | None, spec, gate: torch.Tensor,
-                   up: torch.Tensor, down: torch.Tensor, first: int, shared=None):
+                   up: torch.Tensor, down: torch.Tensor, first: int, shared=None, scales=None,
+                   shared_scales=None):
     """The router's launch and moe_row's in one (gluon_route): from the attention output a and
     the residual [1, D] -> (out [1, D] this rank's MoE, h = residual + a [1, D] the next
     residual, y = rms_norm(h) * norm_w [1, D], weights [1, k], ids [1, k] int64): the values of
-    triton_router.route_add_norm_triton then moe_row. spec: triton_router.RouteSpec."""
-    why = (unsupported(a, gate, up, down, shared)
+    triton_router.route_add_norm_triton then moe_row. spec: triton_router.RouteSpec; fp8
+    weights with their block scales as for moe_row."""
+    why = (unsupported(a, gate, up, down, shared, scales, shared_scales, topk=spec.k)
            or route_unsupported(a, residual, norm_w, router_w, bias, spec))
     if why:
         raise ValueError(f"gluon one-row MoE with its router: {why}; use the router kernel "
@@ -184,7 +256,8 @@ def moe_row_routed(a: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor
     weights = torch.empty((1, spec.k), dtype=a.dtype, device=a.device)
     ids = torch.empty((1, spec.k), dtype=torch.int64, device=a.device)
     route = (residual, norm_w, eps, router_w, bias, spec, h, y)
-    _launch(a, gate, up, down, weights, ids, first, shared, out, spec.k, route)
+    _launch(a, gate, up, down, weights, ids, first, shared, out, spec.k, route,
+            _all_scales(scales, shared_scales))
     return out, h, y, weights, ids
 
 
@@ -235,10 +308,10 @@ def _route_meta(spec, NE: int, has_bias: bool) -> dict:
                        int(spec.norm), int(has_bias), bg, beg, layout))
 
 
-def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=None):
+def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=None, scales=None):
     """One moe_row_kernel launch; route: (residual, norm_w, eps, router_w, bias, spec, h, y)
     with x the attention output and weights / ids outputs, or None (x the normed rows, weights
-    / ids the router's)."""
+    / ids the router's); scales: fp8 weights' six block-scale grids (_all_scales) or None."""
     from helix.layers.gluon_moe_kernel import moe_row_kernel
     E, inter, dim = gate.shape
     ws = shared[0].shape[0] if shared is not None else 0
@@ -260,9 +333,11 @@ def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=Non
     counters = triton_util.arrival_counters(x.device, 3)
     triton_util.run_kernel(
         moe_row_kernel, (p.programs,), x.reshape(-1), ids.reshape(-1), weights.reshape(-1),
-        first, E, inter, dim, ws, *descs, items, counts, p.programs, p.max_items, h, out,
+        first, E, inter, dim, ws, *descs, *(scales or (x,) * 6), items, counts, p.programs,
+        p.max_items, h, out,
         counters, *rargs, TOPK=topk, TK=max(2, pow2(topk)), SHARED=int(ws > 0),
-        XR=pow2(2 * k_steps(dim)), HR=pow2(p.h_rows), BN=BN, BK=BK, STAGES=STAGES,
+        XR=pow2(2 * k_steps(dim)), HR=pow2(p.h_rows), BN=BN, BK=BK,
+        STAGES=STAGES if scales is None else STAGES_FP8, SCALED=int(scales is not None),
         PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS,
         **({"maxnreg": MAXNREG} if MAXNREG else {}), **meta)
 
@@ -272,7 +347,8 @@ def _descriptors(gate, up, down, shared):
     shared shard's three (the routed ones again where there is none: never read)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * gate.element_size(),
+                                  rank=2)
 
     def desc(m):
         m = m.reshape(-1, m.shape[-1])
@@ -285,22 +361,23 @@ def _descriptors(gate, up, down, shared):
 _STATUS: dict = {}
 
 
-def available(device: torch.device) -> bool:
+def available(device: torch.device, scaled: bool = False) -> bool:
     """sm_90, Gluon importable, and the launch matched the torch reference on a small case with
-    shared experts (once per device, outside CUDA-graph capture: during a capture before the
-    check it answers False)."""
-    return _status(device)[0]
+    shared experts (once per device and weight format, 16-bit or, `scaled`, block fp8; outside
+    CUDA-graph capture: during a capture before the check it answers False)."""
+    return _status(device, scaled)[0]
 
 
-def why_unavailable(device: torch.device) -> str:
-    return _status(device)[1]
+def why_unavailable(device: torch.device, scaled: bool = False) -> str:
+    return _status(device, scaled)[1]
 
 
-def _status(device: torch.device) -> tuple[bool, str]:
+def _status(device: torch.device, scaled: bool = False) -> tuple[bool, str]:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if device in _STATUS:
-        return _STATUS[device]
+    key = (device, scaled)
+    if key in _STATUS:
+        return _STATUS[key]
     if device.type != "cuda" or not torch.cuda.is_available():
         return False, "not a CUDA device"
     if torch.cuda.is_current_stream_capturing():
@@ -309,16 +386,24 @@ def _status(device: torch.device) -> tuple[bool, str]:
         res = False, f"compute capability {torch.cuda.get_device_capability(device)} (sm_90)"
     else:
         try:
-            res = self_check(device)
+            res = self_check(device, scaled=scaled)
         except Exception as e:  # noqa: BLE001 - a compile or launch error means "not available"
             res = False, f"{type(e).__name__}: {str(e)[:2000]}"
-    _STATUS[device] = res
+    _STATUS[key] = res
     return res
 
 
-def reference(x, gate, up, down, weights, ids, first, shared=None) -> torch.Tensor:
-    """fp32 torch: the routed experts of x's one row, weighted, plus the shared MLP."""
+def reference(x, gate, up, down, weights, ids, first, shared=None, scales=None,
+              shared_scales=None) -> torch.Tensor:
+    """fp32 torch: the routed experts of x's one row, weighted, plus the shared MLP (fp8
+    weights: dequantized by their block scales)."""
     import torch.nn.functional as F
+    if scales is not None:
+        gate, up, down = (fp8.dequantize(w, s, torch.float32) for w, s in zip((gate, up, down),
+                                                                             scales))
+        if shared is not None:
+            shared = tuple(fp8.dequantize(w, s, torch.float32)
+                           for w, s in zip(shared, shared_scales))
     xf = x.float()
     out = torch.zeros_like(xf)
     for j, gid in enumerate(ids.reshape(-1).tolist()):
@@ -332,10 +417,11 @@ def reference(x, gate, up, down, weights, ids, first, shared=None) -> torch.Tens
     return out
 
 
-def self_check(device: torch.device, seed: int = 0) -> tuple[bool, str]:
+def self_check(device: torch.device, seed: int = 0, scaled: bool = False) -> tuple[bool, str]:
     """A small case (8 experts, I 256, D 256, top-3, one of them not on this rank, shared width
     512) against `reference`; then the same layer with its router (12 experts, softmax) against
-    torch's add + norm, route_torch and `reference`."""
+    torch's add + norm, route_torch and `reference`. scaled: the weights in block fp8
+    (fp8.quantize), with their scales."""
     import torch.nn.functional as F
 
     from helix.layers.router import route_torch
@@ -354,11 +440,20 @@ def self_check(device: torch.device, seed: int = 0) -> tuple[bool, str]:
     E, inter, dim, first = 8, 256, 256, 4
     gate, up, down = rand(E, inter, dim), rand(E, inter, dim), rand(E, dim, inter)
     shared = (rand(512, dim), rand(512, dim), rand(dim, 512))
+    sc = {}
+    if scaled:
+        q = [fp8.Blocked(*(torch.stack(t) for t in zip(*map(fp8.quantize, w))))
+             for w in (gate, up, down)]                  # per expert, stacked
+        qs = [fp8.quantize(w) for w in shared]
+        gate, up, down = (b.weight for b in q)
+        shared = tuple(b.weight for b in qs)
+        sc = dict(scales=tuple(b.scale for b in q), shared_scales=tuple(b.scale for b in qs))
     x = rand(1, dim) * 20
     ids = torch.tensor([[9, 2, 6]], dtype=torch.int32, device=device)   # 2: not local
     weights = torch.tensor([[0.5, 0.3, 0.2]], device=device)
-    out = moe_row(x, gate, up, down, weights, ids, first, shared)
-    ok, why = close(out, reference(x, gate, up, down, weights, ids, first, shared), "mismatch")
+    out = moe_row(x, gate, up, down, weights, ids, first, shared, **sc)
+    ok, why = close(out, reference(x, gate, up, down, weights, ids, first, shared, **sc),
+                    "mismatch")
     if not ok:
         return ok, why
     spec = RouteSpec(k=3, sigmoid=False, groups=1, topk_group=1, group_rule="none",
@@ -366,7 +461,7 @@ def self_check(device: torch.device, seed: int = 0) -> tuple[bool, str]:
     router = rand(12, dim).float() * 20
     a, res, norm_w = rand(1, dim) * 20, rand(1, dim) * 20, 1.0 + rand(dim)
     out, h, y, w, ids = moe_row_routed(a, res, norm_w, 1e-6, router, None, spec, gate, up, down,
-                                       first, shared)
+                                       first, shared, **sc)
     y_ref = F.rms_norm((a.float() + res.float()).to(a.dtype).float(), (dim,), eps=1e-6)
     y_ref = (y_ref.to(a.dtype).float() * norm_w.float())
     w_ref, ids_ref = route_torch(y.float() @ router.t(), None, spec)
@@ -374,4 +469,4 @@ def self_check(device: torch.device, seed: int = 0) -> tuple[bool, str]:
         return False, f"self-check routing: ids {ids.tolist()} for {ids_ref.tolist()}"
     ok, why = close(y, y_ref, "norm")
     return (ok, why) if not ok else close(out, reference(y, gate, up, down, w, ids, first,
-                                                         shared), "routed mismatch")
+                                                         shared, **sc), "routed mismatch")

@@ -144,7 +144,7 @@ def _producer(args, sel, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.conste
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
     sel_ids, sel_wts, routed = sel
     pid = gl.program_id(0)
-    stage_bytes: gl.constexpr = 4 * BN * BK * 2
+    stage_bytes: gl.constexpr = 4 * BN * BK * (dg.dtype.primitive_bitwidth // 8)
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     tk = gl.arange(0, TK, layout=vec)
     n_sh = gl.load(counts_ptr + 3 * pid)          # its first n_sh items: shared gate/up
@@ -214,12 +214,13 @@ def _stage_h(hs2, h_ptr, I, IS, TOPK: gl.constexpr, BK: gl.constexpr,
 
 
 @gluon.jit
-def _consume(ring, ready, empty, j, v0, v1, acc_a, acc_b, tile: gl.constexpr,
+def _consume(ring, ready, empty, j, va0, va1, vb0, vb1, acc_a, acc_b, tile: gl.constexpr,
              STAGES: gl.constexpr):
     """Ring stage j (boxes a0, a1 | b0, b1: rows of one group at two K steps, then the other
-    group's): (acc_a + a0 v0 + a1 v1, acc_b + b0 v0 + b1 v1), fp32; the stage goes back to the
-    producer once its boxes are in registers. v0 / v1: [1, BK] activation rows of the two K
-    steps (loaded by the caller before the wait)."""
+    group's): (acc_a + a0 va0 + a1 va1, acc_b + b0 vb0 + b1 vb1), fp32; the stage goes back to
+    the producer once its boxes are in registers. va* / vb*: [1, BK] activation rows of the two
+    K steps (loaded by the caller before the wait), for 16-bit weights the same two rows for
+    both groups, for fp8 weights each times its box's block scales (`_scaled`)."""
     s = j % STAGES
     mbarrier.wait(ready.index(s), (j // STAGES) & 1)
     a0 = ring.index(4 * s).load(tile).to(gl.float32)
@@ -227,15 +228,35 @@ def _consume(ring, ready, empty, j, v0, v1, acc_a, acc_b, tile: gl.constexpr,
     b0 = ring.index(4 * s + 2).load(tile).to(gl.float32)
     b1 = ring.index(4 * s + 3).load(tile).to(gl.float32)
     mbarrier.arrive(empty.index(s), count=1)
-    return acc_a + a0 * v0 + a1 * v1, acc_b + b0 * v0 + b1 * v1
+    return acc_a + a0 * va0 + a1 * va1, acc_b + b0 * vb0 + b1 * vb1
 
 
 @gluon.jit
-def _up_item(args, it, j, nxt, ids, wts, tk, TOPK: gl.constexpr, BN: gl.constexpr,
-             BK: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _scale_row(base, kb, nb, kidx, BK: gl.constexpr):
+    """[1, BK]: the block scales of a box's K columns (BK // 128 blocks from block kb of a
+    scale row at `base` of nb blocks; 0 past the row, where the box reads 0 too)."""
+    s = gl.zeros_like(kidx.to(gl.float32))
+    for i in gl.static_range(BK // 128):
+        si = gl.load(base + kb + i, mask=kb + i < nb, other=0.0)
+        s = gl.where(kidx // 128 == i, si, s)
+    return gl.expand_dims(s, 0)
+
+
+@gluon.jit
+def _scale_base(slot, e, n0, rows, nk, TOPK: gl.constexpr):
+    """Offset of an item's scale row in its slot's grid: (the routed expert e's [rows, nk]
+    grid, or the shared slot's single one) at the features' block n0 // 128."""
+    return gl.where(slot < TOPK, e * rows, 0) * nk + (n0 // 128) * nk
+
+
+@gluon.jit
+def _up_item(args, scl, it, j, nxt, ids, wts, tk, TOPK: gl.constexpr, BN: gl.constexpr,
+             BK: gl.constexpr, STAGES: gl.constexpr, SCALED: gl.constexpr,
+             num_warps: gl.constexpr):
     """The consumer's gate/up item `it` (fields nxt): h = w * silu(x Wg^T) * (x Wu^T) over its
     BN features into the h buffer, where its slot's expert is local -> (ring position, the
-    next item's fields)."""
+    next item's fields). SCALED: fp8 weights, x times the gate's and the up's block scales of
+    each box (a box's BN rows lie in one 128-block of features)."""
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
     tile: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
@@ -247,10 +268,26 @@ def _up_item(args, it, j, nxt, ids, wts, tk, TOPK: gl.constexpr, BN: gl.constexp
     if local:
         acc_g = gl.zeros([BN, BK], gl.float32, layout=tile)
         acc_u = gl.zeros([BN, BK], gl.float32, layout=tile)
+        sg, su, sd, sgs, sus, sds = scl
+        kidx = gl.arange(0, BK, layout=kcol)
+        nk = gl.cdiv(D, 128)
+        off = _scale_base(slot, e, n0, gl.cdiv(I, 128), nk, TOPK)
+        g_row = gl.where(slot < TOPK, sg, sgs) + off        # SCALED: the item's scale rows
+        u_row = gl.where(slot < TOPK, su, sus) + off
         for t in range(gl.cdiv(D, 2 * BK)):
             v0 = gl.expand_dims(xs.index(2 * t).load(kcol).to(gl.float32), 0)
             v1 = gl.expand_dims(xs.index(2 * t + 1).load(kcol).to(gl.float32), 0)
-            acc_g, acc_u = _consume(ring, ready, empty, j, v0, v1, acc_g, acc_u, tile, STAGES)
+            if SCALED:                  # boxes at K steps k, k + BK: blocks kb.., kb + BK / 128..
+                kb = t * (2 * BK // 128)
+                g0 = _scale_row(g_row, kb, nk, kidx, BK)
+                g1 = _scale_row(g_row, kb + BK // 128, nk, kidx, BK)
+                u0 = _scale_row(u_row, kb, nk, kidx, BK)
+                u1 = _scale_row(u_row, kb + BK // 128, nk, kidx, BK)
+                acc_g, acc_u = _consume(ring, ready, empty, j, v0 * g0, v1 * g1, v0 * u0,
+                                        v1 * u1, acc_g, acc_u, tile, STAGES)
+            else:
+                acc_g, acc_u = _consume(ring, ready, empty, j, v0, v1, v0, v1, acc_g, acc_u,
+                                        tile, STAGES)
             j += 1
         g = gl.sum(acc_g, axis=1)
         u = gl.sum(acc_u, axis=1)
@@ -261,9 +298,10 @@ def _up_item(args, it, j, nxt, ids, wts, tk, TOPK: gl.constexpr, BN: gl.constexp
 
 
 @gluon.jit
-def _consumer(args, sel, rargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
-              BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-              ROUTE: gl.constexpr, num_warps: gl.constexpr):
+def _consumer(args, sel, rargs, scl, TOPK: gl.constexpr, TK: gl.constexpr,
+              SHARED: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              PDL: gl.constexpr, ROUTE: gl.constexpr, SCALED: gl.constexpr,
+              num_warps: gl.constexpr):
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
     sel_ids, sel_wts, routed = sel
@@ -272,6 +310,8 @@ def _consumer(args, sel, rargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl
     tile: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     kcol: gl.constexpr = gl.SliceLayout(0, tile)
     rows = gl.arange(0, BN, layout=gl.SliceLayout(1, tile))
+    kidx = gl.arange(0, BK, layout=kcol)
+    sg, su, sd, sgs, sus, sds = scl
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     tk = gl.arange(0, TK, layout=vec)
     n_sh = gl.load(counts_ptr + 3 * pid)
@@ -287,8 +327,8 @@ def _consumer(args, sel, rargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl
     nxt = _item(items_ptr, pid, 0, L)
     none = gl.full([TK], -1, gl.int32, layout=vec)
     for it in range(n_sh):                # phase A: gate/up, the shared experts' first
-        j, nxt = _up_item(args, it, j, nxt, none, none.to(gl.float32), tk, TOPK, BN, BK,
-                          STAGES, num_warps)
+        j, nxt = _up_item(args, scl, it, j, nxt, none, none.to(gl.float32), tk, TOPK, BN, BK,
+                          STAGES, SCALED, num_warps)
     if ROUTE:                             # the router partition's choice
         mbarrier.wait(routed, 0)
         ids = gl.where(tk < TOPK, _row(sel_ids, TK).load(vec), -1)
@@ -297,7 +337,8 @@ def _consumer(args, sel, rargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl
         ids = gl.load(ids_ptr + tk, mask=tk < TOPK, other=-1).to(gl.int32)
         wts = gl.load(wts_ptr + tk, mask=tk < TOPK, other=0.0).to(gl.float32)
     for it in range(n_sh, n_up):
-        j, nxt = _up_item(args, it, j, nxt, ids, wts, tk, TOPK, BN, BK, STAGES, num_warps)
+        j, nxt = _up_item(args, scl, it, j, nxt, ids, wts, tk, TOPK, BN, BK, STAGES, SCALED,
+                          num_warps)
     # the barrier between the phases: count in (release), wait for all (acquire)
     sync_threads()
     gl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
@@ -316,11 +357,19 @@ def _consumer(args, sel, rargs, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl
             local, e = _local(ids, tk, sl, first, E, TOPK)
             if local:
                 r0 = _h_row(sl, I, IS, TOPK, BK)
+                # SCALED: the slot's down scale row at the outputs' block (2 BN rows: one block)
+                nk = gl.cdiv(gl.where(sl < TOPK, I, IS), 128)
+                d_row = gl.where(sl < TOPK, sd, sds) + _scale_base(sl, e, n0, gl.cdiv(D, 128),
+                                                                   nk, TOPK)
                 for t in range(_k_steps(sl, I, IS, TOPK, BK)):
                     va = gl.expand_dims(hs.index(r0 + 2 * t).load(kcol), 0)
                     vb = gl.expand_dims(hs.index(r0 + 2 * t + 1).load(kcol), 0)
-                    acc_a, acc_b = _consume(ring, ready, empty, j, va, vb, acc_a, acc_b, tile,
-                                            STAGES)
+                    if SCALED:
+                        kb = t * (2 * BK // 128)
+                        va = va * _scale_row(d_row, kb, nk, kidx, BK)
+                        vb = vb * _scale_row(d_row, kb + BK // 128, nk, kidx, BK)
+                    acc_a, acc_b = _consume(ring, ready, empty, j, va, vb, va, vb, acc_a,
+                                            acc_b, tile, STAGES)
                     j += 1
         ty = out_ptr.dtype.element_ty
         gl.store(out_ptr + n0 + rows, gl.sum(acc_a, axis=1).to(ty))
@@ -346,6 +395,11 @@ def moe_row_kernel(
     x_ptr, ids_ptr, wts_ptr, first, E, I, D, IS,
     dg, du, dd, dgs, dus, dds,             # TMA descriptors: gate, up [E*I, D], down [E*D, I],
                                            # shared gate, up [Is, D], shared down [D, Is]
+    sg, su, sd, sgs, sus, sds,             # SCALED (fp8 weights): their block scales, fp32,
+                                           # contiguous: gate, up [E, cdiv(I, 128), cdiv(D, 128)],
+                                           # down [E, cdiv(D, 128), cdiv(I, 128)], the shared
+                                           # [cdiv(Is, 128), cdiv(D, 128)] twice and
+                                           # [cdiv(D, 128), cdiv(Is, 128)]
     items_ptr, counts_ptr, G, L,           # the plan: items [G, L, 4], counts [G, 3]
     h_ptr, out_ptr, cnt_ptr,               # cnt: phase, done, route counters
     # ROUTE (gluon_route; x_ptr is the attention output, ids / wts outputs): the residual, the
@@ -356,9 +410,10 @@ def moe_row_kernel(
     HR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, ROUTE: gl.constexpr = 0,
     RSPEC: gl.constexpr = None, ROUTER_REGS: gl.constexpr = 0, PDL: gl.constexpr = 0,
+    SCALED: gl.constexpr = 0,
 ):
-    dtype: gl.constexpr = dg.dtype
-    ring = gl.allocate_shared_memory(dtype, [4 * STAGES, BN, BK], dg.layout)
+    ring = gl.allocate_shared_memory(dg.dtype, [4 * STAGES, BN, BK], dg.layout)
+    dtype: gl.constexpr = x_ptr.dtype.element_ty          # the rows' (fp8 weights: 16-bit rows)
     # x and h as rows of BK: stored as [R, BK], read a row at a time through a view with a
     # one-dimensional layout
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
@@ -380,20 +435,21 @@ def moe_row_kernel(
            routed)
     args = (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr,
             first, E, I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L)
+    scl = (sg, su, sd, sgs, sus, sds)
     rargs = (x_ptr, r_ptr, nw_ptr, rw_ptr, bias_ptr, lg_ptr, h_out, y_out, wts_ptr, ids_ptr,
              inv_d, eps, D, NE, EG, NG, scaling, cnt_ptr + 2)
     # the partition lists are written out in both branches: a tuple holding constexprs loses
     # them when bound to a name first (triton 3.6)
     if ROUTE:                 # a third partition, one warp: the choice (gluon_route.choose)
         gl.warp_specialize(
-            [(_consumer, (args, sel, rargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
-                          num_warps)),
+            [(_consumer, (args, sel, rargs, scl, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
+                          SCALED, num_warps)),
              (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE)),
              (choose, (rargs, sel, G, TOPK, TK, RSPEC, PDL))],
             [1, 1], [PRODUCER_REGS, ROUTER_REGS])
     else:
         gl.warp_specialize(
-            [(_consumer, (args, sel, rargs, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
-                          num_warps)),
+            [(_consumer, (args, sel, rargs, scl, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
+                          SCALED, num_warps)),
              (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE))],
             [1], [PRODUCER_REGS])

@@ -160,14 +160,17 @@ class MoE(nn.Module):
         gluon_moe.route_unsupported); module flag gluon_moe.ROUTED."""
         ex, gate, mlp = self.experts, self.gate, self.shared_experts
         if not (gluon_moe.ROUTED and a.shape[0] == 1 and ex.graph_safe and use_triton(a)
-                and not ex.fp8
                 and gate.path(a) == "fused" and (mlp is None or fm.FOLD_SHARED)):
             return None
-        shared = mlp.shards() if mlp is not None else None
-        if mlp is not None and shared is None:
-            return None
-        bias = gate.e_score_correction_bias
-        if (not moe_decode.row_launch(a, ex.gate_proj, ex.up_proj, ex.down_proj, shared)
+        shared = shared_scales = None
+        if mlp is not None:          # the shard in the experts' format (both 16-bit or fp8)
+            folded = mlp.fp8_shards() if ex.fp8 else (mlp.shards(), None)
+            if folded is None or folded[0] is None:
+                return None
+            shared, shared_scales = folded
+        bias, scales = gate.e_score_correction_bias, ex.scales()
+        if (not moe_decode.row_launch(a, ex.gate_proj, ex.up_proj, ex.down_proj, shared,
+                                      gate.spec.k, scales, shared_scales)
                 or gluon_moe.route_unsupported(a, residual, norm.weight, gate.weight, bias,
                                                gate.spec)):
             return None
@@ -175,7 +178,7 @@ class MoE(nn.Module):
         def run():
             out, h, *_ = gluon_moe.moe_row_routed(
                 a, residual, norm.weight, norm.eps, gate.weight, bias, gate.spec, ex.gate_proj,
-                ex.up_proj, ex.down_proj, ex.first, shared)
+                ex.up_proj, ex.down_proj, ex.first, shared, scales, shared_scales)
             return out, h
         return run
 

@@ -475,14 +475,18 @@ def moe_decode_config(T: int, k: int, n_local: int, inter: int, dim: int, dtype:
                                    2 if dtype == torch.float32 else 3))
 
 
-def row_launch(x, gate, up, down, shared, scales=None) -> bool:
-    """Whether one row takes gluon_moe's single persistent launch (sm_90, its shapes; module
-    flag gluon_moe.ENABLED) instead of the two launches here. Never for fp8 experts (scales
-    given or float8 stacks): the launch streams 16-bit weights."""
-    if scales is not None or fp8.is_fp8(gate):
+def row_launch(x, gate, up, down, shared, topk: int, scales=None, shared_scales=None) -> bool:
+    """Whether one row routed to `topk` experts takes gluon_moe's single persistent launch
+    (sm_90, its shapes and shared memory; module
+    flag gluon_moe.ENABLED) instead of the two launches here; fp8 experts with their block
+    scales too (gluon_moe.FP8; its self-check of the fp8 launch passed)."""
+    scaled = scales is not None or fp8.is_fp8(gate)
+    if scaled and not gluon_moe.FP8:
         return False
-    return (gluon_moe.ENABLED and x.is_cuda and gluon_moe.unsupported(x, gate, up, down, shared)
-            is None and gluon_moe.available(x.device))
+    return (gluon_moe.ENABLED and x.is_cuda
+            and gluon_moe.unsupported(x, gate, up, down, shared, scales, shared_scales,
+                                      topk=topk) is None
+            and gluon_moe.available(x.device, scaled))
 
 
 def shared_scales_fit(inter: int) -> bool:
@@ -545,8 +549,9 @@ def moe_decode(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
             shared_scales = _shared_scales(shared, shared_scales, gate.shape[1])
     elif fp8.is_fp8(gate):
         raise ValueError("moe_decode: float8 expert stacks need their block scales (scales=)")
-    if T == 1 and row_launch(x, gate, up, down, shared, scales):
-        return gluon_moe.moe_row(x, gate, up, down, weights, ids, first, shared)
+    if T == 1 and row_launch(x, gate, up, down, shared, ids.shape[-1], scales, shared_scales):
+        return gluon_moe.moe_row(x, gate, up, down, weights, ids, first, shared, scales,
+                                 shared_scales)
     E, I, _ = gate.shape
     k = ids.shape[1]
     N = T * k

@@ -44,7 +44,7 @@ from helix.config import Layout, ModelConfig
 from helix.kv.ownership import KVSharding
 from helix.layers.attention_gqa import kv_head_range
 from helix.layers.fused_moe import decode_kernels
-from helix.layers.gluon_moe import route_fits, shape_fits
+from helix.layers.gluon_moe import layer_unfit, route_fits
 from helix.layers.router import route_spec
 from helix.layers.skinny_gemm import norm_in_gemv
 
@@ -209,9 +209,9 @@ def _ffn_phases(cfg: ModelConfig, lay: Layout, B: int, es: int, w_es: float) -> 
         # experts and the top-k sum in them); at one row all of it in one launch (gluon_moe,
         # its router in it where the routing fits); more pairs: the router, sort / align, two
         # grouped GEMMs, silu, sum, the shared MLP and its add
-        one_row = (B == 1 and w_es == es           # (the one-row launch: 16-bit weights only)
-                   and shape_fits(D, cfg.moe_intermediate_size // lay.tpf,
-                                  cfg.moe_intermediate_size * cfg.num_shared_experts // n))
+        one_row = (B == 1 and layer_unfit(
+            k, D, cfg.moe_intermediate_size // lay.tpf,
+            cfg.moe_intermediate_size * cfg.num_shared_experts // n, round(w_es), es) is None)
         kernels = (((1 if route_fits(E, route_spec(cfg).groups) else 2) if one_row else 3)
                    if decode_kernels(B * k) else 1 + 6 + (4 if shared_w else 0))
         out.append(Phase("moe", moe_layers, nbytes, flops, kernels, reduce))
