@@ -248,16 +248,18 @@ def test_shared_memory_rule():
 
 @pytest.mark.sm90
 def test_compiles_for_sm90(tmp_path):
-    """DeepSeek-V2-Lite's and Qwen3-235B's layers compile for sm_90 (no GPU): no spills, 128
-    registers a thread at launch, one block under the shared-memory limit (the ring of 8 x 4
-    boxes of 8 x 256, x and the h buffer), unswizzled [8, 256] boxes, a 40-register producer,
+    """DeepSeek-V2-Lite's and Qwen3-235B's layers compile for sm_90 (no GPU), 16-bit and fp8
+    weights: no spills, 128 registers a thread at launch, one block under the shared-memory
+    limit and within gluon_moe.smem_bytes (the ring of 8 x 4 boxes of 8 x 256, 16 x 4 in fp8,
+    x and the h buffer), unswizzled [8, 256] boxes, a 40-register producer,
     and under PDL two waits (the producer before the routed tiles, the consumer before x) and
     one launch of the next kernel."""
     import json
     out = tmp_path / "moe.json"
     code = ("import json, sys; sys.path.insert(0, 'profiling'); import gluon_resources as g; "
             "recs = [g.check_moe(1), g.check_moe(1, topk=8, experts=16, inter=1536, dim=4096, "
-            "shared=0)]; "
+            "shared=0), g.check_moe(1, fp8=True), g.check_moe(1, fp8=True, topk=8, experts=16, "
+            "inter=1536, dim=4096, shared=0)]; "
             f"open({str(out)!r}, 'w').write(json.dumps(recs, default=str))")
     sm90_compile.run(tmp_path, ["-c", code])
     for r in json.loads(out.read_text()):
@@ -265,6 +267,9 @@ def test_compiles_for_sm90(tmp_path):
         assert r["stack_bytes"] == 0 and r["local_loads"] == r["local_stores"] == 0
         assert r["registers"] == 128
         assert r["shared_bytes"] <= 232448
+        shape = (r.get("topk", 6), r.get("inter", 1408), r.get("shared", 2816),
+                 r.get("dim", 2048), 1 if r.get("fp8") else 2, 2)
+        assert gm.smem_bytes(*shape) - gm.SMEM_SLACK <= r["shared_bytes"] <= gm.smem_bytes(*shape)
         assert all(m["block_size"] == [8, 256] and m["swizzle"] == 0
                    for m in r["tensordesc_meta"])
         assert "setmaxnreg.inc.sync.aligned.u32 40" in r["setmaxnreg"]        # the producer
@@ -312,7 +317,8 @@ def test_routed_launch_compiles_for_sm90(tmp_path):
     consumer's, after its router rows are loaded; the producer waits for its own consumer's
     choice instead) and one launch of the next kernel. With PDL_EARLY (DeepSeek-V2-Lite's
     rule, PDL value 3) the router partition waits too, before it reads the route counter
-    (gluon_route.choose): two waits."""
+    (gluon_route.choose): two waits. The same with fp8 experts (DeepSeek-V2-Lite's layer,
+    softmax and V3's rule)."""
     import json
     out = tmp_path / "moe.json"
     rules = {n: dict(r) for n, r in ROUTE_RULES.items()}
@@ -325,6 +331,8 @@ def test_routed_launch_compiles_for_sm90(tmp_path):
             "recs.append(g.check_moe(1, topk=8, experts=16, inter=1536, dim=4096, shared=0, "
             "route=q)); "
             "recs.append(g.check_moe(3, topk=6, route=rules['dsv2lite'])); "
+            "recs.append(g.check_moe(1, topk=6, route=rules['dsv2lite'], fp8=True)); "
+            "recs.append(g.check_moe(1, topk=8, route=rules['v3_sigmoid'], fp8=True)); "
             f"open({str(out)!r}, 'w').write(json.dumps(recs, default=str))")
     sm90_compile.run(tmp_path, ["-c", code], timeout=600)
     recs = json.loads(out.read_text())
@@ -334,4 +342,4 @@ def test_routed_launch_compiles_for_sm90(tmp_path):
         assert r["registers"] == 128
         assert r["shared_bytes"] <= 232448
         assert (r["gdc_waits"], r["gdc_launches"]) == ((2, 1) if r["pdl"] == 3 else (1, 1))
-    assert recs[-1]["pdl"] == 3
+    assert recs[-3]["pdl"] == 3 and recs[-1]["fp8"]
