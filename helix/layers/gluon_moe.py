@@ -5,7 +5,9 @@ shared experts, gate/up and down (the device code and its design: gluon_moe_kern
             shared=None | (gate_s [Is, D], up_s [Is, D], down_s [D, Is])) -> [1, D]
 
 moe_decode's contract at T = 1; moe_decode takes it where `unsupported` says nothing and
-`available` holds (module flag ENABLED: benches switch it).
+`available` holds (module flag ENABLED: benches switch it). fp8 experts (block scales,
+helix.layers.fp8) too: moe_row(..., scales=(gate_s, up_s, down_s), shared_scales=) (module flag
+FP8; `available(device, scaled=True)` runs the fp8 self-check).
 
     moe_row_routed(a, residual, norm_w, eps, router_w, bias, spec, gate, up, down, first,
                    shared) -> (out, h, y, weights, ids)

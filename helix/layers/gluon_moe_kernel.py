@@ -24,6 +24,12 @@ Two partitions:
 - consumer (4 warps, the default partition): per stage, the four boxes from shared memory
   times the activation rows (x, or h) in fp32 FMA, summed per feature at the item's end.
 
+SCALED (fp8 weights, helix.layers.fp8: w = w8 * scale[n // 128, k // 128]): the boxes hold
+e4m3 bytes (the ring twice as deep for the same bytes in flight) and each box's activation row
+is multiplied by the box's block scales first: a box's BN rows lie in one 128-block of features
+(BN divides 128), its BK columns in BK / 128 blocks (`_scale_row`: a scalar load a block, made
+before the stage's wait), so the FMAs are those of the 16-bit kernel.
+
 ROUTE (gluon_moe.moe_row_routed): the router's launch rides in this one. x is then the attention
 output; the consumer forms the normed rows and its programs' logits first (gluon_route.
 route_rows), and a third partition (one warp, gluon_route.choose) makes the top-k choice once
