@@ -29,6 +29,7 @@ Times are CUDA-graph replays with L2 flushed (a)-(c), or the engine's step (d).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -280,7 +281,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-noqknorm", "after-gqa-twolaunch", "after-gqa-waves1", "after-gqa-waves05",
               "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend",
               "after-nomoerow", "after-moerow-stages6", "after-moerow-stages4",
-              "after-noroute", "after-noearlyrow")
+              "after-noroute", "after-noearlyrow", "after-fp8", "after-fp8-nomoerow")
 
 
 def set_kernels(mode: str) -> None:
@@ -329,7 +330,10 @@ def set_kernels(mode: str) -> None:
     shared memory held beside the next kernel); 'after-noroute': one row's MoE launch without
     the router in it (the router's own launch before it: gluon_moe.ROUTED off);
     'after-noearlyrow': one-row steps with
-    PDL_ON alone, not PDL_EARLY (triton_util.EARLY_ONE_ROW off: HELIX_PDL=wait)."""
+    PDL_ON alone, not PDL_EARLY (triton_util.EARLY_ONE_ROW off: HELIX_PDL=wait); 'after-fp8':
+    the weights in block fp8, quantized at load (RuntimeConfig.quantization "fp8"; bench_steps
+    reads the mode); 'after-fp8-nomoerow': the same with one row's fp8 experts on moe_decode's
+    two launches, not gluon_moe's one (gluon_moe.FP8 off)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -359,6 +363,7 @@ def set_kernels(mode: str) -> None:
     fused_qk_norm.FUSE_APPEND = mode not in ("before", "after-noropeappend")
     skinny_gemm.NORM_IN_GEMV = mode not in ("before", "after-nonormgemv")
     gluon_moe.ENABLED = mode not in ("before", "after-nomoerow")
+    gluon_moe.FP8 = mode != "after-fp8-nomoerow"
     gluon_moe.ROUTED = mode not in ("before", "after-nomoerow", "after-noroute")
     gluon_moe.STAGES = {"after-moerow-stages6": 6, "after-moerow-stages4": 4}.get(mode,
                                                                                   _MOE_STAGES)
@@ -447,7 +452,9 @@ def bench_steps(args) -> list[dict]:
         set_kernels(mode)
         overrides(moe)
         t0 = time.perf_counter()
-        with open_llm(sweep, args.step_model, Layout()) as llm:
+        quant = "fp8" if mode.startswith("after-fp8") else "none"
+        run_sweep = dataclasses.replace(sweep, runtime={**sweep.runtime, "quantization": quant})
+        with open_llm(run_sweep, args.step_model, Layout()) as llm:
             build_s = time.perf_counter() - t0
             for batch, context in points:
                 g = torch.Generator().manual_seed(0)
