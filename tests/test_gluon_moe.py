@@ -227,23 +227,26 @@ def test_unsupported_fp8_weights_need_their_scales():
 
 
 def test_shared_memory_rule():
-    """smem_bytes matches the compiled launches (tests below: DeepSeek-V2-Lite 200996 bytes,
-    DeepSeek-V3's layer 278820) within SMEM_SLACK; DeepSeek-V3's layer (D 7168, top-8, I 2048,
-    shared 2048) does not fit and is refused (moe_decode's two launches take it), bf16 or fp8;
-    DeepSeek-V2-Lite's and Qwen3's fit either way."""
+    """smem_bytes matches the compiled launches (DeepSeek-V2-Lite 200996 bytes, DeepSeek-V3's
+    layer 278820 with the full ring) within SMEM_SLACK; DeepSeek-V3's layer (D 7168, top-8,
+    I 2048: a 128 KB h buffer) runs with half the ring (ring_stages: 4 of 8, 8 of 16 in fp8),
+    DeepSeek-V2-Lite's and Qwen3's with the full one; a layer that does not fit even then is
+    refused (moe_decode's two launches take it)."""
     assert 200996 <= gm.smem_bytes(6, 1408, 2816, 2048, 2, 2) <= 200996 + gm.SMEM_SLACK
     assert 278820 <= gm.smem_bytes(8, 2048, 2048, 7168, 2, 2) <= 278820 + gm.SMEM_SLACK
     assert gm.smem_bytes(6, 1408, 2816, 2048, 1, 2) == gm.smem_bytes(6, 1408, 2816, 2048, 2, 2)
-    for wb in (2, 1):
-        assert "shared memory" in gm.layer_unfit(8, 7168, 2048, 2048, wb)
-        assert gm.layer_unfit(6, 2048, 1408, 2816, wb) is None
-        assert gm.layer_unfit(8, 4096, 1536, 0, wb) is None
+    for wb, full in ((2, gm.STAGES), (1, gm.STAGES_FP8)):
+        assert gm.ring_stages(8, 2048, 2048, 7168, wb) == full // 2
+        assert gm.ring_stages(8, 2048, 256, 7168, wb) == full // 2
+        assert gm.ring_stages(6, 1408, 2816, 2048, wb) == full
+        assert gm.ring_stages(8, 1536, 0, 4096, wb) == full
+        assert gm.layer_unfit(8, 7168, 2048, 2048, wb) is None
+        assert "shared memory" in gm.layer_unfit(16, 7168, 4096, 0, wb)
     meta = dict(device="meta", dtype=torch.bfloat16)
     x = _Cuda(torch.zeros(1, 7168, dtype=torch.bfloat16))
-    g, d = torch.empty(4, 2048, 7168, **meta), torch.empty(4, 7168, 2048, **meta)
-    sh = (torch.empty(2048, 7168, **meta),) * 2 + (torch.empty(7168, 2048, **meta),)
-    assert "shared memory" in gm.unsupported(x, g, g, d, sh, topk=8)
-    assert gm.unsupported(x, g, g, d, sh, topk=2) is None
+    g, d = torch.empty(4, 4096, 7168, **meta), torch.empty(4, 7168, 4096, **meta)
+    assert "shared memory" in gm.unsupported(x, g, g, d, topk=16)
+    assert gm.unsupported(x, g, g, d, topk=4) is None
 
 
 @pytest.mark.sm90

@@ -19,7 +19,9 @@ needs_sm90 = pytest.mark.skipif(
 
 # (experts, top-k, I, shared width, D)
 SHAPES = {"dsv2lite": (16, 6, 1408, 2816, 2048), "qwen3": (16, 8, 1536, 0, 4096),
-          "small": (8, 3, 256, 512, 256)}
+          "small": (8, 3, 256, 512, 256),
+          # DeepSeek-V3 at EP 8 (its shared expert's shard of 8): the ring at half depth
+          "dsv3_ep8": (16, 8, 2048, 256, 7168)}
 
 
 def _case(name, seed=0):
@@ -381,3 +383,48 @@ def test_fp8_engine_takes_the_routed_launch_and_matches_the_two_launches(monkeyp
     assert len(row) == len(two)
     for a, b in zip(row, two):
         assert (a - b).abs().max().item() <= 2e-2 * b.abs().max().item() + 1e-3
+
+
+@needs_sm90
+@pytest.mark.parametrize("fp8", [False, True])
+def test_deepseek_v3_layer_with_half_the_ring_and_its_router(fp8):
+    """DeepSeek-V3's layer (D 7168, top-8 of 256 experts by its sigmoid / top-2-groups rule,
+    16 of them on this rank, the shared expert's shard of 256): the h buffer takes 128 KB, so the
+    launch runs with half the ring (gluon_moe.ring_stages); with its router against the router
+    kernel and the launch, and against the reference."""
+    from helix.layers import triton_router as tr
+    from helix.layers.triton_router import RouteSpec
+    E, k, inter, ws, dim = SHAPES["dsv3_ep8"]
+    assert gm.ring_stages(k, inter, ws, dim, 1 if fp8 else 2) == (8 if fp8 else 4)
+    spec = RouteSpec(k=8, sigmoid=True, groups=8, topk_group=4, group_rule="top2", norm=True,
+                     scaling=2.5)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+
+    def rand(*s, scale=0.02, dtype=torch.bfloat16):
+        return (torch.randn(*s, generator=gen, device="cuda") * scale).to(dtype)
+
+    gate, up, down = rand(E, inter, dim), rand(E, inter, dim), rand(E, dim, inter)
+    shared = (rand(ws, dim), rand(ws, dim), rand(dim, ws))
+    sc = {}
+    if fp8:
+        (gate, gs), (up, us), (down, ds) = (_q(w) for w in (gate, up, down))
+        shared, ssc = zip(*(_q(w) for w in shared))
+        sc = dict(scales=(gs, us, ds), shared_scales=ssc)
+    router = rand(256, dim, scale=0.05, dtype=torch.float32)
+    bias = rand(256, scale=0.05, dtype=torch.float32)
+    bias[32:48] += 0.5                                  # this rank's experts: chosen often
+    norm_w = (1.0 + rand(dim, scale=0.1)).to(torch.bfloat16)
+    first = 32                                          # experts 32..47 on this rank
+    hits = 0
+    for _ in range(4):
+        a, res = rand(1, dim, scale=1.0), rand(1, dim, scale=1.0)
+        got = gm.moe_row_routed(a, res, norm_w, 1e-6, router, bias, spec, gate, up, down,
+                                first, shared, **sc)
+        torch.cuda.synchronize()
+        y, h, w, ids = tr.route_add_norm_triton(a, res, norm_w, 1e-6, router, bias, spec)
+        want = (gm.moe_row(y, gate, up, down, w, ids, first, shared, **sc), h, y, w, ids)
+        _check_routed(got, want)
+        _check(got[0], gm.reference(got[2], gate, up, down, got[3], got[4], first, shared,
+                                    **sc))
+        hits += int(((got[4] >= first) & (got[4] < first + E)).sum())
+    assert hits > 0, "no routed expert was local: only the shared expert was checked"

@@ -140,15 +140,32 @@ SMEM_SLACK = 1024            # barriers, the router's choice, alignment (compile
 
 
 def smem_bytes(topk: int, inter: int, shared_width: int, dim: int, weight_bytes: int,
-               row_bytes: int) -> int:
-    """Shared memory of a launch: the ring (128 KB, either weight width), x as rows of BK and
-    the h buffer (fp32) as rows of BK, both rounded up to a power of two rows (the kernel's
-    XR / HR), plus SMEM_SLACK. DeepSeek-V3's layer (D 7168, top-8, I 2048, shared 2048) needs
-    ~279 KB: its h buffer is 72 rows, allocated as 128."""
-    stages = STAGES_FP8 if weight_bytes == 1 else STAGES
+               row_bytes: int, stages: int | None = None) -> int:
+    """Shared memory of a launch: the ring (`stages` of four boxes; None: the full ring, 128 KB
+    either weight width), x as rows of BK and the h buffer (fp32) as rows of BK, both rounded up
+    to a power of two rows (the kernel's XR / HR: shared-memory shapes are powers of two), plus
+    SMEM_SLACK. DeepSeek-V3's layer (D 7168, top-8, I 2048) needs ~279 KB with the full ring:
+    its h buffer is 72 rows, allocated as 128."""
+    if stages is None:
+        stages = STAGES_FP8 if weight_bytes == 1 else STAGES
     h_rows = 2 * k_steps(shared_width) + topk * 2 * k_steps(inter)
     return (4 * stages * BN * BK * weight_bytes + pow2(2 * k_steps(dim)) * BK * row_bytes
             + pow2(h_rows) * BK * 4 + SMEM_SLACK)
+
+
+def ring_stages(topk: int, inter: int, shared_width: int, dim: int, weight_bytes: int,
+                row_bytes: int = 2) -> int:
+    """Stages of the weight ring a layer's launch takes: the full ring (STAGES, STAGES_FP8 for
+    fp8) where it fits beside x and the h buffer, else 3/4 or 1/2 of it (64 KB in flight an SM:
+    DeepSeek-V3's layer), else 0 (does not fit). The ring at 4 of 8 stages cost DeepSeek-V2-Lite's
+    step ~1 % (profiling/results/moe_row/moerow_stages_dsv2_aafda7d.json), less than the
+    two-launch path it replaces."""
+    full = STAGES_FP8 if weight_bytes == 1 else STAGES
+    for stages in (full, full * 3 // 4, full // 2):
+        if smem_bytes(topk, inter, shared_width, dim, weight_bytes, row_bytes,
+                      stages) <= SMEM_LIMIT:
+            return stages
+    return 0
 
 
 def layer_unfit(topk: int, dim: int, inter: int, shared_width: int, weight_bytes: int,
@@ -156,15 +173,16 @@ def layer_unfit(topk: int, dim: int, inter: int, shared_width: int, weight_bytes
     """Why a MoE layer's shapes do not fit the launch (None: they do; the planner's rule too):
     D whole K steps of BK, every expert width (the routed I, the shared shard's, 0: none) whole
     feature blocks of BN and whole 16 bytes (a down row's TMA stride), the shared memory
-    (smem_bytes) within SMEM_LIMIT."""
+    (smem_bytes) within SMEM_LIMIT with at least half the ring (ring_stages)."""
     widths = [inter] + ([shared_width] if shared_width else [])
     if dim % BK or any(w % BN or w * weight_bytes % 16 for w in widths):
         return (f"dims D {dim}, I {widths} (D a multiple of {BK}, widths of {BN} and of 16 "
                 f"bytes)")
-    need = smem_bytes(topk, inter, shared_width, dim, weight_bytes, row_bytes)
-    if need > SMEM_LIMIT:
+    if not ring_stages(topk, inter, shared_width, dim, weight_bytes, row_bytes):
+        need = smem_bytes(topk, inter, shared_width, dim, weight_bytes, row_bytes,
+                          (STAGES_FP8 if weight_bytes == 1 else STAGES) // 2)
         return (f"{need} bytes of shared memory for D {dim}, top-{topk}, widths {widths} "
-                f"(limit {SMEM_LIMIT})")
+                f"with half the ring (limit {SMEM_LIMIT})")
     return None
 
 
@@ -339,7 +357,8 @@ def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=Non
         p.max_items, h, out,
         counters, *rargs, TOPK=topk, TK=max(2, pow2(topk)), SHARED=int(ws > 0),
         XR=pow2(2 * k_steps(dim)), HR=pow2(p.h_rows), BN=BN, BK=BK,
-        STAGES=STAGES if scales is None else STAGES_FP8, SCALED=int(scales is not None),
+        STAGES=ring_stages(topk, inter, ws, dim, gate.element_size(), x.element_size()),
+        SCALED=int(scales is not None),
         PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS,
         **({"maxnreg": MAXNREG} if MAXNREG else {}), **meta)
 
