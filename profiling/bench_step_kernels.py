@@ -281,7 +281,8 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-noqknorm", "after-gqa-twolaunch", "after-gqa-waves1", "after-gqa-waves05",
               "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend",
               "after-nomoerow", "after-moerow-stages6", "after-moerow-stages4",
-              "after-noroute", "after-noearlyrow", "after-fp8", "after-fp8-nomoerow")
+              "after-noroute", "after-noearlyrow", "after-fp8", "after-fp8-nomoerow",
+              "after-fp8-w8")
 
 
 def set_kernels(mode: str) -> None:
@@ -333,7 +334,8 @@ def set_kernels(mode: str) -> None:
     PDL_ON alone, not PDL_EARLY (triton_util.EARLY_ONE_ROW off: HELIX_PDL=wait); 'after-fp8':
     the weights in block fp8, quantized at load (RuntimeConfig.quantization "fp8"; bench_steps
     reads the mode); 'after-fp8-nomoerow': the same with one row's fp8 experts on moe_decode's
-    two launches, not gluon_moe's one (gluon_moe.FP8 off)."""
+    two launches, not gluon_moe's one (gluon_moe.FP8 off); 'after-fp8-w8': fp8 with 8
+    consumer warps in the one-row MoE launch (gluon_moe.NUM_WARPS_FP8)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -364,6 +366,7 @@ def set_kernels(mode: str) -> None:
     skinny_gemm.NORM_IN_GEMV = mode not in ("before", "after-nonormgemv")
     gluon_moe.ENABLED = mode not in ("before", "after-nomoerow")
     gluon_moe.FP8 = mode != "after-fp8-nomoerow"
+    gluon_moe.NUM_WARPS_FP8 = 8 if mode == "after-fp8-w8" else _MOE_WARPS_FP8
     gluon_moe.ROUTED = mode not in ("before", "after-nomoerow", "after-noroute")
     gluon_moe.STAGES = {"after-moerow-stages6": 6, "after-moerow-stages4": 4}.get(mode,
                                                                                   _MOE_STAGES)
@@ -386,6 +389,7 @@ def set_kernels(mode: str) -> None:
 
 _NEW_FORWARD = rt.Router.forward
 _MOE_STAGES = gluon_moe.STAGES
+_MOE_WARPS_FP8 = gluon_moe.NUM_WARPS_FP8
 _GLUON_VARIANT = triton_backend.GLUON_VARIANT
 _GLUON_FEW = triton_backend.GLUON_FEW_VARIANT
 _SKINNY_BOUND = skinny_gemm.SKINNY_MAX_WEIGHT_ELEMENTS

@@ -182,10 +182,12 @@ def test_kernel_is_the_dequantized_product(T, N, K, bias, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T,N,K,bias", [(1, 200, 136, False), (2, 130, 64, True),
-                                        (1, 96, 7168, False), (2, 64, 8192, True)])
+                                        (1, 96, 7168, False), (2, 64, 8192, True),
+                                        (1, 40, 10944, True), (2, 24, 4160, False)])
 def test_the_one_tile_gemv_is_the_dequantized_product(T, N, K, bias, dtype):
     """One or two rows: skinny_gemm's GEMV dequantizes its tile in registers (K split in
-    ranges on block edges past 4096: 7168 -> 2 x 3584, 8192 -> 2 x 4096)."""
+    ranges on block edges past 4096: 7168 -> 2 x 3584, 8192 -> 2 x 4096, DeepSeek-V2-Lite's
+    dense down 10944 -> 3712 + 3712 + 3520, 4160 -> 2176 + 1984)."""
     from helix.layers import skinny_gemm
     g = torch.Generator().manual_seed(T * N + K)
     b = fp8.quantize(torch.randn(N, K, generator=g) * torch.logspace(-1, 1, K))
@@ -220,10 +222,17 @@ def test_the_gemv_with_the_input_norm_is_the_dequantized_product(dtype):
     torch.testing.assert_close(h.float().cpu(), h_want, atol=tol, rtol=tol)
 
 
-def test_the_gemv_takes_fp8_only_where_k_splits_on_block_edges():
+def test_the_gemv_splits_fp8_k_on_block_edges():
+    """K past one tile splits in ranges of whole 128-blocks (the last one shorter), so every
+    range's scales start on a block: 4160 -> 2176 + 1984, not 2 x 2080; 16-bit weights keep
+    equal ranges; three rows take the tiled kernel."""
     from helix.layers import skinny_gemm
-    w = torch.zeros(64, 4160, dtype=torch.float8_e4m3fn)      # 2 ranges of 2080: off the edges
-    assert not skinny_gemm.gemv_scaled_fits(torch.zeros(1, 4160), w)
+    assert skinny_gemm.split_chunk(4160, 2, scaled=True) == 2176
+    assert skinny_gemm.split_chunk(4160, 2) == 2080
+    assert skinny_gemm.split_chunk(10944, 3, scaled=True) == 3712
+    assert skinny_gemm.split_chunk(2048, 1, scaled=True) == 2048
+    w = torch.zeros(64, 4160, dtype=torch.float8_e4m3fn)
+    assert skinny_gemm.gemv_scaled_fits(torch.zeros(1, 4160), w)
     assert not skinny_gemm.gemv_scaled_fits(torch.zeros(3, 1024), w[:, :1024])   # 3 rows
     assert skinny_gemm.gemv_scaled_fits(torch.zeros(2, 1024), w[:, :1024].contiguous())
 

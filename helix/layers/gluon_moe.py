@@ -53,6 +53,8 @@ MAXNREG = 128                # registers a thread at launch: half the register f
                              # for the next kernel's programs (alone: as fast as the compiler's
                              # 255, bench_moe_row)
 NUM_WARPS = 4                # the consumer partition
+NUM_WARPS_FP8 = 4            # ... with fp8 weights (twice the elements a byte to convert and
+                             # multiply: the consumer, not the ring, bounds the stream)
 FIELDS = 4                   # int32 fields of an item (gluon_moe_kernel.ITEM_FIELDS)
 ENABLED = True
 FP8 = True                   # fp8 experts (block scales) take the launch too (benches switch it)
@@ -359,7 +361,7 @@ def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=Non
         XR=pow2(2 * k_steps(dim)), HR=pow2(p.h_rows), BN=BN, BK=BK,
         STAGES=ring_stages(topk, inter, ws, dim, gate.element_size(), x.element_size()),
         SCALED=int(scales is not None),
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS if scales is None else NUM_WARPS_FP8,
         **({"maxnreg": MAXNREG} if MAXNREG else {}), **meta)
 
 

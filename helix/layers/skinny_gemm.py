@@ -315,11 +315,11 @@ def gemv_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         cnt = arrival_counters(x.device, G * blocks)
     else:
         part = cnt = y
-    assert scale is None or (G == 1 and (split == 1 or (-(-K // split)) % 128 == 0)
-                             and scale.stride(1) == 1)
+    chunk = split_chunk(K, split, scaled=scale is not None)
+    assert scale is None or (G == 1 and scale.stride(1) == 1)
     args = (x, w, bias if bias is not None else w, y, res, nw, h, part, cnt,
             scale if scale is not None else w, T, N, K,
-            -(-K // split), 1.0 / K, float(eps), x.stride(0), x.stride(1), w.stride(0),
+            chunk, 1.0 / K, float(eps), x.stride(0), x.stride(1), w.stride(0),
             w.stride(1), y.stride(0), y.stride(1), res.stride(0),
             scale.stride(0) if scale is not None else 0)
     meta = dict(HAS_BIAS=bias is not None, ADD_NORM=add_norm is not None, ROWS=rows,
@@ -329,16 +329,26 @@ def gemv_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     return (blocks, G, split), args, meta
 
 
+def split_chunk(K: int, split: int, scaled: bool = False) -> int:
+    """K elements a split's range holds: cdiv(K, split), for block-fp8 weights rounded up to
+    whole 128-blocks (every range starts on a block edge; the last one is shorter). Never past
+    the tile: gemv_config's tile is a power of two >= cdiv(K, split) > 128 where K is split."""
+    chunk = -(-K // split)
+    return -(-chunk // 128) * 128 if scaled and split > 1 else chunk
+
+
 def gemv_scaled_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the one-tile GEMV takes x [T, K] times a block-fp8 w [N, K] (helix.layers.fp8):
-    gemv_fits, and K ranges that start on 128-blocks where K is split."""
+    gemv_fits (the split's bound in bytes: one byte an element), and where K is split, every
+    range of split_chunk non-empty (DeepSeek-V2-Lite's dense down, K 10944: three of 3712, 3712,
+    3520; it took the tiled kernel at 0.55 TB/s before, profiling/results/fp8_weights.md)."""
     K = x.shape[1]
     if not (HAS_TRITON and x.dim() == 2 and x.stride(-1) == 1 and w.stride(1) == 1 and GEMV
-            and x.shape[0] <= GEMV_MAX_ROWS   # the split's bound in bytes: 1 byte an element
+            and x.shape[0] <= GEMV_MAX_ROWS
             and (K <= GEMV_MAX_K or (GEMV_SPLIT and w.numel() <= 2 * GEMV_SPLIT_MAX_ELEMENTS))):
         return False
     split = -(-K // GEMV_MAX_K)
-    return split == 1 or (-(-K // split)) % 128 == 0
+    return (split - 1) * split_chunk(K, split, scaled=True) < K
 
 
 def gemv_scaled(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
