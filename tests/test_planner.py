@@ -184,3 +184,27 @@ def test_kernel_constant_moves_the_prediction(h200):
     from helix.perf.cost import step_cost
     n = step_cost(cfg, Layout(), 1, 1024).kernels
     assert slower.step_ms - base.step_ms == pytest.approx(1e-3 * n * h200.graph_step_factor)
+
+
+def test_fp8_experts_stream_at_their_measured_fraction(h200):
+    """With fp8 weights the MoE phase's bytes stream at fp8_expert_efficiency of the read
+    rate (the one-row launch's measured rate against bf16's, profiling/results/fp8_row.md);
+    the other phases and every 16-bit phase are untouched by it."""
+    from helix.layers import fp8
+    from helix.perf.cost import step_cost
+    cfg = read_model_config("deepseek-v2-lite")[0]
+    es = fp8.element_bytes("fp8", 2)
+    full = dataclasses.replace(h200, fp8_expert_efficiency=1.0)
+    got = predict(cfg, Layout(), 1, 32768, h200, weight_es=es)
+    ref = predict(cfg, Layout(), 1, 32768, full, weight_es=es)
+    moe = next(p for p in step_cost(cfg, Layout(), 1, 32768, weight_es=es).phases
+               if p.name == "moe")
+    eff = h200.fp8_expert_efficiency
+    assert eff < 1
+    extra = moe.count * moe.nbytes / h200.read_bps * (1 / eff - 1)       # bytes-bound phase
+    assert got.phases_ms["moe"] - ref.phases_ms["moe"] == pytest.approx(1e3 * extra)
+    for name in got.phases_ms:
+        if name != "moe":
+            assert got.phases_ms[name] == pytest.approx(ref.phases_ms[name])
+    assert (predict(cfg, Layout(), 1, 32768, h200).step_ms
+            == pytest.approx(predict(cfg, Layout(), 1, 32768, full).step_ms))

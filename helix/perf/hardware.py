@@ -11,6 +11,7 @@ per-kernel and per-step overheads, and the links between GPUs.
     graph_step_factor: 1.06        # a graphed step / the sum of its kernel times
     gqa_attention_efficiency: 0.9  # fraction of hbm_read_tbps the GQA decode kernel reaches
     mla_attention_efficiency: 0.44 # fraction of matmul_tflops the absorbed-MLA kernel reaches
+    fp8_expert_efficiency: 0.7     # fp8 experts: their stream's rate against 16-bit experts'
     nvlink: {domain_gpus: 8, bus_gbps: 284, latency_us: 6, hop_us: 1.5}
     network: {bus_gbps: 45, latency_us: 15, hop_us: 4}
 
@@ -54,6 +55,7 @@ class Hardware:
     graph_step_factor: float
     gqa_attention_efficiency: float
     mla_attention_efficiency: float
+    fp8_expert_efficiency: float
     nvlink: Link
     network: Link
     path: str = ""
@@ -87,7 +89,7 @@ class Hardware:
 
 _LINK_KEYS = {"nvlink": ("domain_gpus", "bus_gbps", "latency_us", "hop_us"),
               "network": ("bus_gbps", "latency_us", "hop_us")}
-_FRACTIONS = ("gqa_attention_efficiency", "mla_attention_efficiency")
+_FRACTIONS = ("gqa_attention_efficiency", "mla_attention_efficiency", "fp8_expert_efficiency")
 
 
 def _key_lines(text: str) -> dict[str, int]:

@@ -6,7 +6,8 @@ collectives):
 
     phase   = kernels * kernel_us + max(bytes / read rate, FLOPs / matmul rate)
               (attention: GQA reads at gqa_attention_efficiency of the read rate, absorbed MLA
-              computes at mla_attention_efficiency of the matmul rate: the measured kernels)
+              computes at mla_attention_efficiency of the matmul rate, fp8 experts stream at
+              fp8_expert_efficiency of it: the measured kernels)
     comm    = every collective at latency + hops + wire bytes / bus bandwidth, exposed, except
               the KVP all-to-all under HOP-B (below)
     step    = graph_step_factor * sum over phases (phase + exposed comm)
@@ -76,9 +77,12 @@ class Prediction:
                 "weights_fit": self.weights_fit, "phases_ms": self.phases_ms}
 
 
-def _phase_s(cfg: ModelConfig, phase, hw: Hardware, runs: int = 1) -> float:
-    """Kernel time of one occurrence of `phase`, its kernels launched `runs` times."""
+def _phase_s(cfg: ModelConfig, phase, hw: Hardware, runs: int = 1, fp8: bool = False) -> float:
+    """Kernel time of one occurrence of `phase`, its kernels launched `runs` times; fp8: the
+    weights in fp8 (the experts' launches convert twice the elements a byte)."""
     read, mm = hw.read_bps, hw.flops
+    if phase.name == "moe" and fp8:
+        read *= hw.fp8_expert_efficiency
     if phase.name == "attention":
         if cfg.is_mla:
             mm *= hw.mla_attention_efficiency
@@ -134,9 +138,10 @@ def predict(cfg: ModelConfig, layout: Layout, batch: int, context: int, hw: Hard
     cost = step_cost(cfg, layout, batch, context, dtype_bytes, page_size, kv_bytes, weight_es)
     kern = comm = 0.0
     phases = {}
+    fp8 = cost.meta["weight_bytes"] < dtype_bytes
     for p in cost.phases:
         runs = hopb if p.name == "attention" else 1
-        t = _phase_s(cfg, p, hw, runs)
+        t = _phase_s(cfg, p, hw, runs, fp8)
         c = _comm_s(p, hw, t, hopb)
         kern += p.count * t
         comm += p.count * c
