@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -489,7 +490,8 @@ def bench_steps(args) -> list[dict]:
                                  top_kernels=_rounded(table), critical_kernels=_rounded(critical)))
                 print(json.dumps(recs[-1]), flush=True)
         del llm
-        if cuda:
+        gc.collect()              # cycles that hold an engine's tensors (an 80 GB card ran out
+        if cuda:                  # of memory at the fifth engine of one process)
             torch.cuda.empty_cache()
     set_kernels("after")
     overrides({})
