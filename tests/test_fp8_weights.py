@@ -247,6 +247,23 @@ def test_the_dequantize_kernel_is_dequantize(dtype):
     assert torch.equal(got, fp8.dequantize(b.weight, b.scale, dtype))
 
 
+def test_a_stack_quantizes_as_its_matrices():
+    """fp8.quantize of an [E, N, K] stack is each expert's [N, K] quantization, stacked (and
+    dequantizes back through the same grid)."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(3, 200, 136, generator=g) * torch.tensor([0.1, 1.0, 10.0])[:, None, None]
+    b = fp8.quantize(w)
+    assert b.weight.shape == w.shape and b.scale.shape == (3, 2, 2)
+    whole = fp8.dequantize(b.weight, b.scale, torch.float32)
+    for e in range(3):
+        one = fp8.quantize(w[e])
+        assert torch.equal(b.scale[e], one.scale)
+        assert torch.equal(b.weight[e].view(torch.uint8), one.weight.view(torch.uint8))
+        assert torch.equal(whole[e], fp8.dequantize(one.weight, one.scale, torch.float32))
+    with pytest.raises(ValueError, match=r"\[\.\.\., N, K\]"):
+        fp8.quantize(torch.zeros(5))
+
+
 def test_the_torch_path_is_the_dequantized_product():
     b = fp8.quantize(torch.randn(64, 96))
     x = torch.randn(3, 96)

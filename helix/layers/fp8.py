@@ -94,13 +94,14 @@ def _grid(scale: torch.Tensor, shape) -> torch.Tensor:
 
 
 def quantize(w: torch.Tensor) -> Blocked:
-    """A [N, K] 16/32-bit tensor -> its block fp8 form: a block's scale maps its largest
+    """A [..., N, K] 16/32-bit tensor (a matrix, or a stack of experts' [E, N, K]) -> its block
+    fp8 form, scales [..., cdiv(N, 128), cdiv(K, 128)]: a block's scale maps its largest
     magnitude to 448 (1 for an all-zero block); values rounded to nearest even."""
-    if w.dim() != 2:
-        raise ValueError(f"fp8 quantization takes [N, K] weights, got {tuple(w.shape)}")
-    n, k = w.shape
+    if w.dim() < 2:
+        raise ValueError(f"fp8 quantization takes [..., N, K] weights, got {tuple(w.shape)}")
+    *lead, n, k = w.shape
     wf = F.pad(w.float(), (0, blocks(k) * BLOCK - k, 0, blocks(n) * BLOCK - n))
-    amax = wf.view(blocks(n), BLOCK, blocks(k), BLOCK).abs().amax(dim=(1, 3))
+    amax = wf.view(*lead, blocks(n), BLOCK, blocks(k), BLOCK).abs().amax(dim=(-3, -1))
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (w.float() / _grid(scale, w.shape)).clamp(-FP8_MAX, FP8_MAX).to(DTYPE)
     return Blocked(q, scale)

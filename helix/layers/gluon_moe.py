@@ -149,10 +149,15 @@ def smem_bytes(topk: int, inter: int, shared_width: int, dim: int, weight_bytes:
     SMEM_SLACK. DeepSeek-V3's layer (D 7168, top-8, I 2048) needs ~279 KB with the full ring:
     its h buffer is 72 rows, allocated as 128."""
     if stages is None:
-        stages = STAGES_FP8 if weight_bytes == 1 else STAGES
+        stages = _full_ring(weight_bytes)
     h_rows = 2 * k_steps(shared_width) + topk * 2 * k_steps(inter)
     return (4 * stages * BN * BK * weight_bytes + pow2(2 * k_steps(dim)) * BK * row_bytes
             + pow2(h_rows) * BK * 4 + SMEM_SLACK)
+
+
+def _full_ring(weight_bytes: int) -> int:
+    """Stages of the full ring (128 KB in flight) for weights of weight_bytes an element."""
+    return STAGES_FP8 if weight_bytes == 1 else STAGES
 
 
 def ring_stages(topk: int, inter: int, shared_width: int, dim: int, weight_bytes: int,
@@ -162,7 +167,13 @@ def ring_stages(topk: int, inter: int, shared_width: int, dim: int, weight_bytes
     DeepSeek-V3's layer), else 0 (does not fit). The ring at 4 of 8 stages cost DeepSeek-V2-Lite's
     step ~1 % (profiling/results/moe_row/moerow_stages_dsv2_aafda7d.json), less than the
     two-launch path it replaces."""
-    full = STAGES_FP8 if weight_bytes == 1 else STAGES
+    return _ring_stages(topk, inter, shared_width, dim, weight_bytes, row_bytes,
+                        _full_ring(weight_bytes))
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_stages(topk, inter, shared_width, dim, weight_bytes, row_bytes, full) -> int:
+    """ring_stages for a full ring of `full` stages (a key of the cache: benches set STAGES)."""
     for stages in (full, full * 3 // 4, full // 2):
         if smem_bytes(topk, inter, shared_width, dim, weight_bytes, row_bytes,
                       stages) <= SMEM_LIMIT:
@@ -182,7 +193,7 @@ def layer_unfit(topk: int, dim: int, inter: int, shared_width: int, weight_bytes
                 f"bytes)")
     if not ring_stages(topk, inter, shared_width, dim, weight_bytes, row_bytes):
         need = smem_bytes(topk, inter, shared_width, dim, weight_bytes, row_bytes,
-                          (STAGES_FP8 if weight_bytes == 1 else STAGES) // 2)
+                          _full_ring(weight_bytes) // 2)
         return (f"{need} bytes of shared memory for D {dim}, top-{topk}, widths {widths} "
                 f"with half the ring (limit {SMEM_LIMIT})")
     return None
@@ -465,8 +476,7 @@ def self_check(device: torch.device, seed: int = 0, scaled: bool = False) -> tup
     shared = (rand(512, dim), rand(512, dim), rand(dim, 512))
     sc = {}
     if scaled:
-        q = [fp8.Blocked(*(torch.stack(t) for t in zip(*map(fp8.quantize, w))))
-             for w in (gate, up, down)]                  # per expert, stacked
+        q = [fp8.quantize(w) for w in (gate, up, down)]
         qs = [fp8.quantize(w) for w in shared]
         gate, up, down = (b.weight for b in q)
         shared = tuple(b.weight for b in qs)
