@@ -33,7 +33,7 @@ FLAGS, from HELIX_PDL, benches switch it):
   - PDL_PREFETCH: a kernel may, before `pdl_sync`, ask L2 for bytes that NO kernel of the step
     writes (weights) with `prefetch_l2`; a projection resident under the previous kernel then
     streams its weights while that kernel runs, and reads them from L2 once it may start.
-The default ("1", = "wait") is PDL_ON alone. "auto" adds PDL_EARLY in one-row decode steps
+"1" / "wait" is PDL_ON alone. The default, "auto", adds PDL_EARLY in one-row decode steps
 of MLA models (`decode_flags`, module flag EARLY_ONE_ROW). At one row an MLA layer is a chain
 of short latency-bound launches (the kv row with W_UK, the split merge, W_UV: 2 MB, o_proj:
 8 MB), so a launch that lets its successor start before it waits has the successor's weight
@@ -44,10 +44,12 @@ H200, whole steps, same process (profiling/results/step_twelfth.md): DeepSeek-V2
 Llama-3.1-8B one row 1.1-2.6 % slower; the Qwen3 shape's one row equal, eight rows 1.3 %
 slower. (The first measurement, profiling/results/pdl.md with older kernels: 6-8 % slower at
 every batch.)
-"auto" is not the default yet: with PDL_EARLY at one row, tiny-deepseek-v3's captured and
-eager prefill-graph steps gave different tokens (a premature route counter in the one-row MoE
-launch, fixed in gluon_route.choose since, not yet re-run on a GPU). "early" / "prefetch" /
-"full" set their bits at every batch (HELIX_PDL, benches switch FLAGS).
+Re-measured on an H100 (profiling/results/fp8_row.md, eighteenth session): DeepSeek-V2-Lite
+one row 1 x 1K 2.213-2.230 -> 2.161-2.170 ms, 1 x 32K 2.609-2.624 -> 2.569-2.577. PDL_EARLY at
+one row once exposed a race (the one-row MoE launch's router partition read its route counter
+before the grid wait; gluon_route.choose waits first since); the GPU tests pass under "auto"
+since (gpu_test_logs, 602f552). "early" / "prefetch" / "full" set their bits at every batch
+(HELIX_PDL, benches switch FLAGS).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ PDL_ON, PDL_EARLY, PDL_PREFETCH = 1, 2, 4
 PDL_MODES = {"0": 0, "1": PDL_ON, "wait": PDL_ON, "auto": PDL_ON,
               "early": PDL_ON | PDL_EARLY, "prefetch": PDL_ON | PDL_PREFETCH,
               "full": PDL_ON | PDL_EARLY | PDL_PREFETCH}
-_mode = os.environ.get("HELIX_PDL", "1")
+_mode = os.environ.get("HELIX_PDL", "auto")
 if _mode not in PDL_MODES:
     raise SystemExit(f"HELIX_PDL={_mode!r}: use one of {', '.join(PDL_MODES)}")
 FLAGS = PDL_MODES[_mode]                # read at launch: benches switch it

@@ -137,7 +137,7 @@ def test_pdl_modes_from_the_environment():
                    "wait": [str(on), "True", "False"], "auto": [str(on), "True", "True"],
                    "early": [str(on | early), "True", "False"],
                    "full": [str(on | early | pre), "True", "False"],
-                   "None": [str(on), "True", "False"]}           # unset: "1"
+                   "None": [str(on), "True", "True"]}            # unset: "auto"
     bad = subprocess.run([sys.executable, "-c", code], env=env("fast"), capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "HELIX_PDL='fast': use one of" in bad.stderr
