@@ -8,6 +8,7 @@ the names that 3.9 renamed are resolved here once.
 - `sync_threads`: the partition's threads meet (`gl.thread_barrier` in 3.6, `gl.barrier` in 3.9).
 - `reinterpret`: a shared-memory view with another dtype / shape / layout
   (`_reinterpret` in 3.6, `reinterpret` in 3.9).
+- `prefetch_l1`: global lines into L1 ahead of their loads.
 - `gdc`: one grid-dependency-control instruction; `pdl_wait`: helix.triton_util.pdl_sync's rule
   (wait for the previous kernel, let the next one launch) for a partition that reads the
   previous kernel's output or writes its own.
@@ -43,6 +44,14 @@ def gdc(asm: gl.constexpr):
     """One grid-dependency-control instruction (griddepcontrol.wait / .launch_dependents)."""
     gl.inline_asm_elementwise(asm + " // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
                               pack=1)
+
+
+@gluon.jit
+def prefetch_l1(ptrs):
+    """Bring the L1 lines holding `ptrs` (a tensor of global addresses) in ahead of their loads:
+    prefetch.global.L1; nothing is returned. Give it addresses inside allocations."""
+    gl.inline_asm_elementwise("prefetch.global.L1 [$1]; // dummy $0", "=r,l", [ptrs],
+                              dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit

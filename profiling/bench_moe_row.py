@@ -1,14 +1,17 @@
 """One token's MoE alone on the GPU: gluon_moe's one launch in its variants (module knobs)
 against moe_decode's two Triton launches, in the same process.
 
-    python profiling/bench_moe_row.py [--shape dsv2lite|qwen3] [--configs JSON] [--out f.json]
+    python profiling/bench_moe_row.py [--shape dsv2lite|qwen3] [--configs JSON] [--fp8]
+        [--out f.json]
 
 Each case captures CALLS calls in one CUDA graph, each with its own routing (6 or 8 distinct
 experts of all E), replays it REPS times and reports us a call and the rate of the weight bytes
 the call reads (the hit experts and the shared experts) against the copy rate measured here.
 Configs: a JSON list of dicts of gluon_moe knobs (STAGES, BN, MAXNREG, NUM_WARPS,
-PRODUCER_REGS); {"two": true} is moe_decode's two launches. Every variant is checked against
-the fp32 reference before it is timed.
+PRODUCER_REGS, and for --fp8 STAGES_FP8, NUM_WARPS_FP8, PREFETCH_SCALES); {"two": true} is
+moe_decode's two launches. --fp8: the experts in block fp8 (helix.layers.fp8.quantize), the
+bytes counted at one a weight plus the scales read. Every variant is checked against the fp32
+reference before it is timed.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from helix.layers import gluon_moe as gm  # noqa: E402
 from helix.layers import moe_decode as md  # noqa: E402
 
 SHAPES = {"dsv2lite": (64, 6, 1408, 2816, 2048), "qwen3": (128, 8, 1536, 0, 4096)}
-KNOBS = ("STAGES", "BN", "MAXNREG", "NUM_WARPS", "PRODUCER_REGS")
+KNOBS = ("STAGES", "BN", "MAXNREG", "NUM_WARPS", "PRODUCER_REGS", "STAGES_FP8", "NUM_WARPS_FP8",
+         "PREFETCH_SCALES")
 CALLS, REPS = 16, 10
 
 
-def build(shape: str):
+def build(shape: str, fp8: bool = False):
+    """(x, gate, up, down, shared, scales), the routings, the bytes a call reads."""
     E, k, inter, ws, dim = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
 
@@ -46,11 +51,24 @@ def build(shape: str):
         w = torch.rand(1, k, generator=gen).cuda()
         routes.append((ids, w / w.sum()))
     nbytes = 2 * (3 * k * inter * dim + 3 * ws * dim)
-    return (x, gate, up, down, shared), routes, nbytes
+    scales = None
+    if fp8:
+        from helix.layers import fp8 as f8
+        q = [f8.quantize(w) for w in (gate, up, down)]
+        gate, up, down = (b.weight for b in q)
+        scales = {"scales": tuple(b.scale for b in q)}
+        if shared is not None:
+            qs = [f8.quantize(w) for w in shared]
+            shared = tuple(b.weight for b in qs)
+            scales["shared_scales"] = tuple(b.scale for b in qs)
+        nbytes = nbytes // 2 + 4 * 3 * (k * f8.blocks(inter) * f8.blocks(dim)
+                                         + f8.blocks(ws) * f8.blocks(dim))
+    return (x, gate, up, down, shared, scales), routes, nbytes
 
 
 def run_case(cfg: dict, tensors, routes, nbytes: int, rate: float) -> dict:
-    x, gate, up, down, shared = tensors
+    x, gate, up, down, shared, scales = tensors
+    sc = scales or {}
     saved = {n: getattr(gm, n) for n in KNOBS}
     gm.ENABLED = not cfg.get("two", False)
     for n in KNOBS:
@@ -58,16 +76,16 @@ def run_case(cfg: dict, tensors, routes, nbytes: int, rate: float) -> dict:
             setattr(gm, n, cfg[n])
     try:
         ids, w = routes[0]
-        out = md.moe_decode(x, gate, up, down, w, ids, 0, shared=shared)
-        ref = gm.reference(x, gate, up, down, w, ids, 0, shared)
+        out = md.moe_decode(x, gate, up, down, w, ids, 0, shared=shared, **sc)
+        ref = gm.reference(x, gate, up, down, w, ids, 0, shared, **sc)
         err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
         for ids, w in routes:                       # warm up / compile outside the capture
-            md.moe_decode(x, gate, up, down, w, ids, 0, shared=shared)
+            md.moe_decode(x, gate, up, down, w, ids, 0, shared=shared, **sc)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for ids, w in routes:
-                md.moe_decode(x, gate, up, down, w, ids, 0, shared=shared)
+                md.moe_decode(x, gate, up, down, w, ids, 0, shared=shared, **sc)
         g.replay()
         torch.cuda.synchronize()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -93,19 +111,22 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="dsv2lite", choices=sorted(SHAPES))
     ap.add_argument("--configs", default='[{"two": true}, {}]')
+    ap.add_argument("--fp8", action="store_true", help="experts in block fp8")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe_row: needs a CUDA GPU")
-    if not gm.available(torch.device("cuda")):
-        raise SystemExit(f"bench_moe_row: {gm.why_unavailable(torch.device('cuda'))}")
+    if not gm.available(torch.device("cuda"), scaled=args.fp8):
+        raise SystemExit(f"bench_moe_row: "
+                         f"{gm.why_unavailable(torch.device('cuda'), scaled=args.fp8)}")
     from helix.perf.rates import measure
     rate = measure("cuda", "bfloat16").copy_bps / 1e9        # read + write, GB/s
-    tensors, routes, nbytes = build(args.shape)
+    tensors, routes, nbytes = build(args.shape, args.fp8)
     recs = []
     for cfg in json.loads(args.configs):
         rec = run_case(cfg, tensors, routes, nbytes, rate)
-        rec.update(shape=args.shape, weight_mb=round(nbytes / 1e6, 1), copy_gb_s=round(rate))
+        rec.update(shape=args.shape, fp8=args.fp8, weight_mb=round(nbytes / 1e6, 1),
+                   copy_gb_s=round(rate))
         recs.append(rec)
         print(json.dumps(rec), flush=True)
     if args.out:

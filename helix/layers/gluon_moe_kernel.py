@@ -50,10 +50,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from helix.gluon_util import grid_wait, pdl_wait, reinterpret, sync_threads, tma_load
+from helix.gluon_util import (grid_wait, pdl_wait, prefetch_l1, reinterpret, sync_threads,
+                              tma_load)
 from helix.layers.gluon_route import choose, route_rows
 
 ITEM_FIELDS = gl.constexpr(4)    # kind, slot, n0, - (gluon_moe.FIELDS)
+PF = gl.constexpr(2)             # SCALED's bit: prefetch each item's scale rows into L1
 
 
 @gluon.jit
@@ -62,6 +64,13 @@ def _item(items_ptr, pid, it, L):
     base = items_ptr + (pid * L + it) * ITEM_FIELDS
     ok = it < L
     return gl.load(base + 1, mask=ok, other=0), gl.load(base + 2, mask=ok, other=0)
+
+
+@gluon.jit
+def _second(fields):
+    """n0 of an item's (slot, n0)."""
+    slot, n0 = fields
+    return n0
 
 
 @gluon.jit
@@ -256,13 +265,52 @@ def _scale_base(slot, e, n0, rows, nk, TOPK: gl.constexpr):
 
 
 @gluon.jit
-def _up_item(args, scl, it, j, nxt, ids, wts, tk, TOPK: gl.constexpr, BN: gl.constexpr,
+def _prefetch_row(row, n, num_warps: gl.constexpr):
+    """The L1 lines of a scale row (n fp32 from `row`, n <= 97: every 32nd element and the
+    last), so its item's per-stage scale loads hit L1 instead of waiting on L2 under the
+    weight stream."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    prefetch_l1(row + gl.minimum(gl.arange(0, 4, layout=lay) * 32, n - 1))
+
+
+@gluon.jit
+def _prefetch_up(scl, fields, ids, tk, first, E, I, D, TOPK: gl.constexpr,
+                 num_warps: gl.constexpr):
+    """A gate/up item's (fields: slot, n0) gate and up scale rows into L1, where its expert
+    is known to be local (a routed slot before the choice is not)."""
+    slot, n0 = fields
+    local, e = _local(ids, tk, slot, first, E, TOPK)
+    if local:
+        sg, su, sd, sgs, sus, sds = scl
+        nk = gl.cdiv(D, 128)
+        off = _scale_base(slot, e, n0, gl.cdiv(I, 128), nk, TOPK)
+        _prefetch_row(gl.where(slot < TOPK, sg, sgs) + off, nk, num_warps)
+        _prefetch_row(gl.where(slot < TOPK, su, sus) + off, nk, num_warps)
+
+
+@gluon.jit
+def _prefetch_down(scl, n0, ids, tk, first, E, I, D, IS, TOPK: gl.constexpr,
+                   SHARED: gl.constexpr, num_warps: gl.constexpr):
+    """A down item's (outputs from n0) scale rows of every local slot into L1."""
+    sg, su, sd, sgs, sus, sds = scl
+    for q in range(TOPK + SHARED):
+        sl = _slot(q, TOPK, SHARED)
+        local, e = _local(ids, tk, sl, first, E, TOPK)
+        if local:
+            nk = gl.cdiv(gl.where(sl < TOPK, I, IS), 128)
+            _prefetch_row(gl.where(sl < TOPK, sd, sds)
+                          + _scale_base(sl, e, n0, gl.cdiv(D, 128), nk, TOPK), nk, num_warps)
+
+
+@gluon.jit
+def _up_item(args, scl, it, j, nxt, ids, wts, tk, more, TOPK: gl.constexpr, BN: gl.constexpr,
              BK: gl.constexpr, STAGES: gl.constexpr, SCALED: gl.constexpr,
              num_warps: gl.constexpr):
     """The consumer's gate/up item `it` (fields nxt): h = w * silu(x Wg^T) * (x Wu^T) over its
     BN features into the h buffer, where its slot's expert is local -> (ring position, the
     next item's fields). SCALED: fp8 weights, x times the gate's and the up's block scales of
-    each box (a box's BN rows lie in one 128-block of features)."""
+    each box (a box's BN rows lie in one 128-block of features); where `more` (the next item is
+    gate/up too), its scale rows go into L1 while this item runs."""
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
     tile: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
@@ -270,6 +318,9 @@ def _up_item(args, scl, it, j, nxt, ids, wts, tk, TOPK: gl.constexpr, BN: gl.con
     rows = gl.arange(0, BN, layout=gl.SliceLayout(1, tile))
     slot, n0 = nxt
     nxt = _item(items_ptr, gl.program_id(0), it + 1, L)   # its fields arrive under this item
+    if SCALED & PF:
+        if more:
+            _prefetch_up(scl, nxt, ids, tk, first, E, I, D, TOPK, num_warps)
     local, e = _local(ids, tk, slot, first, E, TOPK)
     if local:
         acc_g = gl.zeros([BN, BK], gl.float32, layout=tile)
@@ -323,18 +374,21 @@ def _consumer(args, sel, rargs, scl, TOPK: gl.constexpr, TK: gl.constexpr,
     n_sh = gl.load(counts_ptr + 3 * pid)
     n_up = gl.load(counts_ptr + 3 * pid + 1)
     n_down = gl.load(counts_ptr + 3 * pid + 2)
+    none = gl.full([TK], -1, gl.int32, layout=vec)
+    j = 0
+    nxt = _item(items_ptr, pid, 0, L)
+    if SCALED & PF:                       # the first (shared) item's scale rows: weights
+        if n_sh > 0:
+            _prefetch_up(scl, nxt, none, tk, first, E, I, D, TOPK, num_warps)
     if ROUTE:                             # add + norm here, and this program's logits
         route_rows(rargs, xs2, G, BK, PDL, num_warps)
     else:                                 # x, the ids and weights: the previous kernel's output
         pdl_wait(PDL)
         _stage_x(xs2, x_ptr, D, BK, num_warps)
     sync_threads()
-    j = 0
-    nxt = _item(items_ptr, pid, 0, L)
-    none = gl.full([TK], -1, gl.int32, layout=vec)
     for it in range(n_sh):                # phase A: gate/up, the shared experts' first
-        j, nxt = _up_item(args, scl, it, j, nxt, none, none.to(gl.float32), tk, TOPK, BN, BK,
-                          STAGES, SCALED, num_warps)
+        j, nxt = _up_item(args, scl, it, j, nxt, none, none.to(gl.float32), tk, it + 1 < n_up,
+                          TOPK, BN, BK, STAGES, SCALED, num_warps)
     if ROUTE:                             # the router partition's choice
         mbarrier.wait(routed, 0)
         ids = gl.where(tk < TOPK, _row(sel_ids, TK).load(vec), -1)
@@ -342,11 +396,17 @@ def _consumer(args, sel, rargs, scl, TOPK: gl.constexpr, TK: gl.constexpr,
     else:
         ids = gl.load(ids_ptr + tk, mask=tk < TOPK, other=-1).to(gl.int32)
         wts = gl.load(wts_ptr + tk, mask=tk < TOPK, other=0.0).to(gl.float32)
+    if SCALED & PF:                       # the first routed item's, now that the ids are known
+        if n_sh < n_up:
+            _prefetch_up(scl, nxt, ids, tk, first, E, I, D, TOPK, num_warps)
     for it in range(n_sh, n_up):
-        j, nxt = _up_item(args, scl, it, j, nxt, ids, wts, tk, TOPK, BN, BK, STAGES, SCALED,
-                          num_warps)
+        j, nxt = _up_item(args, scl, it, j, nxt, ids, wts, tk, it + 1 < n_up, TOPK, BN, BK,
+                          STAGES, SCALED, num_warps)
     # the barrier between the phases: count in (release), wait for all (acquire)
     sync_threads()
+    if SCALED & PF:                       # the first down item's, under the barrier's wait
+        if n_down > 0:
+            _prefetch_down(scl, _second(nxt), ids, tk, first, E, I, D, IS, TOPK, SHARED, num_warps)
     gl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
     if n_down > 0:
         while gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < G:
@@ -356,6 +416,10 @@ def _consumer(args, sel, rargs, scl, TOPK: gl.constexpr, TK: gl.constexpr,
     for it in range(n_up, n_up + n_down):                              # phase B: down
         slot, n0 = nxt
         nxt = _item(items_ptr, pid, it + 1, L)
+        if SCALED & PF:
+            if it + 1 < n_up + n_down:
+                _prefetch_down(scl, _second(nxt), ids, tk, first, E, I, D, IS, TOPK, SHARED,
+                               num_warps)
         acc_a = gl.zeros([BN, BK], gl.float32, layout=tile)
         acc_b = gl.zeros([BN, BK], gl.float32, layout=tile)
         for q in range(TOPK + SHARED):
