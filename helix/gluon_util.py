@@ -8,7 +8,7 @@ the names that 3.9 renamed are resolved here once.
 - `sync_threads`: the partition's threads meet (`gl.thread_barrier` in 3.6, `gl.barrier` in 3.9).
 - `reinterpret`: a shared-memory view with another dtype / shape / layout
   (`_reinterpret` in 3.6, `reinterpret` in 3.9).
-- `prefetch_l1`: global lines into L1 ahead of their loads.
+- `prefetch_l1`: global lines into L1 ahead of their loads; `globaltimer`: trace stamps.
 - `gdc`: one grid-dependency-control instruction; `pdl_wait`: helix.triton_util.pdl_sync's rule
   (wait for the previous kernel, let the next one launch) for a partition that reads the
   previous kernel's output or writes its own.
@@ -52,6 +52,13 @@ def prefetch_l1(ptrs):
     prefetch.global.L1; nothing is returned. Give it addresses inside allocations."""
     gl.inline_asm_elementwise("prefetch.global.L1 [$1]; // dummy $0", "=r,l", [ptrs],
                               dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def globaltimer():
+    """The GPU's global nanosecond timer (int64; one clock for every SM): trace stamps."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                     is_pure=False, pack=1)
 
 
 @gluon.jit

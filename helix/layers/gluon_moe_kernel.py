@@ -50,12 +50,19 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from helix.gluon_util import (grid_wait, pdl_wait, prefetch_l1, reinterpret, sync_threads,
-                              tma_load)
+from helix.gluon_util import (globaltimer, grid_wait, pdl_wait, prefetch_l1, reinterpret,
+                              sync_threads, tma_load)
 from helix.layers.gluon_route import choose, route_rows
 
 ITEM_FIELDS = gl.constexpr(4)    # kind, slot, n0, - (gluon_moe.FIELDS)
 PF = gl.constexpr(2)             # SCALED's bit: prefetch each item's scale rows into L1
+# TRACE: each program's stamps (globaltimer ns) into trace [G, 8], in gluon_moe.STAMPS' order
+
+
+@gluon.jit
+def _stamp(trace_ptr, i: gl.constexpr, TRACE: gl.constexpr):
+    if TRACE:
+        gl.store(trace_ptr + gl.program_id(0) * 8 + i, globaltimer())
 
 
 @gluon.jit
@@ -152,9 +159,9 @@ def _down_boxes(ring, s, bar, desc, row, k, BN: gl.constexpr, BK: gl.constexpr):
 
 
 @gluon.jit
-def _producer(args, sel, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
+def _producer(args, sel, trace_ptr, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-              ROUTE: gl.constexpr):
+              ROUTE: gl.constexpr, TRACE: gl.constexpr):
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
     sel_ids, sel_wts, routed = sel
@@ -177,6 +184,7 @@ def _producer(args, sel, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.conste
     else:                             # the router kernel's ids
         grid_wait(PDL)
         ids = gl.load(ids_ptr + tk, mask=tk < TOPK, other=-1).to(gl.int32)
+    _stamp(trace_ptr, 7, TRACE)                       # the ids known to the producer
     for it in range(n_sh, n_up + n_down):
         slot, n0 = nxt
         nxt = _item(items_ptr, pid, it + 1, L)
@@ -355,10 +363,10 @@ def _up_item(args, scl, it, j, nxt, ids, wts, tk, more, TOPK: gl.constexpr, BN: 
 
 
 @gluon.jit
-def _consumer(args, sel, rargs, scl, TOPK: gl.constexpr, TK: gl.constexpr,
+def _consumer(args, sel, rargs, scl, trace_ptr, TOPK: gl.constexpr, TK: gl.constexpr,
               SHARED: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
               PDL: gl.constexpr, ROUTE: gl.constexpr, SCALED: gl.constexpr,
-              num_warps: gl.constexpr):
+              TRACE: gl.constexpr, num_warps: gl.constexpr):
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
     sel_ids, sel_wts, routed = sel
@@ -374,6 +382,7 @@ def _consumer(args, sel, rargs, scl, TOPK: gl.constexpr, TK: gl.constexpr,
     n_sh = gl.load(counts_ptr + 3 * pid)
     n_up = gl.load(counts_ptr + 3 * pid + 1)
     n_down = gl.load(counts_ptr + 3 * pid + 2)
+    _stamp(trace_ptr, 0, TRACE)                       # start
     none = gl.full([TK], -1, gl.int32, layout=vec)
     j = 0
     nxt = _item(items_ptr, pid, 0, L)
@@ -386,9 +395,11 @@ def _consumer(args, sel, rargs, scl, TOPK: gl.constexpr, TK: gl.constexpr,
         pdl_wait(PDL)
         _stage_x(xs2, x_ptr, D, BK, num_warps)
     sync_threads()
+    _stamp(trace_ptr, 1, TRACE)                       # x (the normed rows) in shared memory
     for it in range(n_sh):                # phase A: gate/up, the shared experts' first
         j, nxt = _up_item(args, scl, it, j, nxt, none, none.to(gl.float32), tk, it + 1 < n_up,
                           TOPK, BN, BK, STAGES, SCALED, num_warps)
+    _stamp(trace_ptr, 2, TRACE)                       # the shared experts' gate/up done
     if ROUTE:                             # the router partition's choice
         mbarrier.wait(routed, 0)
         ids = gl.where(tk < TOPK, _row(sel_ids, TK).load(vec), -1)
@@ -396,6 +407,7 @@ def _consumer(args, sel, rargs, scl, TOPK: gl.constexpr, TK: gl.constexpr,
     else:
         ids = gl.load(ids_ptr + tk, mask=tk < TOPK, other=-1).to(gl.int32)
         wts = gl.load(wts_ptr + tk, mask=tk < TOPK, other=0.0).to(gl.float32)
+    _stamp(trace_ptr, 3, TRACE)                       # the ids known to the consumer
     if SCALED & PF:                       # the first routed item's, now that the ids are known
         if n_sh < n_up:
             _prefetch_up(scl, nxt, ids, tk, first, E, I, D, TOPK, num_warps)
@@ -404,6 +416,7 @@ def _consumer(args, sel, rargs, scl, TOPK: gl.constexpr, TK: gl.constexpr,
                           STAGES, SCALED, num_warps)
     # the barrier between the phases: count in (release), wait for all (acquire)
     sync_threads()
+    _stamp(trace_ptr, 4, TRACE)                       # every gate/up item done
     if SCALED & PF:                       # the first down item's, under the barrier's wait
         if n_down > 0:
             _prefetch_down(scl, _second(nxt), ids, tk, first, E, I, D, IS, TOPK, SHARED, num_warps)
@@ -413,6 +426,7 @@ def _consumer(args, sel, rargs, scl, TOPK: gl.constexpr, TK: gl.constexpr,
             pass
         _stage_h(hs2, h_ptr, I, IS, TOPK, BK, num_warps)
         sync_threads()
+    _stamp(trace_ptr, 5, TRACE)                       # past the barrier, h staged
     for it in range(n_up, n_up + n_down):                              # phase B: down
         slot, n0 = nxt
         nxt = _item(items_ptr, pid, it + 1, L)
@@ -446,6 +460,7 @@ def _consumer(args, sel, rargs, scl, TOPK: gl.constexpr, TK: gl.constexpr,
         gl.store(out_ptr + n0 + BN + rows, gl.sum(acc_b, axis=1).to(ty))
     # the last program to finish resets the counters (every wait has passed)
     sync_threads()
+    _stamp(trace_ptr, 6, TRACE)                       # every down item done
     if gl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
         gl.store(cnt_ptr, 0)
         gl.store(cnt_ptr + 1, 0)
@@ -472,6 +487,7 @@ def moe_row_kernel(
                                            # [cdiv(D, 128), cdiv(Is, 128)]
     items_ptr, counts_ptr, G, L,           # the plan: items [G, L, 4], counts [G, 3]
     h_ptr, out_ptr, cnt_ptr,               # cnt: phase, done, route counters
+    trace_ptr,                             # TRACE: int64 [G, 8] stamps
     # ROUTE (gluon_route; x_ptr is the attention output, ids / wts outputs): the residual, the
     # norm weight, the router weight [NE, D] and bias, the logits workspace [NE] fp32, the
     # new residual and normed rows [D], 1 / D, eps, NE, experts a group, groups, the scaling
@@ -480,7 +496,7 @@ def moe_row_kernel(
     HR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, ROUTE: gl.constexpr = 0,
     RSPEC: gl.constexpr = None, ROUTER_REGS: gl.constexpr = 0, PDL: gl.constexpr = 0,
-    SCALED: gl.constexpr = 0,
+    SCALED: gl.constexpr = 0, TRACE: gl.constexpr = 0,
 ):
     ring = gl.allocate_shared_memory(dg.dtype, [4 * STAGES, BN, BK], dg.layout)
     dtype: gl.constexpr = x_ptr.dtype.element_ty          # the rows' (fp8 weights: 16-bit rows)
@@ -512,14 +528,16 @@ def moe_row_kernel(
     # them when bound to a name first (triton 3.6)
     if ROUTE:                 # a third partition, one warp: the choice (gluon_route.choose)
         gl.warp_specialize(
-            [(_consumer, (args, sel, rargs, scl, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
-                          SCALED, num_warps)),
-             (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE)),
+            [(_consumer, (args, sel, rargs, scl, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES,
+                          PDL, ROUTE, SCALED, TRACE, num_warps)),
+             (_producer, (args, sel, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
+                          TRACE)),
              (choose, (rargs, sel, G, TOPK, TK, RSPEC, PDL))],
             [1, 1], [PRODUCER_REGS, ROUTER_REGS])
     else:
         gl.warp_specialize(
-            [(_consumer, (args, sel, rargs, scl, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
-                          SCALED, num_warps)),
-             (_producer, (args, sel, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE))],
+            [(_consumer, (args, sel, rargs, scl, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES,
+                          PDL, ROUTE, SCALED, TRACE, num_warps)),
+             (_producer, (args, sel, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
+                          TRACE))],
             [1], [PRODUCER_REGS])
