@@ -50,12 +50,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from helix.gluon_util import (globaltimer, grid_wait, pdl_wait, prefetch_l1, reinterpret,
+from helix.gluon_util import (globaltimer, grid_wait, pdl_wait, reinterpret, spin_until,
                               sync_threads, tma_load)
 from helix.layers.gluon_route import choose, route_rows
 
 ITEM_FIELDS = gl.constexpr(4)    # kind, slot, n0, - (gluon_moe.FIELDS)
-PF = gl.constexpr(2)             # SCALED's bit: prefetch each item's scale rows into L1
 # TRACE: each program's stamps (globaltimer ns) into trace [G, 8], in gluon_moe.STAMPS' order
 
 
@@ -71,13 +70,6 @@ def _item(items_ptr, pid, it, L):
     base = items_ptr + (pid * L + it) * ITEM_FIELDS
     ok = it < L
     return gl.load(base + 1, mask=ok, other=0), gl.load(base + 2, mask=ok, other=0)
-
-
-@gluon.jit
-def _second(fields):
-    """n0 of an item's (slot, n0)."""
-    slot, n0 = fields
-    return n0
 
 
 @gluon.jit
@@ -273,52 +265,13 @@ def _scale_base(slot, e, n0, rows, nk, TOPK: gl.constexpr):
 
 
 @gluon.jit
-def _prefetch_row(row, n, num_warps: gl.constexpr):
-    """The L1 lines of a scale row (n fp32 from `row`, n <= 97: every 32nd element and the
-    last), so its item's per-stage scale loads hit L1 instead of waiting on L2 under the
-    weight stream."""
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    prefetch_l1(row + gl.minimum(gl.arange(0, 4, layout=lay) * 32, n - 1))
-
-
-@gluon.jit
-def _prefetch_up(scl, fields, ids, tk, first, E, I, D, TOPK: gl.constexpr,
-                 num_warps: gl.constexpr):
-    """A gate/up item's (fields: slot, n0) gate and up scale rows into L1, where its expert
-    is known to be local (a routed slot before the choice is not)."""
-    slot, n0 = fields
-    local, e = _local(ids, tk, slot, first, E, TOPK)
-    if local:
-        sg, su, sd, sgs, sus, sds = scl
-        nk = gl.cdiv(D, 128)
-        off = _scale_base(slot, e, n0, gl.cdiv(I, 128), nk, TOPK)
-        _prefetch_row(gl.where(slot < TOPK, sg, sgs) + off, nk, num_warps)
-        _prefetch_row(gl.where(slot < TOPK, su, sus) + off, nk, num_warps)
-
-
-@gluon.jit
-def _prefetch_down(scl, n0, ids, tk, first, E, I, D, IS, TOPK: gl.constexpr,
-                   SHARED: gl.constexpr, num_warps: gl.constexpr):
-    """A down item's (outputs from n0) scale rows of every local slot into L1."""
-    sg, su, sd, sgs, sus, sds = scl
-    for q in range(TOPK + SHARED):
-        sl = _slot(q, TOPK, SHARED)
-        local, e = _local(ids, tk, sl, first, E, TOPK)
-        if local:
-            nk = gl.cdiv(gl.where(sl < TOPK, I, IS), 128)
-            _prefetch_row(gl.where(sl < TOPK, sd, sds)
-                          + _scale_base(sl, e, n0, gl.cdiv(D, 128), nk, TOPK), nk, num_warps)
-
-
-@gluon.jit
-def _up_item(args, scl, it, j, nxt, ids, wts, tk, more, TOPK: gl.constexpr, BN: gl.constexpr,
+def _up_item(args, scl, it, j, nxt, ids, wts, tk, TOPK: gl.constexpr, BN: gl.constexpr,
              BK: gl.constexpr, STAGES: gl.constexpr, SCALED: gl.constexpr,
              num_warps: gl.constexpr):
     """The consumer's gate/up item `it` (fields nxt): h = w * silu(x Wg^T) * (x Wu^T) over its
     BN features into the h buffer, where its slot's expert is local -> (ring position, the
     next item's fields). SCALED: fp8 weights, x times the gate's and the up's block scales of
-    each box (a box's BN rows lie in one 128-block of features); where `more` (the next item is
-    gate/up too), its scale rows go into L1 while this item runs."""
+    each box (a box's BN rows lie in one 128-block of features)."""
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
     tile: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
@@ -326,9 +279,6 @@ def _up_item(args, scl, it, j, nxt, ids, wts, tk, more, TOPK: gl.constexpr, BN: 
     rows = gl.arange(0, BN, layout=gl.SliceLayout(1, tile))
     slot, n0 = nxt
     nxt = _item(items_ptr, gl.program_id(0), it + 1, L)   # its fields arrive under this item
-    if SCALED & PF:
-        if more:
-            _prefetch_up(scl, nxt, ids, tk, first, E, I, D, TOPK, num_warps)
     local, e = _local(ids, tk, slot, first, E, TOPK)
     if local:
         acc_g = gl.zeros([BN, BK], gl.float32, layout=tile)
@@ -366,7 +316,7 @@ def _up_item(args, scl, it, j, nxt, ids, wts, tk, more, TOPK: gl.constexpr, BN: 
 def _consumer(args, sel, rargs, scl, trace_ptr, TOPK: gl.constexpr, TK: gl.constexpr,
               SHARED: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
               PDL: gl.constexpr, ROUTE: gl.constexpr, SCALED: gl.constexpr,
-              TRACE: gl.constexpr, num_warps: gl.constexpr):
+              TRACE: gl.constexpr, SPIN: gl.constexpr, num_warps: gl.constexpr):
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
     sel_ids, sel_wts, routed = sel
@@ -386,9 +336,6 @@ def _consumer(args, sel, rargs, scl, trace_ptr, TOPK: gl.constexpr, TK: gl.const
     none = gl.full([TK], -1, gl.int32, layout=vec)
     j = 0
     nxt = _item(items_ptr, pid, 0, L)
-    if SCALED & PF:                       # the first (shared) item's scale rows: weights
-        if n_sh > 0:
-            _prefetch_up(scl, nxt, none, tk, first, E, I, D, TOPK, num_warps)
     if ROUTE:                             # add + norm here, and this program's logits
         route_rows(rargs, xs2, G, BK, PDL, num_warps)
     else:                                 # x, the ids and weights: the previous kernel's output
@@ -397,8 +344,8 @@ def _consumer(args, sel, rargs, scl, trace_ptr, TOPK: gl.constexpr, TK: gl.const
     sync_threads()
     _stamp(trace_ptr, 1, TRACE)                       # x (the normed rows) in shared memory
     for it in range(n_sh):                # phase A: gate/up, the shared experts' first
-        j, nxt = _up_item(args, scl, it, j, nxt, none, none.to(gl.float32), tk, it + 1 < n_up,
-                          TOPK, BN, BK, STAGES, SCALED, num_warps)
+        j, nxt = _up_item(args, scl, it, j, nxt, none, none.to(gl.float32), tk, TOPK, BN, BK,
+                          STAGES, SCALED, num_warps)
     _stamp(trace_ptr, 2, TRACE)                       # the shared experts' gate/up done
     if ROUTE:                             # the router partition's choice
         mbarrier.wait(routed, 0)
@@ -408,32 +355,21 @@ def _consumer(args, sel, rargs, scl, trace_ptr, TOPK: gl.constexpr, TK: gl.const
         ids = gl.load(ids_ptr + tk, mask=tk < TOPK, other=-1).to(gl.int32)
         wts = gl.load(wts_ptr + tk, mask=tk < TOPK, other=0.0).to(gl.float32)
     _stamp(trace_ptr, 3, TRACE)                       # the ids known to the consumer
-    if SCALED & PF:                       # the first routed item's, now that the ids are known
-        if n_sh < n_up:
-            _prefetch_up(scl, nxt, ids, tk, first, E, I, D, TOPK, num_warps)
     for it in range(n_sh, n_up):
-        j, nxt = _up_item(args, scl, it, j, nxt, ids, wts, tk, it + 1 < n_up, TOPK, BN, BK,
-                          STAGES, SCALED, num_warps)
+        j, nxt = _up_item(args, scl, it, j, nxt, ids, wts, tk, TOPK, BN, BK, STAGES, SCALED,
+                          num_warps)
     # the barrier between the phases: count in (release), wait for all (acquire)
     sync_threads()
     _stamp(trace_ptr, 4, TRACE)                       # every gate/up item done
-    if SCALED & PF:                       # the first down item's, under the barrier's wait
-        if n_down > 0:
-            _prefetch_down(scl, _second(nxt), ids, tk, first, E, I, D, IS, TOPK, SHARED, num_warps)
     gl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
     if n_down > 0:
-        while gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < G:
-            pass
+        spin_until(cnt_ptr, G, SPIN)
         _stage_h(hs2, h_ptr, I, IS, TOPK, BK, num_warps)
         sync_threads()
     _stamp(trace_ptr, 5, TRACE)                       # past the barrier, h staged
     for it in range(n_up, n_up + n_down):                              # phase B: down
         slot, n0 = nxt
         nxt = _item(items_ptr, pid, it + 1, L)
-        if SCALED & PF:
-            if it + 1 < n_up + n_down:
-                _prefetch_down(scl, _second(nxt), ids, tk, first, E, I, D, IS, TOPK, SHARED,
-                               num_warps)
         acc_a = gl.zeros([BN, BK], gl.float32, layout=tile)
         acc_b = gl.zeros([BN, BK], gl.float32, layout=tile)
         for q in range(TOPK + SHARED):
@@ -496,7 +432,7 @@ def moe_row_kernel(
     HR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, ROUTE: gl.constexpr = 0,
     RSPEC: gl.constexpr = None, ROUTER_REGS: gl.constexpr = 0, PDL: gl.constexpr = 0,
-    SCALED: gl.constexpr = 0, TRACE: gl.constexpr = 0,
+    SCALED: gl.constexpr = 0, TRACE: gl.constexpr = 0, SPIN: gl.constexpr = 1,
 ):
     ring = gl.allocate_shared_memory(dg.dtype, [4 * STAGES, BN, BK], dg.layout)
     dtype: gl.constexpr = x_ptr.dtype.element_ty          # the rows' (fp8 weights: 16-bit rows)
@@ -529,15 +465,15 @@ def moe_row_kernel(
     if ROUTE:                 # a third partition, one warp: the choice (gluon_route.choose)
         gl.warp_specialize(
             [(_consumer, (args, sel, rargs, scl, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES,
-                          PDL, ROUTE, SCALED, TRACE, num_warps)),
+                          PDL, ROUTE, SCALED, TRACE, SPIN, num_warps)),
              (_producer, (args, sel, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
                           TRACE)),
-             (choose, (rargs, sel, G, TOPK, TK, RSPEC, PDL))],
+             (choose, (rargs, sel, G, TOPK, TK, RSPEC, PDL, SPIN))],
             [1, 1], [PRODUCER_REGS, ROUTER_REGS])
     else:
         gl.warp_specialize(
             [(_consumer, (args, sel, rargs, scl, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES,
-                          PDL, ROUTE, SCALED, TRACE, num_warps)),
+                          PDL, ROUTE, SCALED, TRACE, SPIN, num_warps)),
              (_producer, (args, sel, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
                           TRACE))],
             [1], [PRODUCER_REGS])
