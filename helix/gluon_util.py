@@ -8,7 +8,7 @@ the names that 3.9 renamed are resolved here once.
 - `sync_threads`: the partition's threads meet (`gl.thread_barrier` in 3.6, `gl.barrier` in 3.9).
 - `reinterpret`: a shared-memory view with another dtype / shape / layout
   (`_reinterpret` in 3.6, `reinterpret` in 3.9).
-- `globaltimer`: trace stamps; `spin_until`: a wait on a counter other programs count up.
+- `globaltimer`: the GPU's global timer (trace stamps).
 - `gdc`: one grid-dependency-control instruction; `pdl_wait`: helix.triton_util.pdl_sync's rule
   (wait for the previous kernel, let the next one launch) for a partition that reads the
   previous kernel's output or writes its own.
@@ -51,28 +51,6 @@ def globaltimer():
     """The GPU's global nanosecond timer (int64; one clock for every SM): trace stamps."""
     return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
                                      is_pure=False, pack=1)
-
-
-@gluon.jit
-def load_acquire(ptr):
-    """The int32 at ptr, loaded with acquire semantics at GPU scope (a plain load: no atomic)."""
-    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr],
-                                     dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def spin_until(ptr, target, SPIN: gl.constexpr = 1):
-    """Wait (acquire) until the int32 counter at ptr reaches target. SPIN 1: every thread polls
-    with acquire loads, a 64 ns sleep between polls; 0: atomic adds of 0, as Triton lowers a
-    scalar atomic (one thread, its value shared through shared memory: a barrier a poll), every
-    program's pollers queued on the counter's one L2 slice."""
-    if SPIN:
-        while load_acquire(ptr) < target:
-            gl.inline_asm_elementwise("nanosleep.u32 64; // dummy $0", "=r", [],
-                                      dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        while gl.atomic_add(ptr, 0, sem="acquire", scope="gpu") < target:
-            pass
 
 
 @gluon.jit

@@ -60,7 +60,6 @@ FIELDS = 4                   # int32 fields of an item (gluon_moe_kernel.ITEM_FI
 ENABLED = True
 FP8 = True                   # fp8 experts (block scales) take the launch too (benches switch it)
 ROUTED = True                # the router in the launch (moe_row_routed) where MoE can (benches)
-SPIN_LOADS = True            # barriers poll with acquire loads, not atomics (benches switch it)
 TRACE = False                # benches: each program's phase stamps (STAMPS, ns of the global
 LAST_TRACE = None            # timer) of the last launch, int64 [programs, 8]
 STAMPS = ("start", "x", "shared", "ids", "up", "down_start", "end", "producer_ids")
@@ -380,7 +379,7 @@ def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=Non
         SHARED=int(ws > 0),
         XR=pow2(2 * k_steps(dim)), HR=pow2(p.h_rows), BN=BN, BK=BK,
         STAGES=ring_stages(topk, inter, ws, dim, gate.element_size(), x.element_size()),
-        SCALED=int(scales is not None), TRACE=int(TRACE), SPIN=int(SPIN_LOADS),
+        SCALED=int(scales is not None), TRACE=int(TRACE),
         PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS if scales is None else NUM_WARPS_FP8,
         **({"maxnreg": MAXNREG} if MAXNREG else {}), **meta)
 

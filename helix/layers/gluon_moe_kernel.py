@@ -50,8 +50,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from helix.gluon_util import (globaltimer, grid_wait, pdl_wait, reinterpret, spin_until,
-                              sync_threads, tma_load)
+from helix.gluon_util import (globaltimer, grid_wait, pdl_wait, reinterpret, sync_threads,
+                              tma_load)
 from helix.layers.gluon_route import choose, route_rows
 
 ITEM_FIELDS = gl.constexpr(4)    # kind, slot, n0, - (gluon_moe.FIELDS)
@@ -316,7 +316,7 @@ def _up_item(args, scl, it, j, nxt, ids, wts, tk, TOPK: gl.constexpr, BN: gl.con
 def _consumer(args, sel, rargs, scl, trace_ptr, TOPK: gl.constexpr, TK: gl.constexpr,
               SHARED: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
               PDL: gl.constexpr, ROUTE: gl.constexpr, SCALED: gl.constexpr,
-              TRACE: gl.constexpr, SPIN: gl.constexpr, num_warps: gl.constexpr):
+              TRACE: gl.constexpr, num_warps: gl.constexpr):
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
     sel_ids, sel_wts, routed = sel
@@ -333,9 +333,6 @@ def _consumer(args, sel, rargs, scl, trace_ptr, TOPK: gl.constexpr, TK: gl.const
     n_up = gl.load(counts_ptr + 3 * pid + 1)
     n_down = gl.load(counts_ptr + 3 * pid + 2)
     _stamp(trace_ptr, 0, TRACE)                       # start
-    none = gl.full([TK], -1, gl.int32, layout=vec)
-    j = 0
-    nxt = _item(items_ptr, pid, 0, L)
     if ROUTE:                             # add + norm here, and this program's logits
         route_rows(rargs, xs2, G, BK, PDL, num_warps)
     else:                                 # x, the ids and weights: the previous kernel's output
@@ -343,6 +340,9 @@ def _consumer(args, sel, rargs, scl, trace_ptr, TOPK: gl.constexpr, TK: gl.const
         _stage_x(xs2, x_ptr, D, BK, num_warps)
     sync_threads()
     _stamp(trace_ptr, 1, TRACE)                       # x (the normed rows) in shared memory
+    j = 0
+    nxt = _item(items_ptr, pid, 0, L)
+    none = gl.full([TK], -1, gl.int32, layout=vec)
     for it in range(n_sh):                # phase A: gate/up, the shared experts' first
         j, nxt = _up_item(args, scl, it, j, nxt, none, none.to(gl.float32), tk, TOPK, BN, BK,
                           STAGES, SCALED, num_warps)
@@ -363,7 +363,8 @@ def _consumer(args, sel, rargs, scl, trace_ptr, TOPK: gl.constexpr, TK: gl.const
     _stamp(trace_ptr, 4, TRACE)                       # every gate/up item done
     gl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
     if n_down > 0:
-        spin_until(cnt_ptr, G, SPIN)
+        while gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < G:
+            pass
         _stage_h(hs2, h_ptr, I, IS, TOPK, BK, num_warps)
         sync_threads()
     _stamp(trace_ptr, 5, TRACE)                       # past the barrier, h staged
@@ -432,7 +433,7 @@ def moe_row_kernel(
     HR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, ROUTE: gl.constexpr = 0,
     RSPEC: gl.constexpr = None, ROUTER_REGS: gl.constexpr = 0, PDL: gl.constexpr = 0,
-    SCALED: gl.constexpr = 0, TRACE: gl.constexpr = 0, SPIN: gl.constexpr = 1,
+    SCALED: gl.constexpr = 0, TRACE: gl.constexpr = 0,
 ):
     ring = gl.allocate_shared_memory(dg.dtype, [4 * STAGES, BN, BK], dg.layout)
     dtype: gl.constexpr = x_ptr.dtype.element_ty          # the rows' (fp8 weights: 16-bit rows)
@@ -465,15 +466,15 @@ def moe_row_kernel(
     if ROUTE:                 # a third partition, one warp: the choice (gluon_route.choose)
         gl.warp_specialize(
             [(_consumer, (args, sel, rargs, scl, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES,
-                          PDL, ROUTE, SCALED, TRACE, SPIN, num_warps)),
+                          PDL, ROUTE, SCALED, TRACE, num_warps)),
              (_producer, (args, sel, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
                           TRACE)),
-             (choose, (rargs, sel, G, TOPK, TK, RSPEC, PDL, SPIN))],
+             (choose, (rargs, sel, G, TOPK, TK, RSPEC, PDL))],
             [1, 1], [PRODUCER_REGS, ROUTER_REGS])
     else:
         gl.warp_specialize(
             [(_consumer, (args, sel, rargs, scl, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES,
-                          PDL, ROUTE, SCALED, TRACE, SPIN, num_warps)),
+                          PDL, ROUTE, SCALED, TRACE, num_warps)),
              (_producer, (args, sel, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
                           TRACE))],
             [1], [PRODUCER_REGS])

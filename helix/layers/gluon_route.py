@@ -35,7 +35,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from helix.gluon_util import exp_f32, grid_wait, pdl_wait, spin_until, sync_threads
+from helix.gluon_util import exp_f32, grid_wait, pdl_wait, sync_threads
 
 BIG = gl.constexpr(1 << 30)   # "no expert": above every id
 
@@ -176,7 +176,7 @@ def route_rows(rargs, xs2, G, BK: gl.constexpr, PDL: gl.constexpr, num_warps: gl
 
 @gluon.jit
 def choose(rargs, sel, G, TOPK: gl.constexpr, TK: gl.constexpr, RSPEC: gl.constexpr,
-           PDL: gl.constexpr = 0, SPIN: gl.constexpr = 1):
+           PDL: gl.constexpr = 0):
     """The router partition (one warp; module doc, 2): once every program's logits are in
     (acquire), the choice into sel's shared buffers ([1, TK] ids, weights), then an arrival on
     its `routed` barrier. RSPEC = (SIGMOID, GROUP_RULE, TOPK_GROUP, NORM, HAS_BIAS, BG, BEG,
@@ -194,7 +194,8 @@ def choose(rargs, sel, G, TOPK: gl.constexpr, TK: gl.constexpr, RSPEC: gl.conste
     L3: gl.constexpr = RSPEC[7]
     if PDL & 2:
         grid_wait(PDL)
-    spin_until(cnt_ptr, G, SPIN)
+    while gl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < G:
+        pass
     wts, ids = select(lg_ptr, bias_ptr, EG, NG, scaling, TOPK, TK, RSPEC[0], RSPEC[1],
                       RSPEC[2], RSPEC[3], RSPEC[4], RSPEC[5], RSPEC[6], L3)
     # [1, 1, TK] -> [1, TK] (a max over a copied axis: exact) into shared memory
