@@ -455,6 +455,8 @@ def bench_steps(args) -> list[dict]:
     runs = [(mode, moe) for mode in args.step_modes for moe in args.step_moe_configs]
     for mode, moe in runs:
         set_kernels(mode)
+        gluon_moe.TRACE = args.step_trace
+        gluon_moe.TRACES.clear()
         overrides(moe)
         t0 = time.perf_counter()
         quant = "fp8" if mode.startswith("after-fp8") else "none"
@@ -478,6 +480,7 @@ def bench_steps(args) -> list[dict]:
                 while llm.has_unfinished():
                     llm.step()
                 step_ms = 1e3 * statistics.median(walls)
+                moe_trace = step_trace(step_ms) if args.step_trace else None
                 floor = floor_fields(llm, Layout(), batch, context, step_ms, rates)
                 recs.append(dict(part="step", model=args.step_model, mode=mode, moe_config=moe,
                                  batch=batch,
@@ -487,7 +490,8 @@ def bench_steps(args) -> list[dict]:
                                  replay_ms=replay_ms,
                                  kernel_ms=sum(o.dur for o in ops) / 3e3,
                                  kernels_per_step=len(ops) / 3, engine_build_s=build_s,
-                                 top_kernels=_rounded(table), critical_kernels=_rounded(critical)))
+                                 top_kernels=_rounded(table), critical_kernels=_rounded(critical),
+                                 **({"moe_trace": moe_trace} if moe_trace else {})))
                 print(json.dumps(recs[-1]), flush=True)
         del llm
         gc.collect()              # cycles that hold an engine's tensors (an 80 GB card ran out
@@ -495,7 +499,38 @@ def bench_steps(args) -> list[dict]:
             torch.cuda.empty_cache()
     set_kernels("after")
     overrides({})
+    gluon_moe.TRACE = False
+    gluon_moe.TRACES.clear()
     return recs
+
+
+def step_trace(step_ms: float) -> dict | None:
+    """--step-trace: the one-row MoE launches of the step's last graph replay (gluon_moe.TRACES
+    whose stamps fall in its last step_ms), in order; per stamp (gluon_moe.STAMPS) the median
+    over layers of its median and max over programs, in us from the previous MoE launch's end
+    (its last program's; the first launch is left out), and the median launch-to-launch time."""
+    bufs = [t.double().cpu() for t in gluon_moe.TRACES]
+    if not bufs:
+        return None
+    last = max(t[:, 6].max().item() for t in bufs)
+    bufs = sorted((t for t in bufs if t[:, 6].max().item() > last - 0.95e6 * step_ms),
+                  key=lambda t: t[:, 0].min().item())
+    gluon_moe.TRACES.clear()
+    out = {name: [[], []] for name in gluon_moe.STAMPS}
+    layer = []
+    for prev, t in zip(bufs, bufs[1:]):
+        end = prev[:, 6].max()
+        layer.append((t[:, 6].max() - end).item() / 1e3)
+        for i, name in enumerate(gluon_moe.STAMPS):
+            col = (t[:, i] - end) / 1e3
+            out[name][0].append(col.median().item())
+            out[name][1].append(col.max().item())
+    if not layer:
+        return None
+    res = {name: [round(statistics.median(a), 2), round(statistics.median(b), 2)]
+           for name, (a, b) in out.items()}
+    res.update(launches=len(bufs), layer_us=round(statistics.median(layer), 2))
+    return res
 
 
 def _rounded(rows: list[dict], top: int = 25) -> list[dict]:
@@ -587,6 +622,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="part (d): a JSON list of moe_decode tunables dicts, each run with "
                          "every mode ({}: the defaults)")
     ap.add_argument("--step-steps", type=int, default=10)
+    ap.add_argument("--step-trace", action="store_true",
+                    help="phase stamps of the one-row MoE launches (gluon_moe.TRACE) in the "
+                         "records (moe_trace)")
     ap.add_argument("--step-model", default="deepseek-v2-lite")
     ap.add_argument("--step-layers", type=int, default=0, help="first n layers (0: all)")
     args = ap.parse_args(argv)

@@ -186,3 +186,30 @@ def test_step_floor_is_the_sweeps(monkeypatch, tmp_path):
     for r, (_, _, f) in zip(steps, seen):
         assert r["floor_ms"] == f["floor_ms"] > 0 and r["vs_floor"] == f["floor_ratio"]
         assert r["rates"] == f["rates"] and r["rates"]["device"] == "cpu"
+
+
+def test_step_trace_reads_the_last_step_launches_relative_to_the_previous_end():
+    """--step-trace's reading of gluon_moe.TRACES: launches of the last step only (an older one
+    is left out), in start order, each stamp from the previous launch's last program's end."""
+    import torch
+
+    from helix.layers import gluon_moe
+
+    def launch(t0, progs=5):
+        t = torch.zeros(progs, 8, dtype=torch.int64)
+        for i in range(8):
+            t[:, i] = t0 + 1000 * i + torch.arange(progs) * 100       # ns; program p 100p later
+        return t
+
+    gluon_moe.TRACES[:] = [launch(0), launch(50_000), launch(10_000), launch(30_000)]
+    try:
+        rec = bench.step_trace(step_ms=0.045)       # 45 us: the launch at 0 ends too early
+    finally:
+        gluon_moe.TRACES.clear()
+    assert rec["launches"] == 3 and rec["layer_us"] == 20.0
+    # the previous end is t0 - 20 us + 6.4 us (its last program); stamp i of program p is
+    # t0 + i us + 0.1 p us: median over programs p = 2, max p = 4
+    assert rec["start"] == [13.8, 14.0]
+    assert rec["up"] == [17.8, 18.0]
+    assert rec["end"] == [19.8, 20.0]
+    assert not gluon_moe.TRACES

@@ -60,8 +60,8 @@ FIELDS = 4                   # int32 fields of an item (gluon_moe_kernel.ITEM_FI
 ENABLED = True
 FP8 = True                   # fp8 experts (block scales) take the launch too (benches switch it)
 ROUTED = True                # the router in the launch (moe_row_routed) where MoE can (benches)
-TRACE = False                # benches: each program's phase stamps (STAMPS, ns of the global
-LAST_TRACE = None            # timer) of the last launch, int64 [programs, 8]
+TRACE = False                # benches: each launch's phase stamps (STAMPS, ns of the global
+TRACES: list = []            # timer), int64 [programs, 8] a launch, appended per launch call
 STAMPS = ("start", "x", "shared", "ids", "up", "down_start", "end", "producer_ids")
 
 
@@ -368,14 +368,13 @@ def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=Non
                  NE // spec.groups, spec.groups, spec.scaling)
         meta = _route_meta(spec, NE, bias is not None)
     counters = triton_util.arrival_counters(x.device, 3)
-    global LAST_TRACE
-    if TRACE:
-        LAST_TRACE = torch.zeros((p.programs, 8), dtype=torch.int64, device=x.device)
+    if TRACE:       # every program writes every stamp; in a capture: the graph's buffer
+        TRACES.append(torch.empty((p.programs, 8), dtype=torch.int64, device=x.device))
     triton_util.run_kernel(
         moe_row_kernel, (p.programs,), x.reshape(-1), ids.reshape(-1), weights.reshape(-1),
         first, E, inter, dim, ws, *descs, *(scales or (x,) * 6), items, counts, p.programs,
         p.max_items, h, out,
-        counters, LAST_TRACE if TRACE else counters, *rargs, TOPK=topk, TK=max(2, pow2(topk)),
+        counters, TRACES[-1] if TRACE else counters, *rargs, TOPK=topk, TK=max(2, pow2(topk)),
         SHARED=int(ws > 0),
         XR=pow2(2 * k_steps(dim)), HR=pow2(p.h_rows), BN=BN, BK=BK,
         STAGES=ring_stages(topk, inter, ws, dim, gate.element_size(), x.element_size()),
