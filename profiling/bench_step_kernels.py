@@ -283,7 +283,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend",
               "after-nomoerow", "after-moerow-stages6", "after-moerow-stages4",
               "after-noroute", "after-noearlyrow", "after-fp8", "after-fp8-nomoerow",
-              "after-fp8-w8")
+              "after-fp8-w8", "after-go0", "after-go4")
 
 
 def set_kernels(mode: str) -> None:
@@ -336,7 +336,9 @@ def set_kernels(mode: str) -> None:
     the weights in block fp8, quantized at load (RuntimeConfig.quantization "fp8"; bench_steps
     reads the mode); 'after-fp8-nomoerow': the same with one row's fp8 experts on moe_decode's
     two launches, not gluon_moe's one (gluon_moe.FP8 off); 'after-fp8-w8': fp8 with 8
-    consumer warps in the one-row MoE launch (gluon_moe.NUM_WARPS_FP8)."""
+    consumer warps in the one-row MoE launch (gluon_moe.NUM_WARPS_FP8); 'after-go0' /
+    'after-go4': the routed one-row MoE launch's producer streams 0 / 4 ring stages before the
+    router's loads of x are out (gluon_moe.GO_AFTER; default: no wait)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -368,6 +370,7 @@ def set_kernels(mode: str) -> None:
     gluon_moe.ENABLED = mode not in ("before", "after-nomoerow")
     gluon_moe.FP8 = mode != "after-fp8-nomoerow"
     gluon_moe.NUM_WARPS_FP8 = 8 if mode == "after-fp8-w8" else _MOE_WARPS_FP8
+    gluon_moe.GO_AFTER = {"after-go0": 0, "after-go4": 4}.get(mode, -1)
     gluon_moe.ROUTED = mode not in ("before", "after-nomoerow", "after-noroute")
     gluon_moe.STAGES = {"after-moerow-stages6": 6, "after-moerow-stages4": 4}.get(mode,
                                                                                   _MOE_STAGES)
@@ -506,7 +509,8 @@ def bench_steps(args) -> list[dict]:
 
 def step_trace(step_ms: float) -> dict | None:
     """--step-trace: the one-row MoE launches of the step's last graph replay (gluon_moe.TRACES
-    whose stamps fall in its last step_ms), in order; per stamp (gluon_moe.STAMPS) the median
+    whose stamps fall in its last step_ms; a captured graph's buffers are rewritten at every
+    replay, so they stay listed), in order; per stamp (gluon_moe.STAMPS) the median
     over layers of its median and max over programs, in us from the previous MoE launch's end
     (its last program's; the first launch is left out), and the median launch-to-launch time."""
     bufs = [t.double().cpu() for t in gluon_moe.TRACES]
@@ -515,7 +519,6 @@ def step_trace(step_ms: float) -> dict | None:
     last = max(t[:, 6].max().item() for t in bufs)
     bufs = sorted((t for t in bufs if t[:, 6].max().item() > last - 0.95e6 * step_ms),
                   key=lambda t: t[:, 0].min().item())
-    gluon_moe.TRACES.clear()
     out = {name: [[], []] for name in gluon_moe.STAMPS}
     layer = []
     for prev, t in zip(bufs, bufs[1:]):
