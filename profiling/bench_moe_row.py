@@ -35,8 +35,7 @@ from helix.layers import gluon_moe as gm  # noqa: E402
 from helix.layers import moe_decode as md  # noqa: E402
 
 SHAPES = {"dsv2lite": (64, 6, 1408, 2816, 2048), "qwen3": (128, 8, 1536, 0, 4096)}
-KNOBS = ("STAGES", "BN", "MAXNREG", "NUM_WARPS", "PRODUCER_REGS", "STAGES_FP8", "NUM_WARPS_FP8",
-         "GO_AFTER")
+KNOBS = ("STAGES", "BN", "MAXNREG", "NUM_WARPS", "PRODUCER_REGS", "STAGES_FP8", "NUM_WARPS_FP8")
 CALLS, REPS = 16, 10
 TRACE_RUNS = 20
 

@@ -283,7 +283,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend",
               "after-nomoerow", "after-moerow-stages6", "after-moerow-stages4",
               "after-noroute", "after-noearlyrow", "after-fp8", "after-fp8-nomoerow",
-              "after-fp8-w8", "after-go0", "after-go4")
+              "after-fp8-w8")
 
 
 def set_kernels(mode: str) -> None:
@@ -336,9 +336,7 @@ def set_kernels(mode: str) -> None:
     the weights in block fp8, quantized at load (RuntimeConfig.quantization "fp8"; bench_steps
     reads the mode); 'after-fp8-nomoerow': the same with one row's fp8 experts on moe_decode's
     two launches, not gluon_moe's one (gluon_moe.FP8 off); 'after-fp8-w8': fp8 with 8
-    consumer warps in the one-row MoE launch (gluon_moe.NUM_WARPS_FP8); 'after-go0' /
-    'after-go4': the routed one-row MoE launch's producer streams 0 / 4 ring stages before the
-    router's loads of x are out (gluon_moe.GO_AFTER; default: no wait)."""
+    consumer warps in the one-row MoE launch (gluon_moe.NUM_WARPS_FP8)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -370,7 +368,6 @@ def set_kernels(mode: str) -> None:
     gluon_moe.ENABLED = mode not in ("before", "after-nomoerow")
     gluon_moe.FP8 = mode != "after-fp8-nomoerow"
     gluon_moe.NUM_WARPS_FP8 = 8 if mode == "after-fp8-w8" else _MOE_WARPS_FP8
-    gluon_moe.GO_AFTER = {"after-go0": 0, "after-go4": 4}.get(mode, -1)
     gluon_moe.ROUTED = mode not in ("before", "after-nomoerow", "after-noroute")
     gluon_moe.STAGES = {"after-moerow-stages6": 6, "after-moerow-stages4": 4}.get(mode,
                                                                                   _MOE_STAGES)

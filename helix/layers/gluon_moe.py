@@ -63,8 +63,6 @@ ROUTED = True                # the router in the launch (moe_row_routed) where M
 TRACE = False                # benches: each launch's phase stamps (STAMPS, ns of the global
 TRACES: list = []            # timer), int64 [programs, 8] a launch, appended per launch call
 STAMPS = ("start", "x", "shared", "ids", "up", "down_start", "end", "producer_ids")
-GO_AFTER = -1                # with the router in: ring stages the producer streams before the
-                             # router's loads of x are out (-1: no wait; benches switch it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,7 +378,7 @@ def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=Non
         SHARED=int(ws > 0),
         XR=pow2(2 * k_steps(dim)), HR=pow2(p.h_rows), BN=BN, BK=BK,
         STAGES=ring_stages(topk, inter, ws, dim, gate.element_size(), x.element_size()),
-        SCALED=int(scales is not None), TRACE=int(TRACE), GO=GO_AFTER if route else -1,
+        SCALED=int(scales is not None), TRACE=int(TRACE),
         PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS if scales is None else NUM_WARPS_FP8,
         **({"maxnreg": MAXNREG} if MAXNREG else {}), **meta)
 

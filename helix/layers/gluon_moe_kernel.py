@@ -153,10 +153,10 @@ def _down_boxes(ring, s, bar, desc, row, k, BN: gl.constexpr, BK: gl.constexpr):
 @gluon.jit
 def _producer(args, sel, trace_ptr, TOPK: gl.constexpr, TK: gl.constexpr, SHARED: gl.constexpr,
               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-              ROUTE: gl.constexpr, TRACE: gl.constexpr, GO: gl.constexpr):
+              ROUTE: gl.constexpr, TRACE: gl.constexpr):
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
-    sel_ids, sel_wts, routed, go = sel
+    sel_ids, sel_wts, routed = sel
     pid = gl.program_id(0)
     stage_bytes: gl.constexpr = 4 * BN * BK * (dg.dtype.primitive_bitwidth // 8)
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -167,9 +167,6 @@ def _producer(args, sel, trace_ptr, TOPK: gl.constexpr, TK: gl.constexpr, SHARED
     j = 0
     nxt = _item(items_ptr, pid, 0, L)
     for it in range(n_sh):            # the shared experts' weights: before waiting for anyone
-        if GO >= 0:                   # (GO >= 0: past GO stages, once the router's loads are out)
-            if j >= GO:
-                mbarrier.wait(go, 0)
         slot, n0 = nxt
         nxt = _item(items_ptr, pid, it + 1, L)      # its fields arrive under this item
         j = _up_tiles(ring, ready, empty, dgs, dus, n0, j, D, BK, STAGES, stage_bytes)
@@ -319,10 +316,10 @@ def _up_item(args, scl, it, j, nxt, ids, wts, tk, TOPK: gl.constexpr, BN: gl.con
 def _consumer(args, sel, rargs, scl, trace_ptr, TOPK: gl.constexpr, TK: gl.constexpr,
               SHARED: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
               PDL: gl.constexpr, ROUTE: gl.constexpr, SCALED: gl.constexpr,
-              TRACE: gl.constexpr, GO: gl.constexpr, num_warps: gl.constexpr):
+              TRACE: gl.constexpr, num_warps: gl.constexpr):
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
-    sel_ids, sel_wts, routed, go = sel
+    sel_ids, sel_wts, routed = sel
     pid = gl.program_id(0)
     # a [BN, BK] box: 8 contiguous K elements (16 bytes) a thread, a warp along a row
     tile: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
@@ -337,7 +334,7 @@ def _consumer(args, sel, rargs, scl, trace_ptr, TOPK: gl.constexpr, TK: gl.const
     n_down = gl.load(counts_ptr + 3 * pid + 2)
     _stamp(trace_ptr, 0, TRACE)                       # start
     if ROUTE:                             # add + norm here, and this program's logits
-        route_rows(rargs, xs2, G, BK, PDL, num_warps, go, GO)
+        route_rows(rargs, xs2, G, BK, PDL, num_warps)
     else:                                 # x, the ids and weights: the previous kernel's output
         pdl_wait(PDL)
         _stage_x(xs2, x_ptr, D, BK, num_warps)
@@ -436,7 +433,7 @@ def moe_row_kernel(
     HR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, ROUTE: gl.constexpr = 0,
     RSPEC: gl.constexpr = None, ROUTER_REGS: gl.constexpr = 0, PDL: gl.constexpr = 0,
-    SCALED: gl.constexpr = 0, TRACE: gl.constexpr = 0, GO: gl.constexpr = -1,
+    SCALED: gl.constexpr = 0, TRACE: gl.constexpr = 0,
 ):
     ring = gl.allocate_shared_memory(dg.dtype, [4 * STAGES, BN, BK], dg.layout)
     dtype: gl.constexpr = x_ptr.dtype.element_ty          # the rows' (fp8 weights: 16-bit rows)
@@ -452,15 +449,13 @@ def moe_row_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbar)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbar)
     routed = gl.allocate_shared_memory(gl.int64, [1], mbar)    # ROUTE: the choice is made
-    go = gl.allocate_shared_memory(gl.int64, [1], mbar)        # GO: the router's loads are out
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     mbarrier.init(routed, count=1)
-    mbarrier.init(go, count=1)
     sel = (gl.allocate_shared_memory(gl.int32, [1, TK], plain),      # the chosen ids
            gl.allocate_shared_memory(gl.float32, [1, TK], plain),    # and weights
-           routed, go)
+           routed)
     args = (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr,
             first, E, I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L)
     scl = (sg, su, sd, sgs, sus, sds)
@@ -471,15 +466,15 @@ def moe_row_kernel(
     if ROUTE:                 # a third partition, one warp: the choice (gluon_route.choose)
         gl.warp_specialize(
             [(_consumer, (args, sel, rargs, scl, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES,
-                          PDL, ROUTE, SCALED, TRACE, GO, num_warps)),
+                          PDL, ROUTE, SCALED, TRACE, num_warps)),
              (_producer, (args, sel, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
-                          TRACE, GO)),
+                          TRACE)),
              (choose, (rargs, sel, G, TOPK, TK, RSPEC, PDL))],
             [1, 1], [PRODUCER_REGS, ROUTER_REGS])
     else:
         gl.warp_specialize(
             [(_consumer, (args, sel, rargs, scl, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES,
-                          PDL, ROUTE, SCALED, TRACE, GO, num_warps)),
+                          PDL, ROUTE, SCALED, TRACE, num_warps)),
              (_producer, (args, sel, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
-                          TRACE, GO))],
+                          TRACE))],
             [1], [PRODUCER_REGS])

@@ -140,12 +140,9 @@ def _logit(y, w, ROUND: gl.constexpr):
 
 
 @gluon.jit
-def route_rows(rargs, xs2, G, BK: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
-               go=None, GO: gl.constexpr = -1):
+def route_rows(rargs, xs2, G, BK: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
     """The consumer's part (module doc, 1): y into xs2 (rows of BK), h and y stored by
-    program 0, this program's logits, its count on the route counter. GO >= 0: an arrival on
-    the `go` barrier once its loads of x and the residual are issued (the producer holds its
-    weight stream after GO stages until then, so those loads do not queue behind it)."""
+    program 0, this program's logits, its count on the route counter."""
     (a_ptr, r_ptr, nw_ptr, rw_ptr, bias_ptr, lg_ptr, h_out, y_out, w_out, id_out, inv_d, eps,
      D, NE, EG, NG, scaling, cnt_ptr) = rargs
     ROUND: gl.constexpr = rw_ptr.dtype.element_ty != gl.float32
@@ -158,11 +155,8 @@ def route_rows(rargs, xs2, G, BK: gl.constexpr, PDL: gl.constexpr, num_warps: gl
     w0 = gl.load(rw_ptr + pid * D + k, mask=km & (pid < NE), other=0.0)   # before the wait
     pdl_wait(PDL)                          # x and the residual: the previous kernel's output
     h_dt: gl.constexpr = h_out.dtype.element_ty
-    av = gl.load(a_ptr + k, mask=km, other=0.0)
-    rv = gl.load(r_ptr + k, mask=km, other=0.0)
-    if GO >= 0:
-        mbarrier.arrive(go, count=1)
-    h = (av.to(gl.float32) + rv.to(gl.float32)).to(h_dt)
+    h = (gl.load(a_ptr + k, mask=km, other=0.0).to(gl.float32)
+         + gl.load(r_ptr + k, mask=km, other=0.0).to(gl.float32)).to(h_dt)
     hf = h.to(gl.float32)
     rstd = gl.div_rn(1.0, gl.sqrt_rn(gl.sum(gl.sum(hf * hf, axis=1), axis=0) * inv_d + eps))
     xn = (hf * rstd).to(h_dt).to(gl.float32)
@@ -196,7 +190,7 @@ def choose(rargs, sel, G, TOPK: gl.constexpr, TK: gl.constexpr, RSPEC: gl.conste
     previous MoE launch included, has finished."""
     (a_ptr, r_ptr, nw_ptr, rw_ptr, bias_ptr, lg_ptr, h_out, y_out, w_out, id_out, inv_d, eps,
      D, NE, EG, NG, scaling, cnt_ptr) = rargs
-    sel_ids, sel_wts, routed, go = sel
+    sel_ids, sel_wts, routed = sel
     L3: gl.constexpr = RSPEC[7]
     if PDL & 2:
         grid_wait(PDL)
