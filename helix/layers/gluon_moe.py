@@ -370,6 +370,7 @@ def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=Non
                  NE // spec.groups, spec.groups, spec.scaling)
         meta = _route_meta(spec, NE, bias is not None)
     counters = triton_util.arrival_counters(x.device, 3)
+    stages = ring_stages(topk, inter, ws, dim, gate.element_size(), x.element_size())
     if TRACE:       # every program writes every stamp; in a capture: the graph's buffer
         TRACES.append(torch.empty((p.programs, 8), dtype=torch.int64, device=x.device))
     triton_util.run_kernel(
@@ -379,10 +380,9 @@ def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=Non
         counters, TRACES[-1] if TRACE else counters, *rargs, TOPK=topk, TK=max(2, pow2(topk)),
         SHARED=int(ws > 0),
         XR=pow2(2 * k_steps(dim)), HR=pow2(p.h_rows), BN=BN, BK=BK,
-        STAGES=ring_stages(topk, inter, ws, dim, gate.element_size(), x.element_size()),
+        STAGES=stages,
         SCALED=int(scales is not None), TRACE=int(TRACE),
-        MMA=int(scales is not None and FP8_MMA and mma_fits(dim, ring_stages(
-            topk, inter, ws, dim, gate.element_size(), x.element_size()))),
+        MMA=int(scales is not None and FP8_MMA and mma_fits(dim, stages)),
         PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS if scales is None else NUM_WARPS_FP8,
         **({"maxnreg": MAXNREG} if MAXNREG else {}), **meta)
 
@@ -427,7 +427,7 @@ def why_unavailable(device: torch.device, scaled: bool = False) -> str:
 def _status(device: torch.device, scaled: bool = False) -> tuple[bool, str]:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, scaled)
+    key = (device, scaled, scaled and FP8_MMA)        # FP8_MMA: the self-check takes its path
     if key in _STATUS:
         return _STATUS[key]
     if device.type != "cuda" or not torch.cuda.is_available():
