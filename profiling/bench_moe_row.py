@@ -8,7 +8,7 @@ Each case captures CALLS calls in one CUDA graph, each with its own routing (6 o
 experts of all E), replays it REPS times and reports us a call and the rate of the weight bytes
 the call reads (the hit experts and the shared experts) against the copy rate measured here.
 Configs: a JSON list of dicts of gluon_moe knobs (STAGES, BN, MAXNREG, NUM_WARPS,
-PRODUCER_REGS, and for --fp8 STAGES_FP8, NUM_WARPS_FP8, FP8_MMA); {"two": true} is
+PRODUCER_REGS, and for --fp8 STAGES_FP8, NUM_WARPS_FP8); {"two": true} is
 moe_decode's two launches. --fp8: the experts in block fp8 (helix.layers.fp8.quantize), the
 bytes counted at one a weight plus the scales read. Every variant is checked against the fp32
 reference before it is timed.
@@ -35,8 +35,7 @@ from helix.layers import gluon_moe as gm  # noqa: E402
 from helix.layers import moe_decode as md  # noqa: E402
 
 SHAPES = {"dsv2lite": (64, 6, 1408, 2816, 2048), "qwen3": (128, 8, 1536, 0, 4096)}
-KNOBS = ("STAGES", "BN", "MAXNREG", "NUM_WARPS", "PRODUCER_REGS", "STAGES_FP8", "NUM_WARPS_FP8",
-         "FP8_MMA")
+KNOBS = ("STAGES", "BN", "MAXNREG", "NUM_WARPS", "PRODUCER_REGS", "STAGES_FP8", "NUM_WARPS_FP8")
 CALLS, REPS = 16, 10
 TRACE_RUNS = 20
 

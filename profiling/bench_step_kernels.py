@@ -283,7 +283,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend",
               "after-nomoerow", "after-moerow-stages6", "after-moerow-stages4",
               "after-noroute", "after-noearlyrow", "after-fp8", "after-fp8-nomoerow",
-              "after-fp8-w8")
+              "after-fp8-w8", "after-few-min2", "after-few-min4")
 
 
 def set_kernels(mode: str) -> None:
@@ -336,7 +336,10 @@ def set_kernels(mode: str) -> None:
     the weights in block fp8, quantized at load (RuntimeConfig.quantization "fp8"; bench_steps
     reads the mode); 'after-fp8-nomoerow': the same with one row's fp8 experts on moe_decode's
     two launches, not gluon_moe's one (gluon_moe.FP8 off); 'after-fp8-w8': fp8 with 8
-    consumer warps in the one-row MoE launch (gluon_moe.NUM_WARPS_FP8)."""
+    consumer warps in the one-row MoE launch (gluon_moe.NUM_WARPS_FP8); 'after-few-min2' /
+    'after-few-min4': the Gluon "few" MLA variant's splits hold at least 2 / 4 KV tiles, not 1
+    (gluon_mla.MIN_SPLIT_TOKENS: a short sequence takes fewer, longer splits and a smaller
+    merge)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -376,6 +379,9 @@ def set_kernels(mode: str) -> None:
     gluon_mla.KV_EARLY = mode != "after-gluon-kv-late"
     gluon_mla.MAX_SPLITS = 64 if start else _GLUON_MAX_SPLITS
     gluon_mla.SKIP_EMPTY = not start
+    few_tiles = {"after-few-min2": 2, "after-few-min4": 4}.get(mode)
+    gluon_mla.MIN_SPLIT_TOKENS = ({**_MIN_SPLIT, "few": few_tiles * gluon_mla.BLOCK_N}
+                                  if few_tiles else _MIN_SPLIT)
     triton_backend.GLUON_FEW_HEADS_FROM_BATCH = (2 if start or mode == "after-few-batch1"
                                                  else _FEW_FROM_BATCH)
     sampling_ops.GREEDY_KERNEL = mode not in ("after-torch-argmax", "after-ffd0c4b")
@@ -390,6 +396,7 @@ def set_kernels(mode: str) -> None:
 
 _NEW_FORWARD = rt.Router.forward
 _MOE_STAGES = gluon_moe.STAGES
+_MIN_SPLIT = gluon_mla.MIN_SPLIT_TOKENS
 _MOE_WARPS_FP8 = gluon_moe.NUM_WARPS_FP8
 _GLUON_VARIANT = triton_backend.GLUON_VARIANT
 _GLUON_FEW = triton_backend.GLUON_FEW_VARIANT

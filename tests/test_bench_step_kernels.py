@@ -131,6 +131,13 @@ def test_kernel_switch(monkeypatch):
     assert triton_decode.FUSED_MERGE_ELEMENTS == 8192 and triton_decode.GQA_WAVES == default[0]
     bench.set_kernels("after")
     assert (triton_decode.GQA_WAVES, triton_decode.FUSED_MERGE_ELEMENTS) == default == (2.0, 4096)
+    from helix.attention import gluon_mla
+    few = gluon_mla.MIN_SPLIT_TOKENS
+    bench.set_kernels("after-few-min4")             # "few" splits of at least 4 KV tiles
+    assert gluon_mla.MIN_SPLIT_TOKENS["few"] == 4 * gluon_mla.BLOCK_N
+    assert gluon_mla.MIN_SPLIT_TOKENS["seesaw"] == few["seesaw"] and few["few"] == gluon_mla.BLOCK_N
+    bench.set_kernels("after")
+    assert gluon_mla.MIN_SPLIT_TOKENS == few
     with pytest.raises(SystemExit):
         bench.set_kernels("later")
 

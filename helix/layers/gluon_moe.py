@@ -63,8 +63,6 @@ ROUTED = True                # the router in the launch (moe_row_routed) where M
 TRACE = False                # benches: each launch's phase stamps (STAMPS, ns of the global
 TRACES: list = []            # timer), int64 [programs, 8] a launch, appended per launch call
 STAMPS = ("start", "x", "shared", "ids", "up", "down_start", "end", "producer_ids")
-FP8_MMA = False              # fp8 gate/up products on the tensor cores (gluon_moe_kernel.
-                             # _up_item_mma; mma_fits): compiled for sm_90, not yet run on a GPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,16 +380,8 @@ def _launch(x, gate, up, down, weights, ids, first, shared, out, topk, route=Non
         XR=pow2(2 * k_steps(dim)), HR=pow2(p.h_rows), BN=BN, BK=BK,
         STAGES=stages,
         SCALED=int(scales is not None), TRACE=int(TRACE),
-        MMA=int(scales is not None and FP8_MMA and mma_fits(dim, stages)),
         PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS if scales is None else NUM_WARPS_FP8,
         **({"maxnreg": MAXNREG} if MAXNREG else {}), **meta)
-
-
-def mma_fits(dim: int, stages: int) -> bool:
-    """The tensor-core gate/up (FP8_MMA) takes ring stages in pairs and x's K steps of BK as
-    the product's N: D a multiple of 4 BK (every item an even number of stages), at least 8 K
-    steps, an even ring."""
-    return dim % (4 * BK) == 0 and dim >= 8 * BK and stages % 2 == 0
 
 
 def _descriptors(gate, up, down, shared):
@@ -427,7 +417,7 @@ def why_unavailable(device: torch.device, scaled: bool = False) -> str:
 def _status(device: torch.device, scaled: bool = False) -> tuple[bool, str]:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, scaled, scaled and FP8_MMA)        # FP8_MMA: the self-check takes its path
+    key = (device, scaled)
     if key in _STATUS:
         return _STATUS[key]
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -489,7 +479,7 @@ def self_check(device: torch.device, seed: int = 0, scaled: bool = False) -> tup
         ok = err <= 2e-2 * max(scale, 1e-3)
         return ok, "" if ok else f"self-check {what}: max |err| {err:.3g} at scale {scale:.3g}"
 
-    E, inter, dim, first = 8, 256, 2048 if scaled and FP8_MMA else 256, 4   # (MMA: mma_fits)
+    E, inter, dim, first = 8, 256, 256, 4
     gate, up, down = rand(E, inter, dim), rand(E, inter, dim), rand(E, dim, inter)
     shared = (rand(512, dim), rand(512, dim), rand(dim, 512))
     sc = {}

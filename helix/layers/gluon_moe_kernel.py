@@ -48,7 +48,6 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from helix.gluon_util import (globaltimer, grid_wait, pdl_wait, reinterpret, sync_threads,
@@ -314,99 +313,10 @@ def _up_item(args, scl, it, j, nxt, ids, wts, tk, TOPK: gl.constexpr, BN: gl.con
 
 
 @gluon.jit
-def _x_to_f16(xs2, num_warps: gl.constexpr):
-    """MMA: the x rows in shared memory (16-bit, [R, BK]) rewritten in place as f16 times 2^-e,
-    e = floor(log2 max |x|) - 14 (max |x| into [2^14, 2^15): exact, no overflow) -> 2^e, the
-    factor that undoes it on the products."""
-    R: gl.constexpr = xs2.shape[0]
-    BK: gl.constexpr = xs2.shape[1]
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    x = xs2.load(lay).to(gl.float32)
-    amax = gl.max(gl.max(gl.abs(x), axis=1), axis=0)
-    e = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 14
-    e = gl.where(amax > 0.0, gl.minimum(gl.maximum(e, -100), 100), 0)
-    sync_threads()                        # every thread has read x before it is overwritten
-    reinterpret(xs2, gl.float16, [R, BK], plain).store(
-        (x * ((127 - e) << 23).to(gl.float32, bitcast=True)).to(gl.float16))
-    sync_threads()
-    return ((127 + e) << 23).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _up_item_mma(args, scl, it, j, nxt, ids, wts, tk, xup, TOPK: gl.constexpr,
-                 BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                 num_warps: gl.constexpr):
-    """_up_item for fp8 weights on the tensor cores (MMA): two ring stages (8 boxes: gate and
-    up rows at four K steps) as A [8 BN, BK] in f16, x as B [BK, XR] (column t: x's K step t,
-    f16 scaled by _x_to_f16), D = A B; a box at K step t wants column t of its rows. Each box
-    spans two 128-blocks of K, so two products of K BK / 2, each scaled per row (its box's
-    block scale) before the column mask. Needs D a multiple of 4 BK (stage pairs, even j)."""
-    (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
-     I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
-    XR: gl.constexpr = xs2.shape[0]
-    M: gl.constexpr = 8 * BN
-    H: gl.constexpr = BK // 2
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, 8])
-    aL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    bL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
-    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    slot, n0 = nxt
-    nxt = _item(items_ptr, gl.program_id(0), it + 1, L)
-    local, e = _local(ids, tk, slot, first, E, TOPK)
-    if local:
-        pairs = reinterpret(ring, ring.dtype, [STAGES // 2, M, BK], plain2)   # (rank 2: index)
-        xT = reinterpret(xs2, gl.float16, [XR, BK], plain2).permute([1, 0])      # [BK, XR]
-        b0 = xT.slice(0, H, dim=0).load(bL)
-        b1 = xT.slice(H, H, dim=0).load(bL)
-        box = gl.arange(0, M, layout=gl.SliceLayout(1, mma)) // BN          # 0..7 a row
-        cols = gl.expand_dims(gl.arange(0, XR, layout=gl.SliceLayout(0, mma)), 0)
-        sg, su, sd, sgs, sus, sds = scl
-        nk = gl.cdiv(D, 128)
-        off = _scale_base(slot, e, n0, gl.cdiv(I, 128), nk, TOPK)
-        srow = gl.where(box % 4 < 2, gl.where(slot < TOPK, sg, sgs),
-                        gl.where(slot < TOPK, su, sus)) + off                # each row's scales
-        run = gl.zeros([M, XR], gl.float32, layout=mma)
-        for q in range(gl.cdiv(D, 4 * BK)):
-            kstep = 4 * q + 2 * (box // 4) + box % 2                         # a row's K step
-            c0 = gl.expand_dims(gl.load(srow + 2 * kstep, mask=2 * kstep < nk, other=0.0), 1)
-            c1 = gl.expand_dims(gl.load(srow + 2 * kstep + 1, mask=2 * kstep + 1 < nk,
-                                        other=0.0), 1)
-            s = j % STAGES
-            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            mbarrier.wait(ready.index(s + 1), ((j + 1) // STAGES) & 1)
-            a = pairs.index(s // 2)
-            a0 = a.slice(0, H, dim=1).load(aL).to(gl.float16)
-            a1 = a.slice(H, H, dim=1).load(aL).to(gl.float16)
-            mbarrier.arrive(empty.index(s), count=1)
-            mbarrier.arrive(empty.index(s + 1), count=1)
-            d0 = mma_v2(a0, b0, gl.zeros([M, XR], gl.float32, layout=mma))
-            d1 = mma_v2(a1, b1, gl.zeros([M, XR], gl.float32, layout=mma))
-            run += gl.where(gl.expand_dims(kstep, 1) == cols, d0 * c0 + d1 * c1, 0.0)
-            j += 2
-        # row r = 32 p + 16 (up) + 8 (second K step) + f: sum each feature's four rows
-        red: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [num_warps, 1], [1, 0])
-        rs = gl.convert_layout(gl.sum(run, axis=1) * xup, gl.SliceLayout(1, red))
-        r = gl.expand_dims(gl.arange(0, M, layout=gl.SliceLayout(1, red)), 1)
-        f = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(0, red)), 0)
-        mine = (r % BN) == f
-        up = (r // (2 * BN)) % 2 == 1
-        vals = gl.expand_dims(rs, 1)
-        g = gl.sum(gl.where(mine & ~up, vals, 0.0), axis=0)
-        u = gl.sum(gl.where(mine & up, vals, 0.0), axis=0)
-        w = gl.where(slot < TOPK, _pick(wts, tk, slot), 1.0)
-        hv = w * (g / (1.0 + gl.exp(-g)) * u)                          # w * silu(g) * u
-        gl.store(h_ptr + _h_row(slot, I, IS, TOPK, BK) * BK + n0
-                 + gl.arange(0, BN, layout=gl.SliceLayout(0, red)), hv)
-    return j, nxt
-
-
-@gluon.jit
 def _consumer(args, sel, rargs, scl, trace_ptr, TOPK: gl.constexpr, TK: gl.constexpr,
               SHARED: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
               PDL: gl.constexpr, ROUTE: gl.constexpr, SCALED: gl.constexpr,
-              TRACE: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr):
+              TRACE: gl.constexpr, num_warps: gl.constexpr):
     (ring, ready, empty, xs, xs2, hs, hs2, items_ptr, counts_ptr, ids_ptr, wts_ptr, first, E,
      I, D, IS, dg, du, dd, dgs, dus, dds, x_ptr, h_ptr, out_ptr, cnt_ptr, G, L) = args
     sel_ids, sel_wts, routed = sel
@@ -433,16 +343,9 @@ def _consumer(args, sel, rargs, scl, trace_ptr, TOPK: gl.constexpr, TK: gl.const
     j = 0
     nxt = _item(items_ptr, pid, 0, L)
     none = gl.full([TK], -1, gl.int32, layout=vec)
-    xup = 1.0
-    if MMA:
-        xup = _x_to_f16(xs2, num_warps)
     for it in range(n_sh):                # phase A: gate/up, the shared experts' first
-        if MMA:
-            j, nxt = _up_item_mma(args, scl, it, j, nxt, none, none.to(gl.float32), tk, xup,
-                                  TOPK, BN, BK, STAGES, num_warps)
-        else:
-            j, nxt = _up_item(args, scl, it, j, nxt, none, none.to(gl.float32), tk, TOPK, BN,
-                              BK, STAGES, SCALED, num_warps)
+        j, nxt = _up_item(args, scl, it, j, nxt, none, none.to(gl.float32), tk, TOPK, BN, BK,
+                          STAGES, SCALED, num_warps)
     _stamp(trace_ptr, 2, TRACE)                       # the shared experts' gate/up done
     if ROUTE:                             # the router partition's choice
         mbarrier.wait(routed, 0)
@@ -453,12 +356,8 @@ def _consumer(args, sel, rargs, scl, trace_ptr, TOPK: gl.constexpr, TK: gl.const
         wts = gl.load(wts_ptr + tk, mask=tk < TOPK, other=0.0).to(gl.float32)
     _stamp(trace_ptr, 3, TRACE)                       # the ids known to the consumer
     for it in range(n_sh, n_up):
-        if MMA:
-            j, nxt = _up_item_mma(args, scl, it, j, nxt, ids, wts, tk, xup, TOPK, BN, BK,
-                                  STAGES, num_warps)
-        else:
-            j, nxt = _up_item(args, scl, it, j, nxt, ids, wts, tk, TOPK, BN, BK, STAGES,
-                              SCALED, num_warps)
+        j, nxt = _up_item(args, scl, it, j, nxt, ids, wts, tk, TOPK, BN, BK, STAGES, SCALED,
+                          num_warps)
     # the barrier between the phases: count in (release), wait for all (acquire)
     sync_threads()
     _stamp(trace_ptr, 4, TRACE)                       # every gate/up item done
@@ -534,7 +433,7 @@ def moe_row_kernel(
     HR: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, ROUTE: gl.constexpr = 0,
     RSPEC: gl.constexpr = None, ROUTER_REGS: gl.constexpr = 0, PDL: gl.constexpr = 0,
-    SCALED: gl.constexpr = 0, TRACE: gl.constexpr = 0, MMA: gl.constexpr = 0,
+    SCALED: gl.constexpr = 0, TRACE: gl.constexpr = 0,
 ):
     ring = gl.allocate_shared_memory(dg.dtype, [4 * STAGES, BN, BK], dg.layout)
     dtype: gl.constexpr = x_ptr.dtype.element_ty          # the rows' (fp8 weights: 16-bit rows)
@@ -567,7 +466,7 @@ def moe_row_kernel(
     if ROUTE:                 # a third partition, one warp: the choice (gluon_route.choose)
         gl.warp_specialize(
             [(_consumer, (args, sel, rargs, scl, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES,
-                          PDL, ROUTE, SCALED, TRACE, MMA, num_warps)),
+                          PDL, ROUTE, SCALED, TRACE, num_warps)),
              (_producer, (args, sel, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
                           TRACE)),
              (choose, (rargs, sel, G, TOPK, TK, RSPEC, PDL))],
@@ -575,7 +474,7 @@ def moe_row_kernel(
     else:
         gl.warp_specialize(
             [(_consumer, (args, sel, rargs, scl, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES,
-                          PDL, ROUTE, SCALED, TRACE, MMA, num_warps)),
+                          PDL, ROUTE, SCALED, TRACE, num_warps)),
              (_producer, (args, sel, trace_ptr, TOPK, TK, SHARED, BN, BK, STAGES, PDL, ROUTE,
                           TRACE))],
             [1], [PRODUCER_REGS])
