@@ -283,7 +283,7 @@ STEP_MODES = ("before", "after", "after-nofew", "after-v1moe", "after-nofold",
               "after-gqa-merge8192", "after-router-onetile8k", "after-noropeappend",
               "after-nomoerow", "after-moerow-stages6", "after-moerow-stages4",
               "after-noroute", "after-noearlyrow", "after-fp8", "after-fp8-nomoerow",
-              "after-fp8-w8", "after-few-min2", "after-few-min4", "after-skinny-late")
+              "after-fp8-w8", "after-few-min2", "after-few-min4")
 
 
 def set_kernels(mode: str) -> None:
@@ -339,8 +339,7 @@ def set_kernels(mode: str) -> None:
     consumer warps in the one-row MoE launch (gluon_moe.NUM_WARPS_FP8); 'after-few-min2' /
     'after-few-min4': the Gluon "few" MLA variant's splits hold at least 2 / 4 KV tiles, not 1
     (gluon_mla.MIN_SPLIT_TOKENS: a short sequence takes fewer, longer splits and a smaller
-    merge); 'after-skinny-late': the skinny kernel's one-tile K ranges (W_UK's absorption)
-    loaded after the PDL wait, not before (skinny_gemm.SKINNY_EARLY off)."""
+    merge)."""
     if mode not in STEP_MODES:
         raise SystemExit(f"--step-modes: {mode!r} is not one of {', '.join(STEP_MODES)}")
     after = mode != "before"
@@ -365,7 +364,6 @@ def set_kernels(mode: str) -> None:
     fused_mla.FUSE_ABSORB = mode not in ("before", "after-noabsorbrow")
     skinny_gemm.GEMV = _GEMV and mode not in ("before", "after-nogemv", "after-noonetile")
     skinny_gemm.GEMV_EARLY = mode != "after-gemv-late"
-    skinny_gemm.SKINNY_EARLY = mode != "after-skinny-late"
     tr.ONE_TILE = mode not in ("before", "after-router-chunked", "after-noonetile")
     tr.ONE_TILE_ELEMENTS = 8192 if mode == "after-router-onetile8k" else _ONE_TILE_ELEMENTS
     fused_qk_norm.FUSE_APPEND = mode not in ("before", "after-noropeappend")

@@ -126,8 +126,7 @@ if HAS_TRITON:
             HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
             INTERLEAVE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr,
-            BLOCK_H: tl.constexpr, APPEND: tl.constexpr, PDL: tl.constexpr = False,
-            W_EARLY: tl.constexpr = False):
+            BLOCK_H: tl.constexpr, APPEND: tl.constexpr, PDL: tl.constexpr = False):
         """W_UK's absorption and the kv rows, independent work on the same input (the x
         projection), in one grid (n_blocks + T, SPLIT_K, G): programs nb < n_blocks are the
         skinny GEMM's (skinny_gemm._skinny_program); program (n_blocks + t, 0, 0) is row t's
@@ -140,7 +139,7 @@ if HAS_TRITON:
             _skinny_program(nb, ks, g.to(tl.int64), n_blocks, tl.num_programs(2),
                             x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, k_chunk,
                             sxt, sxg, swg, swn, swk, syt, syg, HAS_BIAS, BLOCK_T, BLOCK_N,
-                            BLOCK_K, SPLIT_K, DOT_PRECISION, PDL, W_EARLY)
+                            BLOCK_K, SPLIT_K, DOT_PRECISION, PDL)
         elif (ks == 0) & (g == 0):
             _kv_row_program((nb - n_blocks).to(tl.int64), ckv_ptr, lw_ptr, cos_ptr, sin_ptr,
                             pos_ptr, out_ptr, q_ptr, qo_ptr, slots_ptr, cache_ptr, D_LAT, HALF,

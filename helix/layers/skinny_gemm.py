@@ -65,9 +65,6 @@ TUNABLES = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
 # The one-tile GEMV (_gemv_kernel): module flags read per call (benches switch them)
 GEMV = os.environ.get("HELIX_GEMV", "1") != "0"
 GEMV_EARLY = True              # its weight tile loaded before the PDL wait
-# The skinny kernel's programs whose K range is one tile (W_UK's absorption: K 128) load that
-# tile before the PDL wait too (module flag: benches switch it)
-SKINNY_EARLY = True
 GEMV_MAX_ROWS = 2              # measured: slower than the skinny kernel at 4 rows
 GEMV_MAX_K = 4096             # one tile's K; past it, K in equal ranges (GEMV_SPLIT)
 GEMV_SPLIT = True              # module flag (benches switch it): split K past GEMV_MAX_K
@@ -85,25 +82,16 @@ if HAS_TRITON:
                         T, N, K, k_chunk, sxt, sxg, swg, swn, swk, syt, syg,
                         HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-                        W_EARLY: tl.constexpr = False):
+                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
         """Program (nb, ks, g) of _skinny_kernel, whose grid is (n_blocks, SPLIT_K, G); also
         the GEMM part of a launch that does other work in further programs
-        (fused_mla._absorb_kv_row_kernel). W_EARLY: the K range is one BLOCK_K tile
-        (k_chunk <= BLOCK_K), loaded before the PDL wait."""
+        (fused_mla._absorb_kv_row_kernel)."""
         n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < N
         k_lo = ks * k_chunk
         k_hi = tl.minimum(k_lo + k_chunk, K)
-        w_rows = w_ptr + g * swg + n.to(tl.int64)[:, None] * swn                     # [BN, 1]
-        k1 = k_lo + tl.arange(0, BLOCK_K)
-        w1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=w_ptr.dtype.element_ty)
-        # the weight tile is no kernel's output: the program may load it (W_EARLY), or L2
-        # fetch it, while the previous kernel runs
-        if W_EARLY:
-            w1 = tl.load(w_rows + k1.to(tl.int64)[None, :] * swk,
-                         mask=nmask[:, None] & (k1 < k_hi)[None, :], other=0.0)
-        elif prefetching(PDL):
+        # the weight tile is no kernel's output: L2 may fetch it while the previous one runs
+        if prefetching(PDL):
             esize = w_ptr.dtype.element_ty.primitive_bitwidth // 8
             if swk == 1:                   # rows along N, each contiguous over the K range
                 prefetch_l2(w_ptr + g * swg + n.to(tl.int64) * swn + k_lo,
@@ -117,20 +105,15 @@ if HAS_TRITON:
         t = tl.arange(0, BLOCK_T)
         tmask = t < T
         x_rows = x_ptr + t.to(tl.int64)[:, None] * sxt + g * sxg                    # [BT, 1]
+        w_rows = w_ptr + g * swg + n.to(tl.int64)[:, None] * swn                     # [BN, 1]
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        if W_EARLY:
-            a = tl.load(x_rows + k1[None, :], mask=tmask[:, None] & (k1 < k_hi)[None, :],
-                        other=0.0)
-            acc = tl.dot(a.to(w1.dtype), tl.trans(w1), acc=acc, input_precision=DOT_PRECISION)
-        else:
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                kk = k0 + tl.arange(0, BLOCK_K)
-                kmask = kk < k_hi
-                w = tl.load(w_rows + kk.to(tl.int64)[None, :] * swk,
-                            mask=nmask[:, None] & kmask[None, :], other=0.0)
-                a = tl.load(x_rows + kk[None, :], mask=tmask[:, None] & kmask[None, :],
-                            other=0.0)
-                acc = tl.dot(a.to(w.dtype), tl.trans(w), acc=acc, input_precision=DOT_PRECISION)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            kmask = kk < k_hi
+            w = tl.load(w_rows + kk.to(tl.int64)[None, :] * swk,
+                        mask=nmask[:, None] & kmask[None, :], other=0.0)
+            a = tl.load(x_rows + kk[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.dot(a.to(w.dtype), tl.trans(w), acc=acc, input_precision=DOT_PRECISION)
         y_rows = y_ptr + t.to(tl.int64)[:, None] * syt + g * syg + n[None, :]
         ymask = tmask[:, None] & nmask[None, :]
         if SPLIT_K == 1:
@@ -161,15 +144,13 @@ if HAS_TRITON:
                        syt, syg,                  # y [T, G, N] (unit stride along N)
                        HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
-                       W_EARLY: tl.constexpr = False):
+                       DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
         """y[t, g, n] = sum_k x[t, g, k] W[g, n, k] (+ bias[n]) for t < T (<= BLOCK_T)."""
         _skinny_program(tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64),
                         tl.num_programs(0), tl.num_programs(2),
                         x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, k_chunk,
                         sxt, sxg, swg, swn, swk, syt, syg,
-                        HAS_BIAS, BLOCK_T, BLOCK_N, BLOCK_K, SPLIT_K, DOT_PRECISION, PDL,
-                        W_EARLY)
+                        HAS_BIAS, BLOCK_T, BLOCK_N, BLOCK_K, SPLIT_K, DOT_PRECISION, PDL)
 
 
     @triton.jit
@@ -426,8 +407,7 @@ def skinny_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     args = (x, w, bias if bias is not None else w, y, part, cnt, T, N, K, k_chunk,
             x.stride(0), x.stride(1), *w.stride(), y.stride(0), y.stride(1))
     meta = dict(HAS_BIAS=bias is not None, BLOCK_T=block_t, SPLIT_K=split,
-                DOT_PRECISION=precision, W_EARLY=SKINNY_EARLY and k_chunk <= cfg["BLOCK_K"],
-                **cfg)
+                DOT_PRECISION=precision, **cfg)
     return (blocks, split, G), args, meta
 
 
