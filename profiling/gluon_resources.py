@@ -186,7 +186,6 @@ def resources(cc) -> dict:
                 tma_loads=ptx.count("cp.async.bulk.tensor"),
                 gdc_waits=ptx.count("griddepcontrol.wait"),
                 gdc_launches=ptx.count("griddepcontrol.launch_dependents"),
-                mma_sync=ptx.count("mma.sync.aligned"),
                 tensordesc_meta=getattr(cc.metadata, "tensordesc_meta", None),
                 num_warps=cc.metadata.num_warps)
 
